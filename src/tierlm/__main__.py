@@ -1,0 +1,3 @@
+from tierlm.cli import main
+
+raise SystemExit(main())

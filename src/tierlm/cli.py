@@ -1,0 +1,125 @@
+"""Command line: `tierlm train | print-config | export`.
+
+The flags are generated from the config dataclasses (`--optim.lr`, `--data.seq_len`, ...; help text
+from the field docstrings); the seed-compatible flags (`--model-size`, `--lr`, ...) are aliases onto
+the same fields. Precedence: defaults < `--config FILE` < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tierlm.config import (
+    SEED_FLAGS,
+    Config,
+    ConfigError,
+    check_supported,
+    leaf_fields,
+    resolve,
+    to_dict,
+)
+
+_ALIAS_FOR = {dotted: flag for flag, dotted in SEED_FLAGS.items()}
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML file with config sections")
+    seed = p.add_argument_group("common flags")
+    full = p.add_argument_group("all config fields (section.key)")
+    for dotted, _tp, default, doc in leaf_fields():
+        shown = "empty" if default is None else default
+        help_text = f"{doc} [default: {shown}]"
+        names = [f"--{dotted}"]
+        if dotted in _ALIAS_FOR:
+            seed.add_argument(
+                _ALIAS_FOR[dotted], dest=dotted, default=argparse.SUPPRESS, metavar="V",
+                help=help_text,
+            )
+        full.add_argument(*names, dest=dotted, default=argparse.SUPPRESS, metavar="V",
+                          help=argparse.SUPPRESS if dotted in _ALIAS_FOR else help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierlm",
+        description="Full-parameter LLM training over GPU memory, host RAM and disk.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a model", description="Train a model.")
+    _add_config_flags(train)
+    show = sub.add_parser("print-config", help="print the resolved config as YAML")
+    _add_config_flags(show)
+    export = sub.add_parser(
+        "export", help="export a checkpoint as a Hugging Face model directory"
+    )
+    export.add_argument("checkpoint", help="a checkpoint directory, or a run directory "
+                        "(its newest valid checkpoint is used)")
+    export.add_argument("out_dir", help="directory to write the Hugging Face model into")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items() if "." in k and not k.startswith("_")
+    }
+    config_file = args.config
+    resume = overrides.get("run.resume")
+    if resume and config_file is None:
+        # A resumed run continues with the config it was started with; flags given now
+        # (for example a larger --max-steps) override it.
+        saved = Path(resume) / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {resume}: no config.yaml there; is it a run directory?")
+        config_file = str(saved)
+    if resume:
+        overrides["run.out"] = resume
+    return resolve(config_file, overrides)
+
+
+def _export(checkpoint: str, out_dir: str) -> Path:
+    from tierlm.data import load_model_tokenizer
+    from tierlm.models import build_model, export_hf
+    from tierlm.train.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from transformers import AutoConfig
+
+    path = Path(checkpoint)
+    if (path / "checkpoints").is_dir():
+        path = latest_valid_checkpoint(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"export: {path} is not a tierlm checkpoint (no config.json)")
+    model = build_model(AutoConfig.from_pretrained(str(path)), device="cpu")
+    load_checkpoint(path, model=model, optimizer=None)
+    return export_hf(model, load_model_tokenizer(path), out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tierlm.data import DataError
+    from tierlm.models import ModelLoadError
+    from tierlm.train.checkpoint import CheckpointError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            out = _export(args.checkpoint, args.out_dir)
+            print(f"exported to {out}")
+            return 0
+        cfg = config_from_args(args)
+        if args.command == "print-config":
+            sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            return 0
+        check_supported(cfg)
+        from tierlm.train import run_training
+
+        run_training(cfg)
+        return 0
+    except (ConfigError, DataError, ModelLoadError, CheckpointError) as exc:
+        print(f"tierlm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

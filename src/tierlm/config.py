@@ -1,0 +1,427 @@
+"""Typed run configuration: keyword-only dataclasses, YAML files, dotted overrides.
+
+Every field carries a docstring (the string literal under it); the CLI's help text is read from
+those docstrings, so the documentation and the parser cannot drift apart. Resolution order:
+field defaults < YAML file (``--config``) < command-line flags.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+MODEL_SIZES = ("tiny", "small", "125m", "350m", "1b", "3b", "7b", "13b")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names the key and what is allowed."""
+
+
+class NotSupportedYet(ConfigError):
+    """The flag names a feature that tierlm does not implement yet."""
+
+    def __init__(self, flag: str, why: str) -> None:
+        super().__init__(f"not supported yet: {flag} ({why})")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    size: Literal["tiny", "small", "125m", "350m", "1b", "3b", "7b", "13b"] = "small"
+    """Llama-architecture size preset, used when no `path` is given (--model-size)."""
+    path: str | None = None
+    """Local Hugging Face checkpoint directory (config.json + safetensors + tokenizer) to
+    continue training from; Llama, Qwen2/Qwen3, Mistral and GPT-2 families (--model)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train: str | None = None
+    """Training text: a .txt file, a directory of .txt/.jsonl files, or a .jsonl file; empty means
+    the built-in Shakespeare corpus (--data)."""
+    eval: str | None = None
+    """Held-out text in the same formats; empty means the corpus's held-out plays, or the last
+    `eval_fraction` of the training documents for user data (--eval-data)."""
+    text_field: str = "text"
+    """Field of each .jsonl record that holds the text."""
+    seq_len: int = 256
+    """Tokens per training sequence (--seq-len)."""
+    vocab_size: int = 8192
+    """Vocabulary size of the byte-level BPE tokenizer trained when the model brings none."""
+    eval_fraction: float = 0.05
+    """Share of user documents held out for evaluation when no `eval` data is given."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: Literal["AdamW", "Lion", "Adafactor"] = "AdamW"
+    """Optimizer (--opt)."""
+    lr: float = 1e-3
+    """Peak learning rate after warm-up (--lr)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices; norms, biases and embeddings get none."""
+    beta1: float = 0.9
+    """First-moment decay."""
+    beta2: float = 0.95
+    """Second-moment decay."""
+    eps: float = 1e-8
+    """Denominator epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to run (--max-steps)."""
+    batch_size: int = 8
+    """Sequences per micro-batch (--batch-size)."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (--grad-accum-steps)."""
+    eval_every: int = 50
+    """Evaluate held-out perplexity every N steps (also at step 0 and at the end); 0: only
+    at step 0 and at the end (--eval-every)."""
+    eval_batches: int = 8
+    """Held-out batches (of `batch_size` sequences) per evaluation."""
+    save_every: int = 0
+    """Write a checkpoint every N steps (and always at the end); 0: only at the end
+    (--save-every)."""
+    sample_tokens: int = 48
+    """Tokens generated for the sample printed at the end; 0 disables it."""
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    mode: Literal["auto", "fp32", "bf16", "fp8"] = "fp32"
+    """Compute precision: fp32, or bf16 autocast with fp32 master weights (--precision)."""
+
+
+@dataclass(kw_only=True)
+class ActivationConfig:
+    policy: Literal["none", "full", "selective", "dynamic"] = "none"
+    """Activation checkpointing: none keeps every activation, full recomputes each decoder
+    block in the backward (--grad-checkpointing)."""
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    offload_policy: Literal["none", "auto", "tiered", "host", "disk"] = "none"
+    """Where model state lives: none keeps everything on the device (--offload-policy)."""
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    sparse_grad_ratio: float | None = None
+    """Fraction of each gradient sent by top-k gradient sync (--sparse-grad-ratio)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    out: str | None = None
+    """Run directory; empty means runs/<model>-<date>-<time> (--out)."""
+    resume: str | None = None
+    """Run directory whose newest checkpoint to continue from (--resume)."""
+    seed: int = 0
+    """Seed for weights, data order and sampling (--seed)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on; auto takes CUDA when present (--device)."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and packing."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop length, batching, evaluation and checkpoints."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Numeric precision."""
+    activations: ActivationConfig = field(default_factory=ActivationConfig)
+    """Activation memory."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """Tiered placement of model state."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process training."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run directory, resume, seed and device."""
+
+
+# Seed-compatible flags: first-class aliases onto config fields (not a second parser).
+SEED_FLAGS: dict[str, str] = {
+    "--model-size": "model.size",
+    "--model": "model.path",
+    "--precision": "precision.mode",
+    "--grad-checkpointing": "activations.policy",
+    "--offload-policy": "memory.offload_policy",
+    "--opt": "optim.name",
+    "--batch-size": "train.batch_size",
+    "--grad-accum-steps": "train.grad_accum_steps",
+    "--sparse-grad-ratio": "distributed.sparse_grad_ratio",
+    "--lr": "optim.lr",
+    "--max-steps": "train.max_steps",
+    "--seq-len": "data.seq_len",
+    "--data": "data.train",
+    "--eval-data": "data.eval",
+    "--out": "run.out",
+    "--resume": "run.resume",
+    "--seed": "run.seed",
+    "--save-every": "train.save_every",
+    "--eval-every": "train.eval_every",
+    "--device": "run.device",
+}
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right under each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def leaf_fields() -> list[tuple[str, Any, Any, str]]:
+    """(dotted key, type, default, doc) for every leaf field of `Config`."""
+    out = []
+    top_hints = _hints(Config)
+    for section in dataclasses.fields(Config):
+        cls = top_hints[section.name]
+        hints = _hints(cls)
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append((f"{section.name}.{f.name}", hints[f.name], default, docs.get(f.name, "")))
+    return out
+
+
+def describe_type(tp: Any) -> str:
+    """How a field's allowed values read in an error message."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        parts = [describe_type(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + " (or empty)"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, str(tp)
+    )
+
+
+def coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML or command-line value to the field's type, or raise naming the key."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}: got {value!r}, expected {describe_type(tp)}")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        for arg in args:
+            try:
+                return coerce(key, value, arg)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        raise bad
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    raise bad
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def from_dict(data: dict[str, Any], *, origin: str = "config") -> Config:
+    """Build a Config from a nested mapping, rejecting unknown keys and bad values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections, got {type(data).__name__}")
+    top_hints = _hints(Config)
+    sections = {}
+    for name, value in data.items():
+        if name not in top_hints:
+            raise ConfigError(
+                f"{origin}: unknown section {name!r}{_nearest(str(name), list(top_hints))}; "
+                f"allowed: {', '.join(top_hints)}"
+            )
+        cls = top_hints[name]
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin}: section {name!r} must be a mapping of keys to values")
+        hints = _hints(cls)
+        kwargs = {}
+        for key, raw in value.items():
+            if key not in hints:
+                raise ConfigError(
+                    f"{origin}: unknown key {name}.{key}{_nearest(str(key), list(hints))}; "
+                    f"allowed in {name}: {', '.join(hints)}"
+                )
+            kwargs[key] = coerce(f"{name}.{key}", raw, hints[key])
+        sections[name] = cls(**kwargs)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {p}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {p}: expected a mapping of sections at the top level")
+    return data
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    if not name:
+        raise ConfigError(f"override {key!r}: expected section.key")
+    node = data.setdefault(section, {})
+    if not isinstance(node, dict):
+        raise ConfigError(f"override {key!r}: section {section!r} is not a mapping")
+    node[name] = value
+
+
+def resolve(config_file: str | None, overrides: dict[str, Any]) -> Config:
+    """Defaults < YAML file < dotted overrides (from flags)."""
+    data = load_yaml(config_file) if config_file else {}
+    for key, value in overrides.items():
+        set_dotted(data, key, value)
+    return from_dict(data, origin=str(config_file) if config_file else "config")
+
+
+def _positive(key: str, value: float, flag: str | None = None) -> None:
+    if value <= 0:
+        name = flag or key
+        raise ConfigError(f"{name}: must be > 0, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    """Value checks and combinations that cannot work; each error names the flag to change."""
+    _positive("data.seq_len", cfg.data.seq_len, "--seq-len")
+    _positive("train.batch_size", cfg.train.batch_size, "--batch-size")
+    _positive("train.grad_accum_steps", cfg.train.grad_accum_steps, "--grad-accum-steps")
+    _positive("train.max_steps", cfg.train.max_steps, "--max-steps")
+    _positive("train.eval_batches", cfg.train.eval_batches)
+    _positive("optim.lr", cfg.optim.lr, "--lr")
+    if cfg.data.vocab_size < 260:
+        raise ConfigError("data.vocab_size: must be >= 260 (256 bytes + special tokens)")
+    if not 0 < cfg.data.eval_fraction < 1:
+        raise ConfigError("data.eval_fraction: must be between 0 and 1")
+    for key, value in (
+        ("train.eval_every", cfg.train.eval_every),
+        ("train.save_every", cfg.train.save_every),
+        ("train.sample_tokens", cfg.train.sample_tokens),
+        ("optim.warmup_steps", cfg.optim.warmup_steps),
+        ("optim.weight_decay", cfg.optim.weight_decay),
+        ("optim.grad_clip", cfg.optim.grad_clip),
+    ):
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio: must be between 0 and 1")
+    for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
+    ratio = cfg.distributed.sparse_grad_ratio
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ConfigError(f"--sparse-grad-ratio: must be in (0, 1], got {ratio}")
+
+
+def check_supported(cfg: Config) -> None:
+    """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
+    if cfg.precision.mode in ("fp8", "auto"):
+        raise NotSupportedYet(f"--precision {cfg.precision.mode}", "use fp32 or bf16")
+    if cfg.activations.policy in ("selective", "dynamic"):
+        raise NotSupportedYet(
+            f"--grad-checkpointing {cfg.activations.policy}", "use none or full"
+        )
+    if cfg.memory.offload_policy != "none":
+        raise NotSupportedYet(
+            f"--offload-policy {cfg.memory.offload_policy}",
+            "the tiered runtime is not built yet; use none",
+        )
+    if cfg.optim.name == "Lion":
+        raise NotSupportedYet("--opt Lion", "use AdamW or Adafactor")
+    if cfg.distributed.sparse_grad_ratio is not None:
+        raise NotSupportedYet(
+            "--sparse-grad-ratio", "top-k gradient sync needs the distributed runtime"
+        )

@@ -1,0 +1,157 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tierlm.cli import build_parser, config_from_args, main
+from tierlm.config import (
+    SEED_FLAGS,
+    Config,
+    ConfigError,
+    NotSupportedYet,
+    check_supported,
+    field_docs,
+    from_dict,
+    leaf_fields,
+    resolve,
+)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def parse(*argv: str) -> Config:
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = resolve(str(path), {})
+    assert isinstance(cfg, Config)
+
+
+def test_configs_dir_not_empty():
+    assert len(CONFIGS) >= 3
+
+
+def test_every_field_has_a_docstring():
+    for dotted, _tp, _default, doc in leaf_fields():
+        assert doc, f"{dotted} has no docstring"
+    assert field_docs(Config)["optim"]
+
+
+def test_typo_key_names_the_key(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("optim:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"optim\.lrr.*did you mean 'lr'"):
+        resolve(str(f), {})
+
+
+def test_typo_section_names_the_section():
+    with pytest.raises(ConfigError, match="unknown section 'optimm'"):
+        from_dict({"optimm": {"lr": 1.0}})
+
+
+def test_typo_flag_is_rejected_by_parser(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--optim.lrr", "1"])
+    assert "--optim.lrr" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"train": {"batch_size": "eight"}}, r"train\.batch_size: got 'eight', expected an integer"),
+        ({"precision": {"mode": "fp16"}}, r"precision\.mode.*one of 'auto', 'fp32'"),
+        ({"train": {"batch_size": 0}}, r"--batch-size: must be > 0"),
+        ({"optim": {"lr": -1}}, r"--lr: must be > 0"),
+        ({"optim": {"beta2": 1.0}}, r"optim\.beta2"),
+        ({"train": {"max_steps": True}}, r"train\.max_steps"),
+        ({"data": {"seq_len": 1.5}}, r"data\.seq_len"),
+    ],
+)
+def test_bad_values_say_what_is_allowed(data, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(data)
+
+
+EXAMPLE_VALUES = {
+    "--model-size": "tiny",
+    "--model": "/some/model",
+    "--precision": "bf16",
+    "--grad-checkpointing": "full",
+    "--offload-policy": "host",
+    "--opt": "Adafactor",
+    "--batch-size": "3",
+    "--grad-accum-steps": "5",
+    "--sparse-grad-ratio": "0.05",
+    "--lr": "0.0003",
+    "--max-steps": "7",
+    "--seq-len": "99",
+    "--data": "corpus.txt",
+    "--eval-data": "held.txt",
+    "--out": "runs/x",
+    "--seed": "11",
+    "--save-every": "4",
+    "--eval-every": "6",
+    "--device": "cpu",
+}
+
+
+@pytest.mark.parametrize("flag", sorted(SEED_FLAGS))
+def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
+    dotted = SEED_FLAGS[flag]
+    if flag == "--resume":
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 3}}))
+        cfg = parse(flag, str(run))
+        assert cfg.run.resume == str(run) and cfg.run.out == str(run)
+        assert cfg.train.max_steps == 3  # the saved config is the base of a resumed run
+        return
+    cfg = parse(flag, EXAMPLE_VALUES[flag])
+    section, key = dotted.split(".")
+    value = getattr(getattr(cfg, section), key)
+    default = getattr(getattr(Config(), section), key)
+    assert value != default
+    assert str(value) == EXAMPLE_VALUES[flag] or value == float(EXAMPLE_VALUES[flag])
+
+
+def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("optim:\n  lr: 0.5\ntrain:\n  max_steps: 9\n")
+    cfg = parse("--config", str(f), "--lr", "0.25", "--train.batch_size", "2")
+    assert cfg.optim.lr == 0.25 and cfg.train.max_steps == 9 and cfg.train.batch_size == 2
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--precision", "fp8"], "--precision fp8"),
+        (["--precision", "auto"], "--precision auto"),
+        (["--grad-checkpointing", "dynamic"], "--grad-checkpointing dynamic"),
+        (["--grad-checkpointing", "selective"], "--grad-checkpointing selective"),
+        (["--offload-policy", "disk"], "--offload-policy disk"),
+        (["--opt", "Lion"], "--opt Lion"),
+        (["--sparse-grad-ratio", "0.1"], "--sparse-grad-ratio"),
+    ],
+)
+def test_unbuilt_features_fail_loudly(argv, flag, capsys):
+    with pytest.raises(NotSupportedYet, match=f"not supported yet: {flag}"):
+        check_supported(parse(*argv))
+    assert main(["train", *argv, "--max-steps", "1"]) == 2
+    assert f"not supported yet: {flag}" in capsys.readouterr().err
+
+
+def test_print_config_shows_resolved_values(capsys):
+    assert main(["print-config", "--model-size", "tiny", "--optim.lr", "0.01"]) == 0
+    out = yaml.safe_load(capsys.readouterr().out)
+    assert out["model"]["size"] == "tiny" and out["optim"]["lr"] == 0.01
+
+
+def test_help_lists_seed_flags_with_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in SEED_FLAGS:
+        assert flag in text
+    assert "Peak learning rate" in text
