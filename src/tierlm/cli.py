@@ -82,10 +82,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _export(checkpoint: str, out_dir: str) -> Path:
+    from transformers import AutoConfig
+
     from tierlm.data import load_model_tokenizer
     from tierlm.models import build_model, export_hf
     from tierlm.train.checkpoint import latest_valid_checkpoint, load_checkpoint
-    from transformers import AutoConfig
 
     path = Path(checkpoint)
     if (path / "checkpoints").is_dir():

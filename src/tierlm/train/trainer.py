@@ -121,9 +121,11 @@ class Trainer:
         check_token_ids(train_ids, vocab, "training data")
         check_token_ids(eval_ids, vocab, "held-out data")
         if cfg.activations.policy == "full":
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model.train()
         self.n_params = count_params(self.model)
 

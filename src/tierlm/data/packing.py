@@ -1,0 +1,115 @@
+"""Fixed-length training sequences from a token stream, and deterministic, resumable batches."""
+
+from __future__ import annotations
+
+import torch
+
+from tierlm.data.corpus import DataError
+
+# Keeps one seed's epoch seeds clear of the next seed's (for runs under a million epochs).
+_EPOCH_SEED_STRIDE = 1_000_003
+
+
+class PackedSequences:
+    """Fixed-length training sequences cut from one flat token stream.
+
+    Row i holds tokens[i*seq_len : i*seq_len + seq_len + 1]: inputs are [:-1], targets [1:], so
+    consecutive rows share one token and every token is a target exactly once.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, source: str) -> None:
+        if tokens.dim() != 1:
+            raise DataError(
+                f"{source}: expected a flat token stream, got shape {tuple(tokens.shape)}"
+            )
+        if seq_len < 1:
+            raise DataError(f"seq_len must be at least 1, got {seq_len}; check --seq-len")
+        rows = (tokens.numel() - 1) // seq_len
+        if rows <= 0:
+            raise DataError(
+                f"corpus {source} has {tokens.numel()} tokens, shorter than one sequence of "
+                f"seq_len+1 = {seq_len + 1}; use a smaller --seq-len or more data"
+            )
+        self.seq_len = seq_len
+        self.source = source
+        # A strided view (no copy): row i starts at token i*seq_len and spans seq_len+1 tokens.
+        self._rows = tokens.to(torch.int64).unfold(0, seq_len + 1, seq_len)  # (rows, seq_len+1)
+
+    def __len__(self) -> int:
+        return self._rows.shape[0]
+
+    def get(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` as a new (B, seq_len+1) int64 tensor."""
+        return self._rows[idx]
+
+
+class BatchSampler:
+    """Deterministic shuffled batches with a resumable position.
+
+    Epoch e visits rows in `torch.randperm` order seeded from (seed, e), so any position can be
+    rebuilt from {"epoch", "index"} alone; the last partial batch of each epoch is dropped.
+    """
+
+    def __init__(self, data: PackedSequences, batch_size: int, seed: int) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch size must be at least 1, got {batch_size}; check --batch-size")
+        if len(data) < batch_size:
+            raise DataError(
+                f"corpus {data.source} holds only {len(data)} sequences of {data.seq_len} tokens, "
+                f"fewer than one batch of {batch_size}; lower --batch-size or --seq-len"
+            )
+        self._data = data
+        self._batch_size = batch_size
+        self._seed = seed
+        self._batches_per_epoch = len(data) // batch_size
+        self._epoch = 0
+        self._index = 0  # batches already drawn in the current epoch
+        self._order = self._epoch_order(0)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch the next batch comes from (= completed epochs)."""
+        return self._epoch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._batches_per_epoch
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self._seed * _EPOCH_SEED_STRIDE + epoch)
+        return torch.randperm(len(self._data), generator=generator)
+
+    def next_batch(self) -> torch.Tensor:
+        """The next (batch_size, seq_len+1) int64 batch; rolls over into the next epoch."""
+        start = self._index * self._batch_size
+        batch = self._data.get(self._order[start : start + self._batch_size])
+        self._index += 1
+        if self._index == self._batches_per_epoch:
+            self._epoch += 1
+            self._index = 0
+            self._order = self._epoch_order(self._epoch)
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "index": self._index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self._batches_per_epoch:
+            raise DataError(
+                f"sampler state {state} does not fit corpus {self._data.source} "
+                f"({self._batches_per_epoch} batches per epoch); resume with the data, "
+                "--batch-size and --seq-len the checkpoint was made with"
+            )
+        self._epoch, self._index = epoch, index
+        self._order = self._epoch_order(epoch)
+
+
+def eval_batches(data: PackedSequences, batch_size: int, max_batches: int) -> list[torch.Tensor]:
+    """The first `max_batches` full batches in row order; one short batch if fewer rows exist."""
+    if batch_size < 1:
+        raise DataError(f"eval batch size must be at least 1, got {batch_size}")
+    if len(data) < batch_size:
+        return [data.get(torch.arange(len(data)))] if max_batches > 0 else []
+    n_batches = min(max_batches, len(data) // batch_size)
+    return [data.get(torch.arange(i * batch_size, (i + 1) * batch_size)) for i in range(n_batches)]
