@@ -60,7 +60,7 @@ def test_typo_flag_is_rejected_by_parser(capsys):
 @pytest.mark.parametrize(
     "data, match",
     [
-        ({"train": {"batch_size": "eight"}}, r"train\.batch_size: got 'eight', expected an integer"),
+        ({"train": {"batch_size": "eight"}}, r"train\.batch_size: got 'eight', expected an int"),
         ({"precision": {"mode": "fp16"}}, r"precision\.mode.*one of 'auto', 'fp32'"),
         ({"train": {"batch_size": 0}}, r"--batch-size: must be > 0"),
         ({"optim": {"lr": -1}}, r"--lr: must be > 0"),
