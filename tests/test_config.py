@@ -94,6 +94,15 @@ EXAMPLE_VALUES = {
     "--save-every": "4",
     "--eval-every": "6",
     "--device": "cpu",
+    "--microbatch-order": "layer-outer",
+    "--resident": "embed|head",
+    "--device-budget": "8GiB",
+    "--host-budget": "1.5GiB",
+    "--offload-dir": "/tmp/off",
+}
+# Flags of the tiered runtime only make sense with an offload policy.
+NEEDS_OFFLOAD = {
+    "--microbatch-order", "--resident", "--device-budget", "--host-budget", "--offload-dir"
 }
 
 
@@ -108,7 +117,8 @@ def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
         assert cfg.run.resume == str(run) and cfg.run.out == str(run)
         assert cfg.train.max_steps == 3  # the saved config is the base of a resumed run
         return
-    cfg = parse(flag, EXAMPLE_VALUES[flag])
+    extra = ["--offload-policy", "host"] if flag in NEEDS_OFFLOAD else []
+    cfg = parse(flag, EXAMPLE_VALUES[flag], *extra)
     section, key = dotted.split(".")
     value = getattr(getattr(cfg, section), key)
     default = getattr(getattr(Config(), section), key)
@@ -130,7 +140,8 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
         (["--precision", "auto"], "--precision auto"),
         (["--grad-checkpointing", "dynamic"], "--grad-checkpointing dynamic"),
         (["--grad-checkpointing", "selective"], "--grad-checkpointing selective"),
-        (["--offload-policy", "disk"], "--offload-policy disk"),
+        (["--offload-policy", "auto"], "--offload-policy auto"),
+        (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
         (["--opt", "Lion"], "--opt Lion"),
         (["--sparse-grad-ratio", "0.1"], "--sparse-grad-ratio"),
     ],
@@ -155,3 +166,25 @@ def test_help_lists_seed_flags_with_docs(capsys):
     for flag in SEED_FLAGS:
         assert flag in text
     assert "Peak learning rate" in text
+
+
+@pytest.mark.parametrize("flag", sorted(NEEDS_OFFLOAD))
+def test_runtime_flags_without_offload_policy_name_the_flag_to_add(flag):
+    with pytest.raises(ConfigError, match=f"{flag}.*--offload-policy"):
+        parse(flag, EXAMPLE_VALUES[flag])
+
+
+@pytest.mark.parametrize(
+    "text, nbytes",
+    [("8GiB", 8 * 2**30), ("1.5GiB", 3 * 2**29), ("512MiB", 2**29), ("2GB", 2 * 10**9),
+     ("4096", 4096)],
+)
+def test_byte_sizes_parse(text, nbytes):
+    from tierlm.config import parse_bytes
+
+    assert parse_bytes(text) == nbytes
+
+
+def test_bad_byte_size_names_the_flag():
+    with pytest.raises(ConfigError, match="--host-budget: '12 potatoes' is not a size"):
+        parse("--offload-policy", "host", "--host-budget", "12 potatoes")

@@ -77,15 +77,16 @@ def test_non_finite_gradient_skips_the_step_bitwise(tmp_path):
     t = Trainer(tiny_cfg(tmp_path, max_steps=3), log=quiet)
     t.train_step()
     before = state_of(t.model)
-    opt_before = {k: v.clone() for k, v in t.optimizer.state[t.params[0]].items()}
-    victim = t.params[0]
+    ref = t.stepper
+    opt_before = {k: v.clone() for k, v in ref.optimizer.state[ref.params[0]].items()}
+    victim = ref.params[0]
     handle = victim.register_hook(lambda g: torch.full_like(g, float("inf")))
     rec = t.train_step()
     handle.remove()
     assert rec["skipped"] and t.skipped_steps == 1
     after = state_of(t.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    for k, v in t.optimizer.state[victim].items():
+    for k, v in ref.optimizer.state[victim].items():
         assert torch.equal(v, opt_before[k])
     assert not t.train_step()["skipped"]
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from tierlm.config import (
@@ -86,7 +87,11 @@ def _export(checkpoint: str, out_dir: str) -> Path:
 
     from tierlm.data import load_model_tokenizer
     from tierlm.models import build_model, export_hf
-    from tierlm.train.checkpoint import latest_valid_checkpoint, load_checkpoint
+    from tierlm.train.checkpoint import (
+        check_weight_names,
+        latest_valid_checkpoint,
+        load_checkpoint,
+    )
 
     path = Path(checkpoint)
     if (path / "checkpoints").is_dir():
@@ -94,7 +99,12 @@ def _export(checkpoint: str, out_dir: str) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"export: {path} is not a tierlm checkpoint (no config.json)")
     model = build_model(AutoConfig.from_pretrained(str(path)), device="cpu")
-    load_checkpoint(path, model=model, optimizer=None)
+    weights, _, _ = load_checkpoint(path)
+    params = dict(model.named_parameters())
+    check_weight_names(set(params), weights, path)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
     return export_hf(model, load_model_tokenizer(path), out_dir)
 
 

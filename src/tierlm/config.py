@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -119,7 +120,25 @@ class ActivationConfig:
 @dataclass(kw_only=True)
 class MemoryConfig:
     offload_policy: Literal["none", "auto", "tiered", "host", "disk"] = "none"
-    """Where model state lives: none keeps everything on the device (--offload-policy)."""
+    """Where model state lives: none keeps everything on the device (the plain reference
+    trainer); host keeps master weights, gradients and AdamW state in RAM and streams weights to
+    the device; disk keeps them in files under offload_dir; tiered fills the device, then RAM,
+    then disk within the budgets (--offload-policy)."""
+    microbatch_order: Literal["microbatch-outer", "layer-outer"] = "microbatch-outer"
+    """Tiered runtime: microbatch-outer streams all weights for every micro-batch; layer-outer
+    runs each segment for all micro-batches while its weights are on the device
+    (--microbatch-order)."""
+    resident: str | None = None
+    """Regex of segment names (embed, block.N, head) whose weights stay on the device, e.g.
+    'embed|head|block.3[01]' (--resident)."""
+    device_budget: str | None = None
+    """Device memory the runtime may use for model state and boundary activations, e.g. 8GiB;
+    empty: no limit (--device-budget)."""
+    host_budget: str | None = None
+    """Host RAM the runtime may use for model state and staging, e.g. 48GiB; empty: no limit
+    (--host-budget)."""
+    offload_dir: str | None = None
+    """Directory for the disk tier's files; empty: RUN_DIR/offload (--offload-dir)."""
 
 
 @dataclass(kw_only=True)
@@ -184,7 +203,27 @@ SEED_FLAGS: dict[str, str] = {
     "--save-every": "train.save_every",
     "--eval-every": "train.eval_every",
     "--device": "run.device",
+    "--microbatch-order": "memory.microbatch_order",
+    "--resident": "memory.resident",
+    "--device-budget": "memory.device_budget",
+    "--host-budget": "memory.host_budget",
+    "--offload-dir": "memory.offload_dir",
 }
+
+_BYTE_UNITS = {
+    "": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+    "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str, key: str = "size") -> int:
+    """'1.5GiB' -> 1610612736. Decimal (GB) and binary (GiB) units; a bare number is bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _BYTE_UNITS:
+        raise ConfigError(f"{key}: {text!r} is not a size; write e.g. 8GiB, 512MiB or 2GB")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
 @cache
@@ -401,6 +440,34 @@ def validate(cfg: Config) -> None:
     for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
         if not 0 <= beta < 1:
             raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
+    for key, flag in (("device_budget", "--device-budget"), ("host_budget", "--host-budget")):
+        value = getattr(cfg.memory, key)
+        if value is not None and parse_bytes(value, flag) <= 0:
+            raise ConfigError(f"{flag}: must be > 0, got {value}")
+    if cfg.memory.resident is not None:
+        try:
+            re.compile(cfg.memory.resident)
+        except re.error as exc:
+            raise ConfigError(
+                f"--resident: {cfg.memory.resident!r} is not a regex: {exc}"
+            ) from None
+    tiered = cfg.memory.offload_policy != "none"
+    if not tiered:
+        for flag, value in (
+            ("--resident", cfg.memory.resident),
+            ("--device-budget", cfg.memory.device_budget),
+            ("--host-budget", cfg.memory.host_budget),
+            ("--offload-dir", cfg.memory.offload_dir),
+        ):
+            if value is not None:
+                raise ConfigError(
+                    f"{flag} needs the tiered runtime; add --offload-policy tiered, host or disk"
+                )
+        if cfg.memory.microbatch_order != "microbatch-outer":
+            raise ConfigError(
+                "--microbatch-order layer-outer needs the tiered runtime; add "
+                "--offload-policy tiered, host or disk"
+            )
     ratio = cfg.distributed.sparse_grad_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError(f"--sparse-grad-ratio: must be in (0, 1], got {ratio}")
@@ -414,10 +481,15 @@ def check_supported(cfg: Config) -> None:
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy}", "use none or full"
         )
-    if cfg.memory.offload_policy != "none":
+    if cfg.memory.offload_policy == "auto":
         raise NotSupportedYet(
-            f"--offload-policy {cfg.memory.offload_policy}",
-            "the tiered runtime is not built yet; use none",
+            "--offload-policy auto", "the planner is not built yet; use tiered, host or disk"
+        )
+    tiered = cfg.memory.offload_policy != "none"
+    if tiered and cfg.optim.name != "AdamW":
+        raise NotSupportedYet(
+            f"--opt {cfg.optim.name} with --offload-policy {cfg.memory.offload_policy}",
+            "the tiered runtime has AdamW only; use --opt AdamW or --offload-policy none",
         )
     if cfg.optim.name == "Lion":
         raise NotSupportedYet("--opt Lion", "use AdamW or Adafactor")

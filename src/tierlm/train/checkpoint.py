@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -68,41 +68,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
-    for idx, state in sd["state"].items():
-        for name, value in state.items():
-            key = f"{idx}.{name}"
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value.detach().contiguous().cpu()
-            else:
-                scalars[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def _load_optimizer(opt: torch.optim.Optimizer, path: Path, meta: dict) -> None:
-    tensors = load_file(str(path))
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    for key, value in meta["scalars"].items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
 def save_checkpoint(
     run_dir: Path,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, torch.Tensor],
+    model_config: Any,
     tokenizer: Any,
     state: TrainState,
 ) -> Path:
-    """Write a complete checkpoint for `state.step` atomically and return its directory."""
+    """Write a complete checkpoint for `state.step` atomically and return its directory.
+
+    `weights` and `optimizer_state` are keyed by the model's parameter names (tied tensors
+    once), as both runtimes produce them, so either runtime can resume the other's checkpoint.
+    """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{state.step:08d}"
@@ -111,15 +90,17 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
 
-    save_model(model, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in optimizer_state.items()},
+        str(tmp / "optimizer.safetensors"),
+    )
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"cuda{i}"] = s
     save_file(rng, str(tmp / "rng.safetensors"))
-    model.config.to_json_file(str(tmp / "config.json"))
+    model_config.to_json_file(str(tmp / "config.json"))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     state_json = {
@@ -127,7 +108,6 @@ def save_checkpoint(
         "step": state.step,
         "sampler": state.sampler,
         "skipped_steps": state.skipped_steps,
-        "optimizer": opt_meta,
         "run_config": state.run_config,
     }
     (tmp / "state.json").write_text(json.dumps(state_json, indent=1), encoding="utf-8")
@@ -207,24 +187,28 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> dict[str, Any]:
-    """Load weights (and optimizer state, RNG) from a verified checkpoint; return state.json."""
+    path: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """Verify a checkpoint, restore the RNG, and return (weights, optimizer state, state.json)."""
     verify_checkpoint(path)
     state = read_state(path)
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {path}: weights do not fit this model "
-            f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}); "
-            "resume with the same --model/--model-size"
-        )
-    if optimizer is not None:
-        _load_optimizer(optimizer, path / "optimizer.safetensors", state["optimizer"])
+    weights = load_file(str(path / "model.safetensors"))
+    optim = load_file(str(path / "optimizer.safetensors"))
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     if torch.cuda.is_available():
         cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
-    return state
+    return weights, optim, state
+
+
+def check_weight_names(expected: set[str], weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint whose tensors are not this model's parameters."""
+    missing = sorted(expected - set(weights))
+    unexpected = sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path}: weights do not fit this model (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}); resume with the same --model/--model-size"
+        )

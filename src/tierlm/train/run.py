@@ -12,9 +12,10 @@ from tierlm.train.trainer import Trainer, TrainResult
 def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainResult:
     trainer = Trainer(cfg, log=log)
     result = trainer.train()
-    hf_dir = export_hf(trainer.model, trainer.tokenizer, trainer.run_dir / "hf")
+    hf_dir = export_hf(trainer.export_model(), trainer.tokenizer, trainer.run_dir / "hf")
     if cfg.train.sample_tokens:
         log("sample: " + trainer.sample(cfg.train.sample_tokens).replace("\n", "\n        "))
+    trainer.stepper.close()
     log(f"run directory: {result.run_dir}")
     log(f"checkpoint:    {result.final_checkpoint}")
     log(f"HF export:     {hf_dir}")

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
-from tierlm.config import Config, ConfigError, check_supported, to_dict
+from tierlm.config import Config, ConfigError, check_supported, parse_bytes, to_dict
 from tierlm.data import (
     BatchSampler,
     PackedSequences,
@@ -32,14 +31,15 @@ from tierlm.data import (
     load_or_train_tokenizer,
 )
 from tierlm.models import build_model, count_params, load_hf_model, preset_config
-from tierlm.optim import build_optimizer
 from tierlm.train.checkpoint import (
     TrainState,
+    check_weight_names,
     latest_valid_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from tierlm.train.monitor import MetricsLog, Progress
+from tierlm.train.reference import ReferenceStep
 from tierlm.train.schedule import lr_at
 
 
@@ -73,6 +73,45 @@ class TrainResult:
     eval_ppl: dict[int, float] = field(default_factory=dict)
     skipped_steps: int = 0
     final_checkpoint: Path | None = None
+
+
+def build_stepper(cfg: Config, model: torch.nn.Module, device: torch.device, run_dir: Path):
+    """The object that runs one optimizer step: the plain reference trainer, or the tiered
+    runtime when `--offload-policy` is not `none`. Both answer the same calls."""
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if cfg.precision.mode == "bf16"
+        else contextlib.nullcontext
+    )
+    if cfg.memory.offload_policy == "none":
+        model.to(device)
+        if cfg.activations.policy == "full":
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return ReferenceStep(
+            model, cfg.optim, grad_clip=cfg.optim.grad_clip, device=device, autocast=autocast
+        )
+    from tierlm.runtime import Engine, EngineOptions
+
+    mem = cfg.memory
+    options = EngineOptions(
+        policy=mem.offload_policy,
+        microbatch_order=mem.microbatch_order,
+        resident=mem.resident,
+        device_budget_bytes=parse_bytes(mem.device_budget) if mem.device_budget else None,
+        host_budget_bytes=parse_bytes(mem.host_budget) if mem.host_budget else None,
+        offload_dir=mem.offload_dir or str(run_dir / "offload"),
+        grad_clip=cfg.optim.grad_clip,
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.data.seq_len,
+        micro_batches=cfg.train.grad_accum_steps,
+        keep_resident_activations=cfg.activations.policy != "full",
+        autocast=autocast,
+    )
+    return Engine(model, cfg.optim, options, device=device)
 
 
 class Trainer:
@@ -110,45 +149,35 @@ class Trainer:
         train_ids = encode_documents(self.tokenizer, corpus.train)
         eval_ids = encode_documents(self.tokenizer, corpus.eval)
 
+        # Built on the CPU: the reference step moves it to the device, the tiered runtime
+        # moves its segments where the placement says.
         if cfg.model.path:
-            self.model = load_hf_model(cfg.model.path, device=self.device)
+            self.model = load_hf_model(cfg.model.path, device="cpu")
         else:
             model_cfg = preset_config(
                 cfg.model.size, vocab_size=len(self.tokenizer), max_seq_len=cfg.data.seq_len
             )
-            self.model = build_model(model_cfg, device=self.device, seed=cfg.run.seed)
+            self.model = build_model(model_cfg, device="cpu", seed=cfg.run.seed)
         vocab = self.model.config.vocab_size
         check_token_ids(train_ids, vocab, "training data")
         check_token_ids(eval_ids, vocab, "held-out data")
-        if cfg.activations.policy == "full":
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model.train()
         self.n_params = count_params(self.model)
+        self.param_names = {n for n, _ in self.model.named_parameters()}
 
         train_seqs = PackedSequences(train_ids, cfg.data.seq_len, "training data")
         eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
         self.sampler = BatchSampler(train_seqs, cfg.train.batch_size, cfg.run.seed)
         self.eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-
-        self.autocast = (
-            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16))
-            if cfg.precision.mode == "bf16"
-            else contextlib.nullcontext
-        )
-        self.clip_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        self.stepper = build_stepper(cfg, self.model, self.device, self.run_dir)
 
         self.step = 0
-        self.skipped_steps = 0
         if resume_ckpt is not None:
-            state = load_checkpoint(resume_ckpt, model=self.model, optimizer=self.optimizer)
+            weights, optim, state = load_checkpoint(resume_ckpt)
+            check_weight_names(self.param_names, weights, resume_ckpt)
+            self.stepper.load(weights, optim)
             self.step = state["step"]
-            self.skipped_steps = state["skipped_steps"]
+            self.stepper.skipped_steps = state["skipped_steps"]
             self.sampler.load_state_dict(state["sampler"])
             log(f"resumed from {resume_ckpt} at step {self.step}")
         self.metrics = MetricsLog(
@@ -159,75 +188,71 @@ class Trainer:
         log(
             f"model: {self.model.config.model_type}, {self.n_params / 1e6:.1f}M params, "
             f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
-            f"{cfg.data.seq_len} tokens; device {self.device}; run dir {self.run_dir}"
+            f"{cfg.data.seq_len} tokens; device {self.device}; "
+            f"offload policy {cfg.memory.offload_policy}; run dir {self.run_dir}"
         )
 
-    # -- pieces of the step -------------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        return self.stepper.skipped_steps
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T)
-        with self.autocast():
-            logits = self.model(input_ids=inputs).logits  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    # -- pieces of the step ----
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over `grad_accum_steps` micro-batches."""
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        accum = self.cfg.train.grad_accum_steps
-        loss_sum = torch.zeros((), device=self.device)
-        for _ in range(accum):
-            batch = self.sampler.next_batch().to(self.device, non_blocking=True)
-            loss = self._loss(batch)
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm).item()
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            self.skipped_steps += 1  # weights and optimizer state stay untouched
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        batches = [self.sampler.next_batch() for _ in range(self.cfg.train.grad_accum_steps)]
+        out = self.stepper.step(batches, lr)
         self.step += 1
         step_time_s = time.perf_counter() - t0
-        return {
+        rec = {
             "step": self.step,
-            "loss": loss_sum.item() / accum,
+            "loss": out["loss"],
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": out["grad_norm"],
             "tokens_per_s": self.tokens_per_step / step_time_s,
             "step_time_s": step_time_s,
-            "skipped": skipped,
+            "skipped": out["skipped"],
         }
+        ledger = getattr(self.stepper, "ledger", None)
+        if ledger is not None:
+            rec.update(ledger.snapshot())
+        return rec
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        self.model.eval()
         total_nll, total_tokens = 0.0, 0
         for batch in self.eval_set:
-            batch = batch.to(self.device)
             n = batch[:, 1:].numel()
-            total_nll += self._loss(batch).item() * n
+            total_nll += self.stepper.eval_loss(batch) * n
             total_tokens += n
-        self.model.train()
         eval_loss = total_nll / total_tokens
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)}
 
+    def export_model(self) -> torch.nn.Module:
+        """The model with the current weights (for export and sampling). The tiered runtime's
+        weights are copied into the module on the CPU; the reference model is used as is."""
+        if isinstance(self.stepper, ReferenceStep):
+            return self.model
+        weights = self.stepper.weights()
+        for name, p in self.model.named_parameters():
+            p.data = weights[name]
+        return self.model
+
     @torch.no_grad()
     def sample(self, max_new_tokens: int) -> str:
-        self.model.eval()
-        prompt = self.eval_set[0][:1, :16].to(self.device)
+        model = self.export_model()
+        device = next(model.parameters()).device
+        model.eval()
+        ids = self.eval_set[0][:1, :16].to(device)
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.run.seed)
-        ids = prompt
         for _ in range(max_new_tokens):  # top-k sampling; our own RNG keeps training RNG intact
-            logits = self.model(input_ids=ids[:, -self.cfg.data.seq_len :]).logits[0, -1].float()
+            logits = model(input_ids=ids[:, -self.cfg.data.seq_len :]).logits[0, -1].float()
             top = torch.topk(logits / 0.8, k=min(40, logits.numel()))
             probs = torch.softmax(top.values, dim=-1).cpu()
-            choice = top.indices[torch.multinomial(probs, 1, generator=gen).to(self.device)]
+            choice = top.indices[torch.multinomial(probs, 1, generator=gen).to(device)]
             ids = torch.cat([ids, choice.view(1, 1)], dim=1)
-        self.model.train()
+        model.train()
         return self.tokenizer.decode(ids[0].tolist())
 
     def save(self) -> Path:
@@ -239,13 +264,14 @@ class Trainer:
         )
         return save_checkpoint(
             self.run_dir,
-            model=self.model,
-            optimizer=self.optimizer,
+            weights=self.stepper.weights(),
+            optimizer_state=self.stepper.optimizer_state(),
+            model_config=self.model.config,
             tokenizer=self.tokenizer,
             state=state,
         )
 
-    # -- the loop -----------------------------------------------------------------------------
+    # -- the loop ----
 
     def train(self, until_step: int | None = None) -> TrainResult:
         """Train to `max_steps` (or stop early at `until_step`, leaving a checkpoint there)."""

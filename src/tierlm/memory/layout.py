@@ -1,0 +1,56 @@
+"""Flat buffers: a segment's parameters packed into one contiguous tensor per copy.
+
+Parameters that take weight decay come first, the rest after, so each optimizer group is one
+contiguous slice and a move is one large copy instead of hundreds of small ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str  # the parameter's qualified name in the model
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    decay: bool
+
+
+class FlatLayout:
+    def __init__(self, named_shapes: list[tuple[str, tuple[int, ...], bool]]) -> None:
+        """`named_shapes`: (name, shape, takes_weight_decay) in the segment's order."""
+        ordered = [e for e in named_shapes if e[2]] + [e for e in named_shapes if not e[2]]
+        slots, offset = [], 0
+        for name, shape, decay in ordered:
+            numel = 1
+            for d in shape:
+                numel *= d
+            slots.append(ParamSlot(name, tuple(shape), offset, numel, decay))
+            offset += numel
+        self.slots: list[ParamSlot] = slots
+        self.numel: int = offset
+        self.decay_numel: int = sum(s.numel for s in slots if s.decay)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name -> view of `flat` with the parameter's shape (autograd flows back into `flat`)."""
+        return {
+            s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots
+        }
+
+    def pack(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        for s in self.slots:
+            out.narrow(0, s.offset, s.numel).copy_(tensors[s.name].reshape(-1))
+        return out
+
+    def groups(self) -> list[tuple[int, int, bool]]:
+        """(start, length, takes_weight_decay) of the non-empty optimizer groups."""
+        out = []
+        if self.decay_numel:
+            out.append((0, self.decay_numel, True))
+        if self.numel - self.decay_numel:
+            out.append((self.decay_numel, self.numel - self.decay_numel, False))
+        return out

@@ -1,0 +1,174 @@
+"""Placement: which segments keep compute weights on the device, and which tier holds each
+segment's master weights, gradient and optimizer state.
+
+Until the planner exists, placement follows `--offload-policy` and the budgets:
+
+- `none`: everything on the device (the reference layout, through the runtime).
+- `host`: state in host RAM; compute weights streamed to the device, except `--resident` ones.
+- `disk`: state in files under `--offload-dir`; weights streamed from there.
+- `tiered`: fill the device (embed, head, then blocks from the last one backwards, as their
+  backward comes soonest), then host RAM, then disk.
+
+A placement that cannot fit its budgets is refused before training with the numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tierlm.memory.tiers import Tier
+
+# Bytes per parameter by tensor class in the fp32 runtime.
+COMPUTE_B = 4
+STATE_B = 16  # master 4 (which is also the compute copy on the device tier) + grad 4 + m 4 + v 4
+STREAM_SLOTS = 2  # the segment running and the one being prefetched
+
+
+class PlacementError(ValueError):
+    """The requested placement does not fit a budget; the message has the numbers."""
+
+
+@dataclass(frozen=True)
+class SegmentPlacement:
+    resident: bool  # compute weights stay on the device between uses
+    state_tier: Tier  # master weights, gradient and optimizer state
+
+
+def gib(nbytes: float) -> str:
+    """Human-readable bytes (GiB, MiB or KiB, whichever reads best)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    placements: list[SegmentPlacement]
+    device_bytes: int  # predicted managed peak: weights, grads, state, boundary activations
+    host_bytes: int
+    disk_bytes: int
+
+
+def _stream_bytes(numels: list[int], placements: list[SegmentPlacement]) -> int:
+    """Device bytes the streaming window needs: compute copies for the slots and one gradient."""
+    streamed = sorted(
+        (n for n, p in zip(numels, placements, strict=True) if not p.resident), reverse=True
+    )
+    if not streamed:
+        return 0
+    return sum(streamed[:STREAM_SLOTS]) * COMPUTE_B + streamed[0] * 4
+
+
+def _account(
+    numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0
+) -> PlacementReport:
+    device, host, disk = activation_bytes, 0, 0
+    for n, p in zip(numels, placements, strict=True):
+        if p.state_tier == Tier.DEVICE:
+            device += n * STATE_B
+        elif p.state_tier == Tier.HOST:
+            host += n * STATE_B
+            device += n * COMPUTE_B if p.resident else 0
+        else:
+            disk += n * (STATE_B - 4)  # master, m, v; the gradient file too (below)
+            disk += n * 4
+            device += n * COMPUTE_B if p.resident else 0
+    device += _stream_bytes(numels, placements)
+    disk_numels = [n for n, p in zip(numels, placements, strict=True) if p.state_tier == Tier.DISK]
+    if disk_numels:
+        # staging for one update (master, grad, m, v) and one streamed read
+        host += max(disk_numels) * (STATE_B + COMPUTE_B)
+    return PlacementReport(placements, device, host, disk)
+
+
+def place(
+    names: list[str],
+    numels: list[int],
+    *,
+    policy: str,
+    resident: str | None = None,
+    device_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    activation_bytes: int = 0,
+) -> PlacementReport:
+    """Choose a placement per segment and check it against the budgets.
+
+    `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
+    reserved before any weights are placed.
+    """
+    pattern = re.compile(resident) if resident else None
+
+    def pinned(name: str) -> bool:
+        return bool(pattern and pattern.fullmatch(name))
+
+    if policy == "none":
+        placements = [SegmentPlacement(True, Tier.DEVICE) for _ in names]
+    elif policy in ("host", "disk"):
+        tier = Tier.HOST if policy == "host" else Tier.DISK
+        placements = [SegmentPlacement(pinned(n), tier) for n in names]
+    elif policy == "tiered":
+        placements = _tiered(
+            names, numels, pinned, device_budget_bytes, host_budget_bytes, activation_bytes
+        )
+    else:
+        raise PlacementError(f"--offload-policy {policy}: unknown policy")
+    report = _account(numels, placements, activation_bytes)
+    _check(report, device_budget_bytes, host_budget_bytes, policy)
+    return report
+
+
+def _tiered(
+    names, numels, pinned, device_budget, host_budget, activation_bytes
+) -> list[SegmentPlacement]:
+    # Order of preference for the device: segments the user pinned, then embed and head (their
+    # reload is the costliest per use), then blocks from the last one back (backward reaches
+    # them first, so they are needed again soonest).
+    order = sorted(
+        range(len(names)),
+        key=lambda i: (
+            not pinned(names[i]),
+            names[i] not in ("embed", "head"),
+            -i,
+        ),
+    )
+    placements = [SegmentPlacement(False, Tier.HOST) for _ in names]
+    if device_budget is not None:
+        for i in order:
+            trial = list(placements)
+            trial[i] = SegmentPlacement(True, Tier.DEVICE)
+            if _account(numels, trial, activation_bytes).device_bytes <= device_budget:
+                placements = trial
+    else:
+        placements = [SegmentPlacement(True, Tier.DEVICE) for _ in names]
+    if host_budget is not None:
+        # Spill host-state segments to disk, earliest blocks first, until the host fits.
+        for i in range(len(names)):
+            if _account(numels, placements).host_bytes <= host_budget:
+                break
+            if placements[i].state_tier == Tier.HOST:
+                placements[i] = SegmentPlacement(False, Tier.DISK)
+    return placements
+
+
+def _check(report: PlacementReport, device_budget, host_budget, policy) -> None:
+    problems = []
+    if device_budget is not None and report.device_bytes > device_budget:
+        problems.append(
+            f"device needs {gib(report.device_bytes)} of model state but --device-budget is "
+            f"{gib(device_budget)}"
+        )
+    if host_budget is not None and report.host_bytes > host_budget:
+        problems.append(
+            f"host needs {gib(report.host_bytes)} but --host-budget is {gib(host_budget)}"
+        )
+    if problems:
+        hint = {
+            "none": "use --offload-policy tiered, host or disk",
+            "host": "raise the budget, or use --offload-policy disk or tiered",
+            "disk": "raise the budget, or pin fewer segments with --resident",
+            "tiered": "raise --device-budget/--host-budget or give more disk",
+        }[policy]
+        raise PlacementError(f"placement --offload-policy {policy} does not fit: "
+                             + "; ".join(problems) + f" ({hint})")

@@ -1,0 +1,127 @@
+"""The store: the one place that allocates managed tensors and moves them between tiers.
+
+Every allocation and move reports to the ledger. Host buffers are 4096-byte aligned (so the disk
+tier can use O_DIRECT on them) and pinned where CUDA exists; device copies run on a side stream
+with events on CUDA, so transfers overlap compute. On a CPU-only machine the device is the CPU
+itself: copies are plain memcpys, still accounted as H2D/D2H so the ledger shows what a GPU run
+would move.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from tierlm.memory.disk import DiskTier, aligned_empty
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.tiers import Link, TensorClass, Tier
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Store:
+    def __init__(
+        self,
+        device: torch.device,
+        ledger: Ledger | None = None,
+        offload_dir: str | Path | None = None,
+    ) -> None:
+        self.device = device
+        self.ledger = ledger or Ledger()
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._disk: DiskTier | None = None
+        self._offload_dir = Path(offload_dir) if offload_dir else None
+        self._disk_files: dict[str, int] = {}
+
+    # -- allocation ----
+
+    def alloc(
+        self, tier: Tier, cls: TensorClass, numel: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        if tier == Tier.DEVICE:
+            t = torch.empty(numel, dtype=dtype, device=self.device)
+        elif tier == Tier.HOST:
+            t = aligned_empty(numel, dtype)
+        else:
+            raise ValueError("disk space is allocated with write_file")
+        self.ledger.allocate(tier, cls, nbytes_of(t))
+        return t
+
+    def zeros(self, tier: Tier, cls: TensorClass, numel: int) -> torch.Tensor:
+        return self.alloc(tier, cls, numel).zero_()
+
+    def free(self, tier: Tier, cls: TensorClass, t: torch.Tensor) -> None:
+        self.ledger.release(tier, cls, nbytes_of(t))
+
+    # -- device <-> host --------------------------------------------------------------------------
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy host -> device. On CUDA the copy runs on the side stream and the returned event
+        must be waited on (`wait`) before compute reads `dst`."""
+        return self._copy(dst, src, Link.H2D)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        return self._copy(dst, src, Link.D2H)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link):
+        t0 = time.perf_counter()
+        if self.copy_stream is None:
+            dst.copy_(src)
+            self.ledger.record_move(link, nbytes_of(src), time.perf_counter() - t0)
+            return None
+        # The side stream must not start before compute finished writing `src` (D2H) or
+        # finished reading the previous contents of `dst` (H2D into a recycled buffer).
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        # Async copies are timed by the caller's wait; count the bytes now.
+        self.ledger.record_move(link, nbytes_of(src), 0.0)
+        return event
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    # -- disk ----
+
+    @property
+    def disk(self) -> DiskTier:
+        if self._disk is None:
+            if self._offload_dir is None:
+                raise ValueError("the disk tier needs --offload-dir")
+            self._disk = DiskTier(self._offload_dir)
+        return self._disk
+
+    def write_file(self, name: str, src: torch.Tensor, cls: TensorClass) -> Future[None]:
+        """Write `src` to the disk tier's file `name` (the first write allocates its bytes)."""
+        size = nbytes_of(src)
+        if name not in self._disk_files:
+            self.ledger.allocate(Tier.DISK, cls, size)
+            self._disk_files[name] = size
+        t0 = time.perf_counter()
+        fut = self.disk.write(name, src)
+        fut.add_done_callback(
+            lambda _f: self.ledger.record_move(Link.DISK_WRITE, size, time.perf_counter() - t0)
+        )
+        return fut
+
+    def read_file(self, name: str, dst: torch.Tensor) -> Future[None]:
+        size = nbytes_of(dst)
+        t0 = time.perf_counter()
+        fut = self.disk.read(name, dst)
+        fut.add_done_callback(
+            lambda _f: self.ledger.record_move(Link.DISK_READ, size, time.perf_counter() - t0)
+        )
+        return fut
+
+    def close(self) -> None:
+        if self._disk is not None:
+            self._disk.close()

@@ -1,0 +1,27 @@
+"""Names for where bytes live, what they are, and which link moves them."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Tier(StrEnum):
+    DEVICE = "device"  # the GPU; on a CPU-only machine the CPU itself, accounted separately
+    HOST = "host"  # RAM (pinned where CUDA exists)
+    DISK = "disk"  # files under the offload directory
+
+
+class TensorClass(StrEnum):
+    COMPUTE = "compute"  # weights the matmuls read
+    MASTER = "master"  # fp32 weights the optimizer updates
+    GRAD = "grad"
+    OPTIM = "optim_state"
+    ACTIVATION = "activation"  # boundary activations between segments
+    STAGING = "staging"  # host buffers that disk reads and writes pass through
+
+
+class Link(StrEnum):
+    H2D = "h2d"
+    D2H = "d2h"
+    DISK_READ = "disk_read"
+    DISK_WRITE = "disk_write"

@@ -1,0 +1,613 @@
+"""The tiered step (ARCHITECTURE.md section 3).
+
+One optimizer step over M micro-batches runs a precomputed list of actions:
+
+    forward(segment, micro-batches)  ->  head(micro-batches)  ->  backward(segment, micro-batches)
+
+`microbatch-outer` repeats the whole list per micro-batch; `layer-outer` runs each segment for all
+micro-batches while its weights are on the device. Because the list is known before the step
+starts, the stream cache evicts by next use and prefetches the next action's weights.
+
+After the backward sweep the global gradient norm is known: the step is skipped on a non-finite
+norm, otherwise gradients are clipped and each segment is updated on the tier that holds its
+state. Host and disk updates run on a background worker in forward order, overlapping the next
+step's forward: segment i's forward waits only for segment i's update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tierlm.config import OptimConfig
+from tierlm.memory.layout import FlatLayout
+from tierlm.memory.placement import COMPUTE_B, STREAM_SLOTS, PlacementReport, place
+from tierlm.memory.store import Store, nbytes_of
+from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
+from tierlm.optim.flat_adamw import FlatAdamW
+from tierlm.runtime.cache import StreamCache
+from tierlm.runtime.state import (
+    STATE_COPIES,
+    SegmentState,
+    free_copies,
+    init_state,
+    read_copies,
+    start_load,
+)
+
+
+def _names(st: SegmentState) -> list[str]:
+    return [s.name for s in st.layout.slots]
+
+
+_FILE_CLASS = {
+    "master": TensorClass.MASTER,
+    "exp_avg": TensorClass.OPTIM,
+    "exp_avg_sq": TensorClass.OPTIM,
+}
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    policy: str = "none"
+    """none | host | disk | tiered (see memory/placement.py)."""
+    microbatch_order: str = "microbatch-outer"
+    """microbatch-outer or layer-outer."""
+    resident: str | None = None
+    """Regex of segment names whose compute weights stay on the device."""
+    device_budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
+    offload_dir: str | None = None
+    grad_clip: float = 1.0
+    """Global-norm clipping bound; 0 disables it."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per cross-entropy chunk at the head; None: ~16M logits per chunk."""
+    batch_size: int = 1
+    seq_len: int = 1
+    micro_batches: int = 1
+    """Shape of the step, for the activation reserve in the placement."""
+    keep_resident_activations: bool = True
+    """Resident segments keep their forward graph (no recompute); streamed segments are always
+    recomputed from their boundary input, since their weights leave the device."""
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "fwd" | "head" | "bwd"
+    seg: int
+    mbs: tuple[int, ...]
+
+
+@dataclass
+class _MicroBatch:
+    ids: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, T)
+    ctx: StepContext | None = None
+    h: dict[int, torch.Tensor] = field(default_factory=dict)  # input of segment s
+    gout: dict[int, torch.Tensor] = field(default_factory=dict)  # grad wrt input of segment s
+    graph: dict[int, tuple] = field(default_factory=dict)  # kept forward graphs
+    rng: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig,
+        options: EngineOptions,
+        *,
+        device: torch.device,
+        store: Store | None = None,
+    ) -> None:
+        self.opts = options
+        self.device = device
+        self.store = store or Store(device, offload_dir=options.offload_dir)
+        self.ledger = self.store.ledger
+        self.adapter = ModelAdapter(model)
+        self.optimizer = FlatAdamW(optim)
+        self.has_dropout = any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
+        ) or float(getattr(model.config, "attention_dropout", 0) or 0) > 0
+
+        segs = self.adapter.segments
+        self.index = {s.name: i for i, s in enumerate(segs)}
+        layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
+        hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
+        self.activation_bytes = self.boundary_activation_bytes(
+            len(segs), hidden_bytes, options.micro_batches, options.microbatch_order
+        )
+        self.report: PlacementReport = place(
+            [s.name for s in segs],
+            [lay.numel for lay in layouts],
+            policy=options.policy,
+            resident=options.resident,
+            device_budget_bytes=options.device_budget_bytes,
+            host_budget_bytes=options.host_budget_bytes,
+            activation_bytes=self.activation_bytes,
+        )
+        self.states: list[SegmentState] = []
+        for i, (seg, lay, plc) in enumerate(
+            zip(segs, layouts, self.report.placements, strict=True)
+        ):
+            st = SegmentState(
+                index=i, seg=seg, layout=lay, placement=plc,
+                keep_graph=plc.resident and options.keep_resident_activations,
+            )
+            initial = lay.pack(
+                {n: p.detach() for n, p, _ in seg.params},
+                torch.empty(lay.numel, dtype=torch.float32),
+            )
+            optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
+            init_state(self.store, st, initial, optim_device)
+            # Modules never own live storage: drop the parameters' memory, the runtime supplies
+            # views of its flat buffers on every call.
+            for _, p, _ in seg.params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.states.append(st)
+
+        streamed = {st.index: st.numel for st in self.states if not st.placement.resident}
+        top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
+        self.cache = StreamCache(
+            self.store,
+            streamed,
+            sum(top) * COMPUTE_B,
+            lambda s: start_load(self.store, self.states[s]),
+            ready=lambda s: s not in self._updates or self._updates[s].done(),
+        )
+        self.borrowed: dict[str, tuple[int, int, int]] = {}  # name -> (owner, offset, numel)
+        head = self.states[-1]
+        for name, owner in head.seg.borrowed.items():
+            o = self.states[self.index[owner]]
+            slot = next(s for s in o.layout.slots if s.name == name)
+            self.borrowed[name] = (o.index, slot.offset, slot.numel)
+        # micro-batch -> tied-weight name -> the head's gradient for it, until the owner's
+        # backward for that micro-batch adds it (autograd's order for a tensor used twice)
+        self._borrowed_grad: dict[int, dict[str, torch.Tensor]] = {}
+        self._borrowed_leaf: dict[str, torch.Tensor] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
+        self._updates: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self.skipped_steps = 0
+        self.param_norms: dict[str, torch.Tensor] = {}
+        # The reference optimizer's order: decaying parameters, then the rest, in model order.
+        slots = [slot for st in self.states for slot in st.layout.slots]
+        model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        self.norm_order = [
+            s.name for s in sorted(slots, key=lambda s: (not s.decay, model_order[s.name]))
+        ]
+
+    # -- schedule ----
+
+    @staticmethod
+    def boundary_activation_bytes(n_segs: int, hidden_bytes: int, m: int, order: str) -> int:
+        """Peak bytes of boundary activations and their gradients the step holds: the input of
+        every segment after `embed` for the micro-batches in flight, plus two gradients."""
+        in_flight = m if order == "layer-outer" else 1
+        return in_flight * (n_segs - 1 + 2) * hidden_bytes
+
+    def schedule(self, m: int) -> list[Action]:
+        last = len(self.states) - 1
+        groups = (
+            [tuple(range(m))]
+            if self.opts.microbatch_order == "layer-outer"
+            else [(i,) for i in range(m)]
+        )
+        actions = []
+        for mbs in groups:
+            actions += [Action("fwd", s, mbs) for s in range(last)]
+            actions.append(Action("head", last, mbs))
+            actions += [Action("bwd", s, mbs) for s in reversed(range(last))]
+        return actions
+
+    def _needs(self, a: Action) -> list[int]:
+        """Streamed segments whose device copy action `a` reads."""
+        segs = [a.seg]
+        if a.kind == "head":
+            segs += [owner for owner, _, _ in self.borrowed.values()]
+        if a.kind == "bwd" and self.states[a.seg].keep_graph:
+            segs = []  # the kept graph holds the weights it needs
+        return [s for s in segs if not self.states[s].placement.resident]
+
+    # -- weights ----
+
+    def _wait_update(self, s: int) -> None:
+        fut = self._updates.pop(s, None)
+        if fut is not None:
+            fut.result()  # re-raises a failed update here, in the training thread
+
+    def synchronize(self) -> None:
+        """Wait for every pending optimizer update (before eval, checkpoints, export)."""
+        for s in list(self._updates):
+            self._wait_update(s)
+
+    def _weights(self, k: int, s: int) -> torch.Tensor:
+        self._wait_update(s)
+        st = self.states[s]
+        if not st.placement.resident:
+            return self.cache.acquire(k, s)
+        if st.device_stale:
+            start_load(self.store, st).finish(st.device_weights)
+            st.device_stale = False
+        return st.device_weights
+
+    def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as
+        leaves of their own whose gradients `_head` collects for the owner."""
+        views = self.states[s].layout.views(flat)
+        self._borrowed_leaf = {}
+        if s == len(self.states) - 1:
+            for name, (owner, off, n) in self.borrowed.items():
+                leaf = self._weights(k, owner).narrow(0, off, n).detach().requires_grad_()
+                self._borrowed_leaf[name] = leaf
+                views[name] = leaf.view(self._slot_shape(owner, name))
+        return views
+
+    def _slot_shape(self, owner: int, name: str) -> tuple[int, ...]:
+        return next(s.shape for s in self.states[owner].layout.slots if s.name == name)
+
+    # -- activations ledger ----
+
+    def _hold(self, t: torch.Tensor) -> torch.Tensor:
+        self.ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
+        return t
+
+    def _drop(self, store: dict[int, torch.Tensor], s: int) -> None:
+        t = store.pop(s, None)
+        if t is not None:
+            self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
+
+    # -- the step ----
+
+    def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
+        """One optimizer step over `batches` (each (B, T+1) token ids) at learning rate `lr`."""
+        t0 = time.perf_counter()
+        self.ledger.reset_step()
+        m = len(batches)
+        mbs = [
+            _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
+            for b in batches
+        ]
+        actions = self.schedule(m)
+        self.cache.begin([self._needs(a) for a in actions])
+        self.param_norms = {}
+        loss_sum = 0.0
+        for k, a in enumerate(actions):
+            if a.kind == "fwd":
+                self._forward(k, a, mbs)
+            elif a.kind == "head":
+                loss_sum += self._head(k, a, mbs, m)
+            else:
+                self._backward(k, a, mbs)
+            self.cache.prefetch(k + 1)
+        compute_s = time.perf_counter() - t0
+        grad_norm, skipped = self._finish_step(lr)
+        return {
+            "loss": loss_sum / m,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "compute_s": compute_s,
+            "step_time_s": time.perf_counter() - t0,
+        }
+
+    def _forward(self, k: int, a: Action, mbs: list[_MicroBatch]) -> None:
+        st = self.states[a.seg]
+        w = self._weights(k, a.seg)
+        for i in a.mbs:
+            mb = mbs[i]
+            x = mb.ids if a.seg == 0 else mb.h[a.seg]
+            if st.keep_graph:
+                leaf = w.detach().requires_grad_()
+                xin = x if a.seg == 0 else x.detach().requires_grad_()
+                with torch.enable_grad(), self.opts.autocast():
+                    out = st.seg.forward(st.layout.views(leaf), xin, mb.ctx)
+                mb.graph[a.seg] = (out, leaf, xin)
+            else:
+                if self.has_dropout:
+                    mb.rng[a.seg] = self._rng_state()
+                with torch.no_grad(), self.opts.autocast():
+                    out = st.seg.forward(st.layout.views(w), x, mb.ctx)
+            if a.seg == 0:
+                with torch.no_grad(), self.opts.autocast():
+                    mb.ctx = self.adapter.context(mb.ids, out)
+            mb.h[a.seg + 1] = self._hold(out.detach())
+
+    def _chunk_tokens(self, vocab: int) -> int:
+        return self.opts.loss_chunk_tokens or max(1, (1 << 24) // vocab)
+
+    def _head(self, k: int, a: Action, mbs: list[_MicroBatch], m: int) -> float:
+        """Loss and its gradient at the head's input, chunk by chunk over tokens, so the full
+        (tokens x vocab) logits never exist at once."""
+        s = a.seg
+        st = self.states[s]
+        seg: HeadSegment = st.seg  # type: ignore[assignment]
+        w = self._weights(k, s)
+        grad = self._grad_target(st)
+        loss_total = 0.0
+        for i in a.mbs:
+            mb = mbs[i]
+            leaf = w.detach().requires_grad_()
+            leaf.grad = grad
+            views = self._views(k, s, leaf)
+            x = mb.h[s].detach().requires_grad_()
+            with torch.enable_grad(), self.opts.autocast():
+                hn = seg.forward(views, x, mb.ctx)
+            hn_leaf = hn.detach().requires_grad_()
+            flat_h = hn_leaf.flatten(0, 1)  # (B*T, D)
+            targets = mb.targets.flatten()
+            n_tokens = targets.numel()
+            step = self._chunk_tokens(self.adapter.model.config.vocab_size)
+            for c0 in range(0, n_tokens, step):
+                with torch.enable_grad():
+                    with self.opts.autocast():
+                        logits = seg.project(views, flat_h[c0 : c0 + step])
+                    loss = F.cross_entropy(
+                        logits.float(), targets[c0 : c0 + step], reduction="sum"
+                    ) / n_tokens
+                    (loss / m).backward()
+                loss_total += loss.item()
+            hn.backward(hn_leaf.grad)
+            if self._borrowed_leaf:
+                self._borrowed_grad[i] = {
+                    n: self._hold_grad(b.grad) for n, b in self._borrowed_leaf.items()
+                }
+            mb.gout[s] = self._hold(x.grad)
+            self._drop(mb.h, s)
+        self._land_grad(st, grad, final=a.mbs[-1] == m - 1)
+        return loss_total
+
+    def _backward(self, k: int, a: Action, mbs: list[_MicroBatch]) -> None:
+        s = a.seg
+        st = self.states[s]
+        owns_borrowed = s == 0 and bool(self._borrowed_grad)
+        grad = self._grad_target(st)
+        w = None if st.keep_graph else self._weights(k, s)
+        for i in a.mbs:
+            mb = mbs[i]
+            # The owner of tied weights first sums its own and the head's contribution for this
+            # micro-batch, then accumulates, as autograd does for a tensor used twice in a graph.
+            target = (
+                self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel) if owns_borrowed else grad
+            )
+            if st.keep_graph:
+                out, leaf, xin = mb.graph.pop(s)
+            else:
+                leaf = w.detach().requires_grad_()
+                xin = mb.ids if s == 0 else mb.h[s].detach().requires_grad_()
+                with torch.enable_grad(), self._replay_rng(mb.rng.pop(s, None)):
+                    with self.opts.autocast():
+                        out = st.seg.forward(st.layout.views(leaf), xin, mb.ctx)
+            leaf.grad = target
+            torch.autograd.backward(out, mb.gout[s + 1])
+            self._drop(mb.gout, s + 1)
+            if s > 0:
+                mb.gout[s] = self._hold(xin.grad)
+                self._drop(mb.h, s)
+            if owns_borrowed:
+                for name, g in self._borrowed_grad.pop(i).items():
+                    _, off, n = self.borrowed[name]
+                    target.narrow(0, off, n).add_(g.reshape(-1))
+                    self.store.free(Tier.DEVICE, TensorClass.GRAD, g)
+                grad.add_(target)
+                self.store.free(Tier.DEVICE, TensorClass.GRAD, target)
+        self._land_grad(st, grad, final=a.mbs[-1] == len(mbs) - 1)
+
+    # -- gradients ----
+
+    def _hold_grad(self, g: torch.Tensor) -> torch.Tensor:
+        self.ledger.allocate(Tier.DEVICE, TensorClass.GRAD, nbytes_of(g))
+        return g
+
+    def _grad_target(self, st: SegmentState) -> torch.Tensor:
+        """Where autograd accumulates this segment's gradient: the persistent gradient buffer
+        for device state, a transient device buffer otherwise."""
+        if st.tier == Tier.DEVICE:
+            return st.grad
+        return self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel)
+
+    def _land_grad(self, st: SegmentState, grad: torch.Tensor, *, final: bool) -> None:
+        """Send this action's gradient towards the optimizer's tier; on the step's last
+        contribution, record the segment's norm."""
+        if st.tier == Tier.DEVICE:
+            if final:
+                self._record_norms(st, grad)
+            return
+        if st.tier == Tier.HOST:
+            self._d2h_add(st.grad, grad)
+            self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+            if final:
+                self._record_norms(st, st.grad)
+            return
+        staging = self.store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
+        if st.grad_written:  # earlier micro-batches of this step: read, add, write back
+            self.store.read_file(st.file("grad"), staging).result()
+            self._d2h_add(staging, grad)
+        else:
+            self.store.wait(self.store.to_host(staging, grad))
+            self._sync_device()
+        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+        if final:
+            self._record_norms(st, staging)
+        self.store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
+        self.store.free(Tier.HOST, TensorClass.STAGING, staging)
+        st.grad_written = not final
+
+    def _record_norms(self, st: SegmentState, grad: torch.Tensor) -> None:
+        """Per-parameter gradient norms. The global norm is the norm of these, stacked in the
+        reference optimizer's parameter order, so clipping matches it bit for bit."""
+        for name, view in st.layout.views(grad).items():
+            self.param_norms[name] = torch.linalg.vector_norm(view).to(self.device)
+
+    def _d2h_add(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        if dev.device.type == "cpu":
+            host.add_(dev)  # the CPU "device": the add is the copy
+            self.ledger.record_move(Link.D2H, nbytes_of(dev))
+            return
+        tmp = self.store.alloc(Tier.HOST, TensorClass.STAGING, dev.numel())
+        self.store.wait(self.store.to_host(tmp, dev))
+        self._sync_device()
+        host.add_(tmp)
+        self.store.free(Tier.HOST, TensorClass.STAGING, tmp)
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- update ----
+
+    def _finish_step(self, lr: float) -> tuple[float, bool]:
+        total = torch.linalg.vector_norm(
+            torch.stack([self.param_norms[n] for n in self.norm_order])
+        )
+        grad_norm = total.item()
+        max_norm = self.opts.grad_clip if self.opts.grad_clip > 0 else math.inf
+        self.cache.drop_all()  # every streamed copy is about to be stale
+        if not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            for st in self.states:
+                if st.grad is not None:
+                    st.grad.zero_()
+                st.grad_written = False
+            return grad_norm, True
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for st in self.states:
+            if st.tier == Tier.DEVICE:
+                self._update(st, coef, lr)
+            else:
+                self._updates[st.index] = self._worker.submit(self._update, st, coef.cpu(), lr)
+                if st.placement.resident:
+                    st.device_stale = True
+        return grad_norm, False
+
+    def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
+        bufs = read_copies(self.store, st, (*STATE_COPIES, "grad"))
+        bufs["grad"].mul_(coef)
+        self.optimizer.update(
+            st.layout.groups(), bufs["master"], bufs["grad"], bufs["exp_avg"],
+            bufs["exp_avg_sq"], st.steps, lr,
+        )
+        if st.tier == Tier.DISK:
+            futures = [
+                self.store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]) for c in STATE_COPIES
+            ]
+            for f in futures:
+                f.result()
+            free_copies(self.store, st, bufs)
+        else:
+            bufs["grad"].zero_()
+
+    # -- RNG replay for recomputed segments with dropout ----
+
+    def _rng_state(self) -> torch.Tensor:
+        return torch.get_rng_state() if self.device.type == "cpu" else torch.cuda.get_rng_state()
+
+    @contextlib.contextmanager
+    def _replay_rng(self, state: torch.Tensor | None):
+        if state is None:
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if self.device.type == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state)
+            yield
+
+    # -- evaluation and state ----
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        """Mean token loss of one (B, T+1) batch, streaming weights as the step does."""
+        self.synchronize()
+        ids, targets = batch[:, :-1].to(self.device), batch[:, 1:].to(self.device)
+        n = len(self.states)
+        actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
+        self.cache.begin([self._needs(a) for a in actions])
+        h, ctx = ids, None
+        for k, a in enumerate(actions):
+            st = self.states[a.seg]
+            w = self._weights(k, a.seg)
+            with self.opts.autocast():
+                if a.kind == "fwd":
+                    h = st.seg.forward(st.layout.views(w), h, ctx)
+                    if a.seg == 0:
+                        ctx = self.adapter.context(ids, h)
+                else:
+                    views = self._views(k, a.seg, w)
+                    hn = st.seg.forward(views, h, ctx).flatten(0, 1)
+                    t = targets.flatten()
+                    step = self._chunk_tokens(self.adapter.model.config.vocab_size)
+                    total = sum(
+                        F.cross_entropy(
+                            st.seg.project(views, hn[c : c + step]).float(),
+                            t[c : c + step],
+                            reduction="sum",
+                        ).item()
+                        for c in range(0, t.numel(), step)
+                    )
+        self.cache.drop_all()
+        return total / targets.numel()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Current fp32 weights by the model's parameter names (CPU copies)."""
+        return self._named(("master",))
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW state by parameter name (`<name>.exp_avg`, `.exp_avg_sq`, `.step`), the same
+        keys the reference trainer writes, so either runtime resumes the other's checkpoint."""
+        return self._named(("exp_avg", "exp_avg_sq"))
+
+    def _named(self, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        self.synchronize()
+        out = {}
+        for st in self.states:
+            bufs = read_copies(self.store, st, copies)
+            for copy in copies:
+                for name, view in st.layout.views(bufs[copy]).items():
+                    key = name if copy == "master" else f"{name}.{copy}"
+                    out[key] = view.detach().to("cpu", copy=True)
+            free_copies(self.store, st, bufs)
+            if copies != ("master",):
+                for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
+                    for slot in st.layout.slots:
+                        if slot.decay == decay:
+                            out[f"{slot.name}.step"] = step.detach().to("cpu", copy=True)
+        return out
+
+    def load(self, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
+        """Restore weights and optimizer state written by `weights`/`optimizer_state` (or by
+        the reference trainer)."""
+        self.synchronize()
+        for st in self.states:
+            bufs = read_copies(self.store, st, STATE_COPIES)
+            st.layout.pack(weights, bufs["master"])
+            if optim:
+                st.layout.pack({n: optim[f"{n}.exp_avg"] for n in _names(st)}, bufs["exp_avg"])
+                st.layout.pack(
+                    {n: optim[f"{n}.exp_avg_sq"] for n in _names(st)}, bufs["exp_avg_sq"]
+                )
+                for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
+                    first = next(s.name for s in st.layout.slots if s.decay == decay)
+                    step.copy_(optim[f"{first}.step"])
+            if st.tier == Tier.DISK:
+                for c in STATE_COPIES:
+                    self.store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]).result()
+                free_copies(self.store, st, bufs)
+            if st.device_weights is not None and st.device_weights is not st.master:
+                st.device_stale = True
+        self.cache.drop_all()
+
+    def close(self) -> None:
+        self.synchronize()
+        self._worker.shutdown(wait=True)
+        self.store.close()

@@ -1,0 +1,122 @@
+"""Per-segment model state in flat buffers on its tier, and the ways to read and refresh it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tierlm.memory.layout import FlatLayout
+from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.store import Store
+from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.models.adapters import Segment
+from tierlm.optim.flat_adamw import new_step_counter
+
+STATE_COPIES = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class SegmentState:
+    index: int
+    seg: Segment
+    layout: FlatLayout
+    placement: SegmentPlacement
+    # Flat fp32 buffers on `placement.state_tier` (None while they live in files on disk).
+    master: torch.Tensor | None = None
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    steps: list[torch.Tensor] = field(default_factory=list)  # one counter per optimizer group
+    device_weights: torch.Tensor | None = None  # resident compute copy (or the master itself)
+    device_stale: bool = False  # the resident copy predates the last update
+    grad_written: bool = False  # disk: this step's gradient file holds a partial sum
+    keep_graph: bool = False  # keep the forward's autograd graph instead of recomputing
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def tier(self) -> Tier:
+        return self.placement.state_tier
+
+    def file(self, copy: str) -> str:
+        return f"{self.seg.name}/{copy}.bin"
+
+
+def init_state(
+    store: Store, st: SegmentState, initial: torch.Tensor, optim_device: torch.device
+) -> None:
+    """Place `initial` (the packed fp32 weights, on CPU) and zeroed optimizer state."""
+    n = st.numel
+    st.steps = [new_step_counter(optim_device) for _ in st.layout.groups()]
+    if st.tier == Tier.DISK:
+        staging = store.alloc(Tier.HOST, TensorClass.STAGING, n)
+        staging.copy_(initial)
+        store.write_file(st.file("master"), staging, TensorClass.MASTER).result()
+        staging.zero_()
+        store.write_file(st.file("exp_avg"), staging, TensorClass.OPTIM).result()
+        store.write_file(st.file("exp_avg_sq"), staging, TensorClass.OPTIM).result()
+        # reserve the gradient file now, so the disk tier's size is known up front
+        store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
+        store.free(Tier.HOST, TensorClass.STAGING, staging)
+    else:
+        st.master = store.alloc(st.tier, TensorClass.MASTER, n).copy_(initial)
+        st.exp_avg = store.zeros(st.tier, TensorClass.OPTIM, n)
+        st.exp_avg_sq = store.zeros(st.tier, TensorClass.OPTIM, n)
+        st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
+    if st.tier == Tier.DEVICE:
+        st.device_weights = st.master  # fp32: the master is what the matmuls read
+    elif st.placement.resident:
+        st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
+        st.device_weights.copy_(initial)
+
+
+class HostLoad:
+    """Streamed weights whose source is the host master: one H2D copy."""
+
+    def __init__(self, store: Store, st: SegmentState) -> None:
+        self.store, self.st = store, st
+
+    def finish(self, dst: torch.Tensor) -> None:
+        self.store.wait(self.store.to_device(dst, self.st.master))
+
+
+class DiskLoad:
+    """Streamed weights read from the master file into host staging, then one H2D copy. The disk
+    read starts at construction so prefetching overlaps it with compute."""
+
+    def __init__(self, store: Store, st: SegmentState) -> None:
+        self.store = store
+        self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
+        self.future = store.read_file(st.file("master"), self.staging)
+
+    def finish(self, dst: torch.Tensor) -> None:
+        self.future.result()
+        self.store.wait(self.store.to_device(dst, self.staging))
+        if dst.device.type == "cuda":
+            torch.cuda.current_stream(dst.device).synchronize()  # before staging is reused
+        self.store.free(Tier.HOST, TensorClass.STAGING, self.staging)
+
+
+def start_load(store: Store, st: SegmentState):
+    return DiskLoad(store, st) if st.tier == Tier.DISK else HostLoad(store, st)
+
+
+def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The named flat copies of one segment on the host (disk: read into fresh staging; the
+    caller frees them with `free_copies`)."""
+    if st.tier != Tier.DISK:
+        return {c: getattr(st, c) for c in copies}
+    bufs = {c: store.alloc(Tier.HOST, TensorClass.STAGING, st.numel) for c in copies}
+    futures = [store.read_file(st.file(c), bufs[c]) for c in copies]
+    for f in futures:
+        f.result()
+    return bufs
+
+
+def free_copies(store: Store, st: SegmentState, bufs: dict[str, torch.Tensor]) -> None:
+    if st.tier == Tier.DISK:
+        for b in bufs.values():
+            store.free(Tier.HOST, TensorClass.STAGING, b)

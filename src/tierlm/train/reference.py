@@ -1,0 +1,101 @@
+"""The reference step: plain PyTorch, the whole model on one device.
+
+This is the numerical reference the tiered runtime must reproduce (ARCHITECTURE.md invariant 1),
+so it stays simple and exact. It and `tierlm.runtime.Engine` answer the same calls (`step`,
+`eval_loss`, `weights`, `optimizer_state`, `load`), so the trainer never asks which one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tierlm.config import OptimConfig
+from tierlm.optim import build_optimizer
+
+
+class ReferenceStep:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig,
+        *,
+        grad_clip: float,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.optimizer = build_optimizer(model, optim)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.clip_norm = grad_clip if grad_clip > 0 else math.inf
+        self.autocast = autocast
+        self.skipped_steps = 0
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T)
+        with self.autocast():
+            logits = self.model(input_ids=inputs).logits  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in batches:
+            loss = self._loss(batch.to(self.device, non_blocking=True))
+            (loss / len(batches)).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm).item()
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.skipped_steps += 1  # weights and optimizer state stay untouched
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum.item() / len(batches), "grad_norm": grad_norm,
+                "skipped": skipped}
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        self.model.eval()
+        try:
+            return self._loss(batch.to(self.device)).item()
+        finally:
+            self.model.train()
+
+    # -- state, keyed by parameter name so either runtime can resume the other's checkpoint --
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for p in self.params:
+            for key, value in self.optimizer.state.get(p, {}).items():
+                out[f"{self.names[id(p)]}.{key}"] = value.detach()
+        return out
+
+    def load(self, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(weights[n])
+        for p in self.params:
+            prefix = self.names[id(p)] + "."
+            state = {k[len(prefix):]: v for k, v in optim.items() if k.startswith(prefix)}
+            if state:
+                self.optimizer.state[p] = {
+                    k: v.to(device=p.device, dtype=torch.float32 if k == "step" else p.dtype)
+                    for k, v in state.items()
+                }
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,55 @@
+"""Shared helpers for runtime tests: the plain-PyTorch reference loop and tiny models."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tierlm.config import OptimConfig
+from tierlm.models.testing import tiny_hf_configs
+
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
+VOCAB = 300
+
+
+def tiny_model(name: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    if name == "llama_untied":
+        cfg = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        )
+    else:
+        cfg = copy.deepcopy(tiny_hf_configs(vocab_size=VOCAB)[name])
+        if hasattr(cfg, "n_layer"):
+            cfg.n_layer = layers
+        else:
+            cfg.num_hidden_layers = layers
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def batches(steps: int, m: int, b: int = 2, t: int = 16, seed: int = 1) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, VOCAB, (b, t + 1), generator=g) for _ in range(m)]
+            for _ in range(steps)]
+
+
+def reference_run(model, steps, lrs, clip: float):
+    """The reference trainer's step (tierlm.train.trainer.ReferenceStep) on the same batches."""
+    from tierlm.train.trainer import ReferenceStep
+
+    ref = ReferenceStep(model, OPTIM, grad_clip=clip, device=torch.device("cpu"))
+    out = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return out, weights
+
+
+def assert_close_run(losses, ref_losses, weights, ref_weights, *, rel=1e-6, atol=1e-6):
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert math.isclose(a, b, rel_tol=rel), (losses, ref_losses)
+    for k, v in ref_weights.items():
+        diff = (weights[k] - v).abs().max().item()
+        assert diff <= atol, f"{k}: max abs diff {diff}"
