@@ -110,6 +110,7 @@ def _export(checkpoint: str, out_dir: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from tierlm.data import DataError
+    from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
     from tierlm.train.checkpoint import CheckpointError
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_training(cfg)
         return 0
-    except (ConfigError, DataError, ModelLoadError, CheckpointError) as exc:
+    except (ConfigError, DataError, ModelLoadError, CheckpointError, PlacementError) as exc:
         print(f"tierlm: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
