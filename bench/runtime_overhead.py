@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Tokens/s of the tiered runtime against the reference trainer, same model, same batches.
+
+Rows: everything resident on the device (`--offload-policy none` through the runtime), every
+block streamed from host RAM (embed and head resident), and both micro-batch orders. Steps of the
+reference and the runtime are interleaved so machine noise hits both alike; the table reports
+median step times and the ratio runtime/reference in tokens/s.
+
+    python bench/runtime_overhead.py --model-size small --batch-size 8 --seq-len 256 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+
+import torch
+
+from tierlm.config import OptimConfig
+from tierlm.models import build_model, preset_config
+from tierlm.runtime import Engine, EngineOptions
+from tierlm.train.reference import ReferenceStep
+
+ROWS = [
+    ("all resident", dict(policy="none")),
+    ("blocks streamed from host", dict(policy="host", resident="embed|head")),
+    ("everything streamed from host", dict(policy="host")),
+]
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-size", default="small")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--order", default="microbatch-outer")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=1)
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = preset_config(args.model_size, vocab_size=args.vocab_size, max_seq_len=args.seq_len)
+    base = build_model(cfg, device="cpu", seed=0)
+    optim = OptimConfig(lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        [torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
+         for _ in range(args.micro_batches)]
+        for _ in range(args.warmup + args.steps)
+    ]
+    tokens = args.batch_size * args.seq_len * args.micro_batches
+    print(f"torch {torch.__version__} on {device}, threads {torch.get_num_threads()}; "
+          f"model {args.model_size}; {args.micro_batches} x ({args.batch_size} x "
+          f"{args.seq_len}) tokens per step; {args.steps} timed steps after {args.warmup}")
+
+    ref_model = copy.deepcopy(base).to(device)
+    ref = ReferenceStep(ref_model, optim, grad_clip=1.0, device=device)
+    rows = []
+    with tempfile.TemporaryDirectory() as off:
+        for label, kw in ROWS:
+            eng = Engine(
+                copy.deepcopy(base), optim,
+                EngineOptions(offload_dir=off, batch_size=args.batch_size, seq_len=args.seq_len,
+                              micro_batches=args.micro_batches, microbatch_order=args.order,
+                              **kw),
+                device=device,
+            )
+            ref_t, eng_t = [], []
+            for i, b in enumerate(batches):
+                rt = timed(lambda b=b: ref.step(b, 1e-4))
+                et = timed(lambda b=b, e=eng: (e.step(b, 1e-4), e.synchronize()))
+                if i >= args.warmup:
+                    ref_t.append(rt)
+                    eng_t.append(et)
+            h2d = eng.ledger.moved_bytes
+            rows.append((label, statistics.median(ref_t), statistics.median(eng_t),
+                         h2d["h2d"] / 2**20, h2d["d2h"] / 2**20))
+            eng.close()
+
+    print()
+    print("| runtime placement | reference step (s) | runtime step (s) | reference tok/s "
+          "| runtime tok/s | runtime / reference | H2D MiB/step | D2H MiB/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, rt, et, h2d, d2h in rows:
+        print(f"| {label} | {rt:.3f} | {et:.3f} | {tokens / rt:,.0f} | {tokens / et:,.0f} "
+              f"| {rt / et:.3f} | {h2d:.1f} | {d2h:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
