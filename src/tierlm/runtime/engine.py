@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -123,8 +122,15 @@ class Engine:
         self.index = {s.name: i for i, s in enumerate(segs)}
         layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
         hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
-        self.activation_bytes = self.boundary_activation_bytes(
-            len(segs), hidden_bytes, options.micro_batches, options.microbatch_order
+        in_flight = options.micro_batches if options.microbatch_order == "layer-outer" else 1
+        tied_bytes = sum(  # the head's gradient for tied weights, held per micro-batch in flight
+            p.numel() * 4 for n, p, _ in segs[0].params if n in segs[-1].borrowed
+        )
+        self.activation_bytes = (
+            self.boundary_activation_bytes(
+                len(segs), hidden_bytes, options.micro_batches, options.microbatch_order
+            )
+            + in_flight * tied_bytes
         )
         self.report: PlacementReport = place(
             [s.name for s in segs],
@@ -176,7 +182,7 @@ class Engine:
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
         self._updates: dict[int, Future] = {}
-        self._lock = threading.Lock()
+        self.update_wait_s = 0.0  # time the step spent waiting for background updates
         self.skipped_steps = 0
         self.param_norms: dict[str, torch.Tensor] = {}
         # The reference optimizer's order: decaying parameters, then the rest, in model order.
@@ -223,7 +229,9 @@ class Engine:
     def _wait_update(self, s: int) -> None:
         fut = self._updates.pop(s, None)
         if fut is not None:
+            t0 = time.perf_counter()
             fut.result()  # re-raises a failed update here, in the training thread
+            self.update_wait_s += time.perf_counter() - t0
 
     def synchronize(self) -> None:
         """Wait for every pending optimizer update (before eval, checkpoints, export)."""
@@ -272,6 +280,7 @@ class Engine:
         """One optimizer step over `batches` (each (B, T+1) token ids) at learning rate `lr`."""
         t0 = time.perf_counter()
         self.ledger.reset_step()
+        self.update_wait_s = 0.0
         m = len(batches)
         mbs = [
             _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
@@ -295,7 +304,8 @@ class Engine:
             "loss": loss_sum / m,
             "grad_norm": grad_norm,
             "skipped": skipped,
-            "compute_s": compute_s,
+            "sweep_s": compute_s,  # forward + backward, including waits for weights
+            "update_wait_s": self.update_wait_s,  # part of sweep_s spent on the last update
             "step_time_s": time.perf_counter() - t0,
         }
 

@@ -215,6 +215,9 @@ class Trainer:
             "step_time_s": step_time_s,
             "skipped": out["skipped"],
         }
+        for key in ("sweep_s", "update_wait_s"):
+            if key in out:
+                rec[key] = out[key]
         ledger = getattr(self.stepper, "ledger", None)
         if ledger is not None:
             rec.update(ledger.snapshot())
