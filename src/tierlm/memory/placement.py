@@ -92,12 +92,18 @@ def place(
     device_budget_bytes: int | None = None,
     host_budget_bytes: int | None = None,
     activation_bytes: int = 0,
+    placements: list[SegmentPlacement] | None = None,
 ) -> PlacementReport:
     """Choose a placement per segment and check it against the budgets.
 
     `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
-    reserved before any weights are placed.
+    reserved before any weights are placed. `placements`: a placement chosen elsewhere (the
+    planner); it is only accounted and checked.
     """
+    if placements is not None:
+        report = _account(numels, placements, activation_bytes)
+        _check(report, device_budget_bytes, host_budget_bytes, policy)
+        return report
     pattern = re.compile(resident) if resident else None
 
     def pinned(name: str) -> bool:
@@ -169,6 +175,7 @@ def _check(report: PlacementReport, device_budget, host_budget, policy) -> None:
             "host": "raise the budget, or use --offload-policy disk or tiered",
             "disk": "raise the budget, or pin fewer segments with --resident",
             "tiered": "raise --device-budget/--host-budget or give more disk",
+            "auto": "raise the budgets, or see `tierlm plan` for what would fit",
         }[policy]
         raise PlacementError(f"placement --offload-policy {policy} does not fit: "
                              + "; ".join(problems) + f" ({hint})")

@@ -28,7 +28,13 @@ import torch.nn.functional as F
 
 from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
-from tierlm.memory.placement import COMPUTE_B, STREAM_SLOTS, PlacementReport, place
+from tierlm.memory.placement import (
+    COMPUTE_B,
+    STREAM_SLOTS,
+    PlacementReport,
+    SegmentPlacement,
+    place,
+)
 from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
@@ -66,6 +72,8 @@ class EngineOptions:
     device_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
     offload_dir: str | None = None
+    placements: list[SegmentPlacement] | None = None
+    """A placement per segment chosen by the planner; None: derive it from `policy`."""
     grad_clip: float = 1.0
     """Global-norm clipping bound; 0 disables it."""
     loss_chunk_tokens: int | None = None
@@ -140,6 +148,7 @@ class Engine:
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
             activation_bytes=self.activation_bytes,
+            placements=options.placements,
         )
         self.states: list[SegmentState] = []
         for i, (seg, lay, plc) in enumerate(
