@@ -61,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory "
                         "(its newest valid checkpoint is used)")
     export.add_argument("out_dir", help="directory to write the Hugging Face model into")
+    plan = sub.add_parser(
+        "plan", help="print the memory plan and predicted step time, allocating nothing",
+        description="Plan placement, activations and micro-batch order for a run, under the "
+        "budgets of --hardware / --gpu-memory / --host-memory / --disk-budget.",
+    )
+    _add_config_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    probe = sub.add_parser(
+        "probe", help="measure this machine's disk, memory, CPU-update and matmul rates",
+    )
+    probe.add_argument("--dir", default=None, help="directory to measure the disk at "
+                       "(default: the current directory; use your --offload-dir)")
     return parser
 
 
@@ -121,7 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             out = _export(args.checkpoint, args.out_dir)
             print(f"exported to {out}")
             return 0
+        if args.command == "probe":
+            from tierlm.memory.hardware import probe_path
+            from tierlm.memory.probe import run_probe
+
+            run_probe(args.dir, probe_path())
+            return 0
         cfg = config_from_args(args)
+        if args.command == "plan":
+            from tierlm.train.planning import print_plan
+
+            return print_plan(cfg, as_json=args.json)
         if args.command == "print-config":
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             return 0

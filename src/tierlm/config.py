@@ -107,7 +107,8 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class PrecisionConfig:
     mode: Literal["auto", "fp32", "bf16", "fp8"] = "fp32"
-    """Compute precision: fp32, or bf16 autocast with fp32 master weights (--precision)."""
+    """Compute precision: fp32, or bf16 autocast with fp32 master weights; auto takes bf16 where
+    the device computes it natively (CUDA with bf16 support) and fp32 elsewhere (--precision)."""
 
 
 @dataclass(kw_only=True)
@@ -139,6 +140,16 @@ class MemoryConfig:
     (--host-budget)."""
     offload_dir: str | None = None
     """Directory for the disk tier's files; empty: RUN_DIR/offload (--offload-dir)."""
+    hardware: str = "auto"
+    """Hardware profile for the planner: auto (detect this machine), or one of rtx3090,
+    rtx4090, rtx4060ti-16g, rtx5090, a100-40g, a100-80g, h100-80g, h200, cpu (--hardware)."""
+    gpu_memory: str | None = None
+    """GPU memory size overriding the profile's, e.g. 24GiB (--gpu-memory)."""
+    host_memory: str | None = None
+    """Host RAM size overriding the profile's, e.g. 64GiB (--host-memory)."""
+    disk_budget: str | None = None
+    """Disk space the disk tier may use, e.g. 200GiB; empty: the profile's, or the free space
+    at the offload directory when detected (--disk-budget)."""
 
 
 @dataclass(kw_only=True)
@@ -208,6 +219,10 @@ SEED_FLAGS: dict[str, str] = {
     "--device-budget": "memory.device_budget",
     "--host-budget": "memory.host_budget",
     "--offload-dir": "memory.offload_dir",
+    "--hardware": "memory.hardware",
+    "--gpu-memory": "memory.gpu_memory",
+    "--host-memory": "memory.host_memory",
+    "--disk-budget": "memory.disk_budget",
 }
 
 _BYTE_UNITS = {
@@ -440,7 +455,13 @@ def validate(cfg: Config) -> None:
     for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
         if not 0 <= beta < 1:
             raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
-    for key, flag in (("device_budget", "--device-budget"), ("host_budget", "--host-budget")):
+    for key, flag in (
+        ("device_budget", "--device-budget"),
+        ("host_budget", "--host-budget"),
+        ("gpu_memory", "--gpu-memory"),
+        ("host_memory", "--host-memory"),
+        ("disk_budget", "--disk-budget"),
+    ):
         value = getattr(cfg.memory, key)
         if value is not None and parse_bytes(value, flag) <= 0:
             raise ConfigError(f"{flag}: must be > 0, got {value}")
@@ -475,15 +496,11 @@ def validate(cfg: Config) -> None:
 
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
-    if cfg.precision.mode in ("fp8", "auto"):
-        raise NotSupportedYet(f"--precision {cfg.precision.mode}", "use fp32 or bf16")
+    if cfg.precision.mode == "fp8":
+        raise NotSupportedYet("--precision fp8", "use fp32, bf16 or auto")
     if cfg.activations.policy in ("selective", "dynamic"):
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy}", "use none or full"
-        )
-    if cfg.memory.offload_policy == "auto":
-        raise NotSupportedYet(
-            "--offload-policy auto", "the planner is not built yet; use tiered, host or disk"
         )
     tiered = cfg.memory.offload_policy != "none"
     if tiered and cfg.optim.name != "AdamW":

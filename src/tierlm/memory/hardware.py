@@ -1,0 +1,201 @@
+"""Hardware profiles: memory sizes and the rates the planner's time model needs.
+
+A profile is detected (torch.cuda, psutil, the offload directory's free space, and the numbers
+`tierlm probe` measured on this machine), named (`--hardware rtx4090`), or given piece by piece
+(`--gpu-memory 24GiB --host-memory 64GiB --disk-budget 200GiB`). Nominal numbers are datasheet
+peaks; the planner applies its own efficiency factors (see planner.py), and `tierlm probe`
+replaces them with measurements where it can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+GB = 10**9
+T = 10**12
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    gpu_memory_bytes: int  # device tier capacity (on "cpu": RAM set aside as the device tier)
+    host_memory_bytes: int
+    disk_budget_bytes: int
+    h2d_Bps: float  # host -> device copy rate (pinned memory)
+    d2h_Bps: float
+    disk_read_Bps: float  # NVMe sequential read with O_DIRECT
+    disk_write_Bps: float
+    host_copy_Bps: float  # RAM memcpy (read + write)
+    matmul_flops: float  # dense matmul rate in the compute precision (bf16 on GPUs)
+    fp8_matmul_flops: float | None  # None: no fp8 units
+    cpu_adam_params_per_s: float  # fused AdamW over fp32 state on the CPU
+    device_is_cpu: bool = False
+
+    def with_overrides(self, **kw) -> HardwareProfile:
+        return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+# Defaults for the host side of a desktop: a PCIe 4.0 NVMe SSD (Samsung 990 Pro datasheet:
+# 7.45 GB/s sequential read, 6.9 GB/s write; we assume ~75% of that sustained with O_DIRECT),
+# dual-channel DDR5 (~60 GB/s read, a memcpy moves ~25-30 GB/s), and fused CPU AdamW at
+# ~2 G params/s on 8-16 cores (PLATFORM_NOTES.md measured 1.6 G/s on 2 cores; AdamW is memory
+# bound, so it scales with bandwidth, not cores).
+_DESKTOP = dict(
+    host_memory_bytes=64 * GiB,
+    disk_budget_bytes=500 * GiB,
+    disk_read_Bps=5.5 * GB,
+    disk_write_Bps=5.0 * GB,
+    host_copy_Bps=28 * GB,
+    cpu_adam_params_per_s=2.0e9,
+)
+# Practical pinned-memory copy rates: PCIe 4.0 x16 ~25 GB/s, PCIe 5.0 x16 ~50 GB/s, x8 half
+# (measured bandwidthTest numbers are ~80% of the 31.5 / 63 GB/s link rates).
+_PCIE4_X16 = dict(h2d_Bps=25 * GB, d2h_Bps=25 * GB)
+_PCIE4_X8 = dict(h2d_Bps=12.5 * GB, d2h_Bps=12.5 * GB)
+_PCIE5_X16 = dict(h2d_Bps=50 * GB, d2h_Bps=50 * GB)
+
+PROFILES: dict[str, HardwareProfile] = {
+    # GeForce RTX 3090: 24 GB; 71 TFLOPS dense FP16/BF16 tensor with FP32 accumulate
+    # (NVIDIA Ampere GA102 whitepaper, appendix table); no fp8.
+    "rtx3090": HardwareProfile(
+        name="rtx3090", gpu_memory_bytes=24 * GB, matmul_flops=71 * T, fp8_matmul_flops=None,
+        **_PCIE4_X16, **_DESKTOP,
+    ),
+    # GeForce RTX 4090: 24 GB; 165 TFLOPS dense FP16/BF16, 330 dense FP8 (NVIDIA Ada Lovelace
+    # architecture whitepaper, appendix table).
+    "rtx4090": HardwareProfile(
+        name="rtx4090", gpu_memory_bytes=24 * GB, matmul_flops=165 * T,
+        fp8_matmul_flops=330 * T, **_PCIE4_X16, **_DESKTOP,
+    ),
+    # GeForce RTX 4060 Ti 16 GB: 44 TFLOPS dense FP16, 88 FP8 (Ada whitepaper); PCIe 4.0 x8.
+    "rtx4060ti-16g": HardwareProfile(
+        name="rtx4060ti-16g", gpu_memory_bytes=16 * GB, matmul_flops=44 * T,
+        fp8_matmul_flops=88 * T, **_PCIE4_X8, **_DESKTOP,
+    ),
+    # GeForce RTX 5090: 32 GB; 209 TFLOPS dense FP16/BF16, 419 dense FP8 (NVIDIA Blackwell
+    # RTX whitepaper); PCIe 5.0 x16.
+    "rtx5090": HardwareProfile(
+        name="rtx5090", gpu_memory_bytes=32 * GB, matmul_flops=209 * T,
+        fp8_matmul_flops=419 * T, **_PCIE5_X16, **_DESKTOP,
+    ),
+    # A100 40/80 GB: 312 TFLOPS dense BF16 (NVIDIA A100 datasheet); no fp8; PCIe 4.0 host link.
+    "a100-40g": HardwareProfile(
+        name="a100-40g", gpu_memory_bytes=40 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
+        **_PCIE4_X16, **_DESKTOP,
+    ),
+    "a100-80g": HardwareProfile(
+        name="a100-80g", gpu_memory_bytes=80 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
+        **_PCIE4_X16, **_DESKTOP,
+    ),
+    # H100 SXM 80 GB: 989 TFLOPS dense BF16, 1979 dense FP8 (NVIDIA H100 datasheet); PCIe 5.0.
+    "h100-80g": HardwareProfile(
+        name="h100-80g", gpu_memory_bytes=80 * GB, matmul_flops=989 * T,
+        fp8_matmul_flops=1979 * T, **_PCIE5_X16, **_DESKTOP,
+    ),
+    # H200: 141 GB HBM3e; same tensor cores as H100 (NVIDIA H200 datasheet).
+    "h200": HardwareProfile(
+        name="h200", gpu_memory_bytes=141 * GB, matmul_flops=989 * T,
+        fp8_matmul_flops=1979 * T, **_PCIE5_X16, **_DESKTOP,
+    ),
+    # This project's CPU-only development machine (2 vCPU, 24 GiB; PLATFORM_NOTES.md): fp32
+    # matmul ~180 GFLOPS (1024^3 in 12 ms), memcpy ~25 GB/s, O_DIRECT read ~1.8 / write ~2.4
+    # GB/s, fused AdamW 1.6 G params/s. The "device" is the CPU: copies are memcpys.
+    "cpu": HardwareProfile(
+        name="cpu", gpu_memory_bytes=8 * GiB, host_memory_bytes=16 * GiB,
+        disk_budget_bytes=50 * GiB, h2d_Bps=25 * GB, d2h_Bps=25 * GB,
+        disk_read_Bps=1.8 * GB, disk_write_Bps=2.4 * GB, host_copy_Bps=25 * GB,
+        matmul_flops=0.18 * T, fp8_matmul_flops=None, cpu_adam_params_per_s=1.6e9,
+        device_is_cpu=True,
+    ),
+}
+
+
+def probe_path() -> Path:
+    from tierlm.train.trainer import cache_dir
+
+    return cache_dir() / "probe.json"
+
+
+def load_probe() -> dict | None:
+    p = probe_path()
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def detect(offload_dir: str | os.PathLike | None = None) -> HardwareProfile:
+    """This machine: GPU memory from torch.cuda, RAM from psutil, free disk at the offload
+    directory, and the rates `tierlm probe` measured (nominal ones where it has not run)."""
+    import psutil
+    import torch
+
+    probe = load_probe() or {}
+    disk_dir = Path(offload_dir) if offload_dir else Path.cwd()
+    while not disk_dir.exists():
+        disk_dir = disk_dir.parent
+    free_disk = shutil.disk_usage(disk_dir).free
+    host = psutil.virtual_memory().total
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        base = _closest_gpu(props.name)
+        prof = base.with_overrides(
+            name=f"detected ({props.name})", gpu_memory_bytes=props.total_memory,
+            host_memory_bytes=host, disk_budget_bytes=free_disk,
+        )
+    else:
+        prof = PROFILES["cpu"].with_overrides(
+            name="detected (CPU only)", host_memory_bytes=host, disk_budget_bytes=free_disk,
+            # the device tier is this RAM too: give it a quarter, the host tier the rest
+            gpu_memory_bytes=host // 4,
+        )
+    measured = {k: v for k, v in probe.items() if k in _RATE_FIELDS}
+    return prof.with_overrides(**measured)
+
+
+_RATE_FIELDS = {
+    "h2d_Bps", "d2h_Bps", "disk_read_Bps", "disk_write_Bps", "host_copy_Bps", "matmul_flops",
+    "cpu_adam_params_per_s",
+}
+
+
+def _closest_gpu(device_name: str) -> HardwareProfile:
+    key = device_name.lower().replace(" ", "")
+    for name, prof in PROFILES.items():
+        if name.split("-")[0] in key:
+            return prof
+    return PROFILES["a100-80g"]
+
+
+def resolve(
+    name: str | None,
+    *,
+    gpu_memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
+    disk_budget_bytes: int | None = None,
+    offload_dir: str | None = None,
+) -> HardwareProfile:
+    """A named profile (or `auto`/None: detected), with explicit sizes overriding it."""
+    if name in (None, "auto"):
+        prof = detect(offload_dir)
+    elif name in PROFILES:
+        prof = PROFILES[name]
+    else:
+        from tierlm.config import ConfigError
+
+        raise ConfigError(
+            f"--hardware {name}: unknown profile; known: auto, {', '.join(PROFILES)}"
+        )
+    return prof.with_overrides(
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_memory_bytes=host_memory_bytes,
+        disk_budget_bytes=disk_budget_bytes,
+    )

@@ -1,0 +1,692 @@
+"""The planner: a pure function from (model shapes, hardware profile, training shape) to a plan.
+
+It chooses, under the device/host/disk budgets less a safety margin:
+- which segments keep their compute weights on the device, and which of those keep their whole
+  state (master, gradient, AdamW moments) there;
+- where every other segment's state lives (host RAM, spilling the last blocks to disk first,
+  since their update is needed last by the next step's forward);
+- whether resident segments keep their forward graph (no recompute) or recompute too;
+- the micro-batch order;
+and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, with
+overlap as the runtime does it), naming the bottleneck.
+
+Memory is predicted by replaying the runtime's own schedule and cache policy over byte counts
+(`_simulate`), so the prediction follows the runtime's allocation pattern rather than a formula
+that could drift from it. Activation workspace (tensors autograd saves inside a segment) is
+measured once per model shape by running one block on the meta device under
+`saved_tensors_hooks`: exact shapes, no memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tierlm.memory.hardware import GiB, HardwareProfile
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.placement import SegmentPlacement, gib
+from tierlm.memory.tiers import Link, TensorClass, Tier
+
+SAFETY_MARGIN = 0.10  # of each budget, left free for fragmentation, the CUDA context, kernels
+GPU_RESERVE_BYTES = 1 * GiB  # CUDA context + cuBLAS/cuDNN workspaces, outside the margin
+MATMUL_EFFICIENCY = 0.45  # achieved / peak matmul rate for transformer blocks (typical MFU)
+COPY_EFFICIENCY = 0.9  # pinned copies reach ~90% of the profile's practical rate
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner knows about a model: from a meta-device build, no memory."""
+
+    names: list[str]
+    numels: list[int]
+    tied_numel: int  # the head's borrowed (tied) weight, owned by `embed`; 0 if untied
+    hidden_size: int
+    vocab_size: int
+    n_layers: int
+    block_saved_bytes_per_token: float  # autograd-saved bytes inside one block, per token
+    head_chunk_tokens: int
+
+    @property
+    def n_params(self) -> int:
+        return sum(self.numels)
+
+    @classmethod
+    def from_config(cls, config: Any, *, probe_tokens: int = 256) -> ModelShape:
+        from tierlm.models import build_model
+        from tierlm.models.adapters import ModelAdapter
+
+        model = build_model(config, device="meta")
+        adapter = ModelAdapter(model)
+        segs = adapter.segments
+        names = [s.name for s in segs]
+        numels = [sum(p.numel() for _, p, _ in s.params) for s in segs]
+        tied = sum(
+            p.numel() for n, p, _ in segs[0].params if n in getattr(segs[-1], "borrowed", {})
+        )
+        saved = _saved_bytes_meta(model, adapter, probe_tokens) / probe_tokens
+        return cls(
+            names=names,
+            numels=numels,
+            tied_numel=tied,
+            hidden_size=model.config.hidden_size,
+            vocab_size=model.config.vocab_size,
+            n_layers=len(segs) - 2,
+            block_saved_bytes_per_token=saved,
+            head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
+        )
+
+
+def _saved_bytes_meta(model, adapter, tokens: int) -> int:
+    """Bytes autograd saves for one block's forward at `tokens` tokens (fp32), measured on the
+    meta device. Parameters are excluded (they are counted as compute weights). Attention is
+    linear in the sequence length with SDPA's fused kernels, so bytes per token extrapolate."""
+    from tierlm.models.adapters import StepContext
+
+    seg = adapter.segments[1]
+    views = {n: p for n, p, _ in seg.params}
+    x = torch.empty(1, tokens, model.config.hidden_size, device="meta", requires_grad=True)
+    pos = torch.arange(tokens, device="meta").unsqueeze(0)
+    pe = None
+    if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+        pe = model.model.rotary_emb(x, position_ids=pos)
+    ctx = StepContext(position_ids=pos, masks={"full_attention": None,
+                                               "sliding_attention": None},
+                      position_embeddings=pe)
+    param_ids = {id(p) for p in views.values()}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if id(t) not in param_ids and not (t._base is not None and id(t._base) in param_ids):
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        seg.forward(views, x, ctx)
+    return total
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    batch_size: int
+    seq_len: int
+    micro_batches: int
+    precision: str = "fp32"  # compute precision: fp32 or bf16 (autocast)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.micro_batches
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    placements: list[SegmentPlacement]
+    order: str
+    keep_resident_activations: bool
+    # ledger-visible peaks (what the runtime's ledger will measure), per tier and tensor class
+    device_peak_bytes: int
+    host_peak_bytes: int
+    disk_bytes: int
+    device_by_class: dict[str, int]
+    host_by_class: dict[str, int]
+    disk_by_class: dict[str, int]
+    workspace_bytes: int  # activation workspace inside segments, outside the ledger
+    moved_bytes: dict[str, int]  # per step, per link
+    times_s: dict[str, float]
+    bottleneck: str
+    tokens_per_s: float
+    budgets: dict[str, int]
+    fits: bool = True
+    problems: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)
+
+    @property
+    def device_total_bytes(self) -> int:
+        return self.device_peak_bytes + self.workspace_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.times_s["step"]
+
+    def resident_names(self) -> list[str]:
+        return [n for n, p in zip(self.names, self.placements, strict=True) if p.resident]
+
+    def tier_counts(self) -> dict[str, int]:
+        counts = {t.value: 0 for t in Tier}
+        for p in self.placements:
+            counts[p.state_tier.value] += 1
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["placements"] = [
+            {"segment": n, "resident": p.resident, "state_tier": p.state_tier.value}
+            for n, p in zip(self.names, self.placements, strict=True)
+        ]
+        d.pop("names")
+        d.pop("numels")
+        d["device_total_bytes"] = self.device_total_bytes
+        return json.loads(json.dumps(d, default=str))
+
+
+# -- memory: replay the runtime's schedule over byte counts ------------------------------------
+
+
+class _Bytes:
+    """Stands in for a tensor in the replay: only its size matters."""
+
+    def __init__(self, numel: int) -> None:
+        self._numel = numel
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return 4
+
+
+class _CountingStore:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
+        self.ledger.allocate(tier, cls, numel * 4)
+        return _Bytes(numel)
+
+    def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
+        self.ledger.release(tier, cls, t.numel() * 4)
+
+
+def _simulate(
+    shape: ModelShape,
+    train: TrainShape,
+    placements: list[SegmentPlacement],
+    order: str,
+    keep_resident: bool,
+) -> tuple[Ledger, int, int]:
+    """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
+    activation workspace outside it, and the host staging held by a concurrent update."""
+    from tierlm.runtime.cache import StreamCache
+    from tierlm.runtime.engine import Action
+
+    ledger = Ledger()
+    store = _CountingStore(ledger)
+    n_segs = len(shape.names)
+    last = n_segs - 1
+    numels = shape.numels
+    m = train.micro_batches
+    hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
+    tied = shape.tied_numel
+
+    for n, p in zip(numels, placements, strict=True):  # persistent state
+        if p.state_tier == Tier.DEVICE:
+            for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
+                ledger.allocate(Tier.DEVICE, cls, n * 4)
+        elif p.state_tier == Tier.HOST:
+            for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
+                ledger.allocate(Tier.HOST, cls, n * 4)
+            if p.resident:
+                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, n * 4)
+        else:
+            for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
+                ledger.allocate(Tier.DISK, cls, n * 4)
+            if p.resident:
+                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, n * 4)
+
+    class Load:
+        def __init__(self, s: int) -> None:
+            self.s = s
+            self.staging = None
+            if placements[s].state_tier == Tier.DISK:
+                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, numels[s])
+                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+
+        def finish(self, dst) -> None:
+            ledger.record_move(Link.H2D, numels[self.s] * 4)
+            if self.staging is not None:
+                store.free(Tier.HOST, TensorClass.STAGING, self.staging)
+
+    streamed = {i: numels[i] for i in range(n_segs) if not placements[i].resident}
+    top = sorted(streamed.values(), reverse=True)[:2]
+    cache = StreamCache(store, streamed, sum(top) * 4, Load)  # type: ignore[arg-type]
+    groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
+    actions = []
+    for mbs in groups:
+        actions += [Action("fwd", s, mbs) for s in range(last)]
+        actions.append(Action("head", last, mbs))
+        actions += [Action("bwd", s, mbs) for s in reversed(range(last))]
+    keep = [p.resident and keep_resident for p in placements]
+
+    def needs(a: Action) -> list[int]:
+        segs = [a.seg] + ([0] if a.kind == "head" and tied else [])
+        if a.kind == "bwd" and keep[a.seg]:
+            segs = []
+        return [s for s in segs if not placements[s].resident]
+
+    cache.begin([needs(a) for a in actions])
+    # resident segments with host/disk state are refreshed after each update: one copy per step
+    for s, p in enumerate(placements):
+        if p.resident and p.state_tier != Tier.DEVICE:
+            ledger.record_move(Link.H2D, numels[s] * 4)
+            if p.state_tier == Tier.DISK:
+                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+
+    acts: dict[tuple[int, int], _Bytes] = {}
+    gouts: dict[tuple[int, int], _Bytes] = {}
+    grad_written = [False] * n_segs
+
+    def hold(d, key) -> None:
+        d[key] = store.alloc(Tier.DEVICE, TensorClass.ACTIVATION, hidden)
+
+    def drop(d, key) -> None:
+        t = d.pop(key, None)
+        if t is not None:
+            store.free(Tier.DEVICE, TensorClass.ACTIVATION, t)
+
+    def grad_target(s: int):
+        if placements[s].state_tier == Tier.DEVICE:
+            return None
+        return store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s])
+
+    def land(s: int, g, final: bool) -> None:
+        tier = placements[s].state_tier
+        if tier == Tier.DEVICE:
+            return
+        ledger.record_move(Link.D2H, numels[s] * 4)
+        if tier == Tier.DISK:
+            st = store.alloc(Tier.HOST, TensorClass.STAGING, numels[s])
+            if grad_written[s]:
+                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+            ledger.record_move(Link.DISK_WRITE, numels[s] * 4)
+            store.free(Tier.HOST, TensorClass.STAGING, st)
+            grad_written[s] = not final
+        store.free(Tier.DEVICE, TensorClass.GRAD, g)
+
+    borrowed: dict[int, _Bytes] = {}
+    for k, a in enumerate(actions):
+        s = a.seg
+        final = a.mbs[-1] == m - 1
+        if a.kind == "fwd":
+            if not placements[s].resident:
+                cache.acquire(k, s)
+            for i in a.mbs:
+                hold(acts, (i, s + 1))
+        elif a.kind == "head":
+            if not placements[s].resident:
+                cache.acquire(k, s)
+            g = grad_target(s)
+            for i in a.mbs:
+                if tied and not placements[0].resident:
+                    cache.acquire(k, 0)
+                if tied:
+                    borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, tied)
+                hold(gouts, (i, s))
+                drop(acts, (i, s))
+            if g is not None:
+                land(s, g, final)
+        else:
+            g = grad_target(s)
+            if not keep[s] and not placements[s].resident:
+                cache.acquire(k, s)
+            for i in a.mbs:
+                temp = store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s]) if (
+                    s == 0 and borrowed) else None
+                drop(gouts, (i, s + 1))
+                if s > 0:
+                    hold(gouts, (i, s))
+                    drop(acts, (i, s))
+                if temp is not None:
+                    store.free(Tier.DEVICE, TensorClass.GRAD, borrowed.pop(i))
+                    store.free(Tier.DEVICE, TensorClass.GRAD, temp)
+            if g is not None:
+                land(s, g, final)
+        cache.prefetch(k + 1)
+
+    # the optimizer update: disk segments read master, grad and moments, write three back
+    update_staging = 0
+    for n, p in zip(numels, placements, strict=True):
+        if p.state_tier == Tier.DISK:
+            ledger.record_move(Link.DISK_READ, 16 * n)
+            ledger.record_move(Link.DISK_WRITE, 12 * n)
+            update_staging = max(update_staging, 16 * n)
+
+    # workspace outside the ledger: graphs kept by resident segments for the micro-batches in
+    # flight, one segment's recompute, and one chunk of logits (+ its gradient) at the head
+    in_flight = m if order == "layer-outer" else 1
+    bytes_per_elem = 2 if train.precision == "bf16" else 4
+    block_saved = (
+        shape.block_saved_bytes_per_token * train.batch_size * train.seq_len * bytes_per_elem / 4
+    )
+    kept = sum(1 for s in range(1, last) if keep[s]) * block_saved * in_flight
+    recompute = block_saved if not all(keep[1:last]) else 0
+    chunk = min(shape.head_chunk_tokens, train.batch_size * train.seq_len)
+    logits = chunk * shape.vocab_size * 4 * 3
+    workspace = int(kept + recompute + logits)
+    return ledger, workspace, update_staging
+
+
+# -- time model ----------------------------------------------------------------------------------
+
+
+def _times(
+    shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements, keep_resident: bool,
+    moved: dict[str, int],
+) -> dict[str, float]:
+    tokens = train.tokens_per_step
+    block_params = sum(shape.numels[1:-1])
+    head_params = shape.numels[-1] + shape.tied_numel
+    recomputed = sum(
+        n for n, p in zip(shape.numels[1:-1], placements[1:-1], strict=True)
+        if not (p.resident and keep_resident)
+    )
+    # forward 2 FLOPs/param/token, backward 4; recomputed blocks run their forward twice;
+    # attention scores add 2*2*T*D per token per layer forward (causal: half), x3 with backward
+    attn = 6 * train.seq_len * shape.hidden_size * shape.n_layers
+    flops = tokens * (6 * (block_params + head_params) + 2 * recomputed + attn)
+    rate = hw.matmul_flops * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
+    if hw.device_is_cpu and train.precision == "bf16":
+        rate *= 1.5  # measured on the dev CPU: bf16 autocast ~1.5x fp32 (bench/step_time.py)
+    compute = flops / rate
+    forward = compute * 2 * (block_params + head_params) / (flops / tokens)
+    h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
+    d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
+    update_read = sum(16 * n for n, p in zip(shape.numels, placements, strict=True)
+                      if p.state_tier == Tier.DISK)
+    update_write = update_read * 3 // 4
+    sweep_disk = (
+        (moved.get(Link.DISK_READ.value, 0) - update_read) / hw.disk_read_Bps
+        + (moved.get(Link.DISK_WRITE.value, 0) - update_write) / hw.disk_write_Bps
+    )
+    cpu_params = sum(n for n, p in zip(shape.numels, placements, strict=True)
+                     if p.state_tier != Tier.DEVICE)
+    update_cpu = cpu_params / hw.cpu_adam_params_per_s
+    update_disk = update_read / hw.disk_read_Bps + update_write / hw.disk_write_Bps
+    update = update_cpu + update_disk
+    if hw.device_is_cpu:
+        # no separate copy engines or GPU: copies and compute share the cores
+        sweep = compute + h2d + d2h + sweep_disk
+    else:
+        sweep = max(compute, h2d, d2h, sweep_disk)
+    # the update of step i runs behind the forward of step i+1; what does not fit stalls it
+    stall = max(0.0, update - forward)
+    return {
+        "compute": compute,
+        "h2d": h2d,
+        "d2h": d2h,
+        "sweep_disk": sweep_disk,
+        "update_disk": update_disk,
+        "disk": sweep_disk + update_disk,
+        "cpu_update": update_cpu,
+        "update": update,
+        "update_stall": stall,
+        "step": sweep + stall,
+    }
+
+
+def _bottleneck(t: dict[str, float]) -> str:
+    """The resource whose time sets the step: the sweep's longest lane, plus the share of the
+    update stall each of the update's parts causes."""
+    stall = t["update_stall"]
+    share = stall / t["update"] if t["update"] > 0 else 0.0
+    parts = {
+        "compute": t["compute"],
+        "PCIe (H2D/D2H)": max(t["h2d"], t["d2h"]),
+        "disk": t["sweep_disk"] + share * t["update_disk"],
+        "CPU optimizer update": share * t["cpu_update"],
+    }
+    return max(parts, key=parts.get)  # type: ignore[arg-type]
+
+
+# -- search -------------------------------------------------------------------------------------
+
+
+def _priority(names: list[str]) -> list[int]:
+    """Segments in the order they deserve the device: embed and head (costliest reload per
+    use), then blocks from the last one back (their backward comes first)."""
+    return sorted(range(len(names)), key=lambda i: (names[i] not in ("embed", "head"), -i))
+
+
+def _evaluate(shape, train, hw, placements, order, keep, budgets) -> Plan:
+    ledger, workspace, update_staging = _simulate(shape, train, placements, order, keep)
+    device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
+    host_persistent = ledger.tier_bytes(Tier.HOST)
+    host_peak = max(ledger.peak_tier_bytes[Tier.HOST], host_persistent + update_staging)
+    if update_staging:
+        # a disk update overlaps the next forward's disk read of the previous segment
+        host_peak = max(host_peak, host_persistent + update_staging +
+                        max((n * 4 for n, p in zip(shape.numels, placements, strict=True)
+                             if p.state_tier == Tier.DISK and not p.resident), default=0))
+    moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
+    times = _times(shape, train, hw, placements, keep, moved)
+
+    def by_class(tier: Tier) -> dict[str, int]:
+        return {c.value: ledger.peak_class_bytes[(tier, c)] for c in TensorClass
+                if ledger.peak_class_bytes[(tier, c)]}
+
+    plan = Plan(
+        placements=placements, order=order, keep_resident_activations=keep,
+        device_peak_bytes=device_peak, host_peak_bytes=host_peak,
+        disk_bytes=ledger.tier_bytes(Tier.DISK),
+        device_by_class=by_class(Tier.DEVICE), host_by_class=by_class(Tier.HOST),
+        disk_by_class=by_class(Tier.DISK), workspace_bytes=workspace, moved_bytes=moved,
+        times_s=times, bottleneck=_bottleneck(times),
+        tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
+        names=shape.names, numels=shape.numels,
+    )
+    plan.problems = _problems(plan, budgets)
+    plan.fits = not plan.problems
+    return plan
+
+
+def _problems(plan: Plan, budgets: dict[str, int]) -> list[str]:
+    out = []
+    if plan.device_total_bytes > budgets["device"]:
+        out.append(f"device needs {gib(plan.device_total_bytes)} (state "
+                   f"{gib(plan.device_peak_bytes)} + activation workspace "
+                   f"{gib(plan.workspace_bytes)}), usable {gib(budgets['device'])}")
+    if plan.host_peak_bytes > budgets["host"]:
+        out.append(f"host needs {gib(plan.host_peak_bytes)}, usable {gib(budgets['host'])}")
+    if plan.disk_bytes > budgets["disk"]:
+        out.append(f"disk needs {gib(plan.disk_bytes)}, usable {gib(budgets['disk'])}")
+    return out
+
+
+def usable_budgets(
+    hw: HardwareProfile, *, device_budget: int | None = None, host_budget: int | None = None,
+    margin: float = SAFETY_MARGIN,
+) -> dict[str, int]:
+    """Budgets the plan must fit: the explicit ones, or the hardware's sizes; less the margin
+    (and, on a GPU, the CUDA context reserve)."""
+    device = device_budget if device_budget is not None else hw.gpu_memory_bytes - (
+        0 if hw.device_is_cpu else GPU_RESERVE_BYTES)
+    host = host_budget if host_budget is not None else hw.host_memory_bytes
+    return {
+        "device": int(device * (1 - margin)),
+        "host": int(host * (1 - margin)),
+        "disk": int(hw.disk_budget_bytes * (1 - margin)),
+    }
+
+
+def plan(
+    shape: ModelShape,
+    train: TrainShape,
+    hw: HardwareProfile,
+    *,
+    device_budget: int | None = None,
+    host_budget: int | None = None,
+    orders: tuple[str, ...] = ("microbatch-outer", "layer-outer"),
+) -> Plan:
+    """The fastest predicted plan that fits; if none fits, the closest one with `fits=False`
+    and `problems` saying what would make it fit."""
+    budgets = usable_budgets(hw, device_budget=device_budget, host_budget=host_budget)
+    n = len(shape.names)
+    best: Plan | None = None
+    fallback: Plan | None = None
+    for order in orders if train.micro_batches > 1 else orders[:1]:
+        for keep in (True, False):
+            placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets)
+            candidate = _evaluate(shape, train, hw, placements, order, keep, budgets)
+            # grow the device share greedily while it fits and is not slower
+            for upgrade in ("resident", "state"):
+                for i in _priority(shape.names):
+                    trial = list(candidate.placements)
+                    cur = trial[i]
+                    if upgrade == "resident" and not cur.resident:
+                        trial[i] = SegmentPlacement(True, cur.state_tier)
+                    elif upgrade == "state" and cur.resident and cur.state_tier != Tier.DEVICE:
+                        trial[i] = SegmentPlacement(True, Tier.DEVICE)
+                    else:
+                        continue
+                    trial = _host_then_disk(shape, trial, budgets)
+                    p = _evaluate(shape, train, hw, trial, order, keep, budgets)
+                    if p.fits and p.step_s <= candidate.step_s * 1.0001:
+                        candidate = p
+            if candidate.fits and (best is None or candidate.step_s < best.step_s):
+                best = candidate
+            if fallback is None or _overshoot(candidate) < _overshoot(fallback):
+                fallback = candidate
+    if best is not None:
+        return best
+    assert fallback is not None
+    fallback.problems = fallback.problems + _what_would_fit(shape, train, hw, fallback, budgets)
+    return fallback
+
+
+def _overshoot(p: Plan) -> float:
+    b = p.budgets
+    return (max(0, p.device_total_bytes - b["device"]) + max(0, p.host_peak_bytes - b["host"])
+            + max(0, p.disk_bytes - b["disk"]))
+
+
+def _host_then_disk(shape: ModelShape, placements, budgets) -> list[SegmentPlacement]:
+    """Give host RAM to non-device state while it fits; spill the last blocks first (their
+    update is needed last by the next forward, so disk latency hides best there)."""
+    placements = [
+        p if p.state_tier == Tier.DEVICE else SegmentPlacement(p.resident, Tier.HOST)
+        for p in placements
+    ]
+    order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
+    order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
+    host_state = sum(16 * n for n, p in zip(shape.numels, placements, strict=True)
+                     if p.state_tier == Tier.HOST)
+    spilled_max = 0
+    for i in order:
+        staging = 20 * spilled_max  # one disk update + one streamed read in flight
+        if host_state + staging <= budgets["host"]:
+            break
+        if placements[i].state_tier == Tier.HOST:
+            placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK)
+            host_state -= 16 * shape.numels[i]
+            spilled_max = max(spilled_max, shape.numels[i])
+    return placements
+
+
+def _what_would_fit(shape, train, hw, p: Plan, budgets) -> list[str]:
+    hints = []
+    b = budgets
+    if p.device_total_bytes > b["device"]:
+        if train.batch_size > 1:
+            hints.append(f"a smaller micro-batch (--batch-size {max(1, train.batch_size // 2)} "
+                         f"--grad-accum-steps {train.micro_batches * 2})")
+        need = gib(p.device_total_bytes / (1 - SAFETY_MARGIN))
+        hints.append(f"a device budget of at least {need}")
+        if train.precision == "fp32":
+            hints.append("--precision bf16 (halves the activation workspace)")
+    if p.host_peak_bytes > b["host"]:
+        hints.append(f"at least {gib(p.host_peak_bytes / (1 - SAFETY_MARGIN))} of host RAM "
+                     "(--host-budget)")
+    if p.disk_bytes > b["disk"]:
+        hints.append(f"at least {gib(p.disk_bytes / (1 - SAFETY_MARGIN))} of free disk at "
+                     "--offload-dir (--disk-budget)")
+    return ["would fit with: " + "; or ".join(hints)] if hints else []
+
+
+# -- presentation -------------------------------------------------------------------------------
+
+
+def describe(
+    p: Plan, shape: ModelShape, train: TrainShape, hw: HardwareProfile,
+    run_flags: list[str] | None = None,
+) -> str:
+    lines = []
+    n = shape.n_params
+    emb = shape.numels[0]
+    lines.append(f"model: {n / 1e9:.2f}B params ({shape.n_layers} blocks; embed "
+                 f"{emb / 1e6:.0f}M, blocks {sum(shape.numels[1:-1]) / 1e9:.2f}B, head "
+                 f"{shape.numels[-1] / 1e6:.0f}M{', tied' if shape.tied_numel else ''})")
+    lines.append(f"model state by class: compute/master {gib(4 * n)}, gradients {gib(4 * n)}, "
+                 f"AdamW moments {gib(8 * n)}  (plain mixed-precision AdamW needs "
+                 f"{gib(16 * n)} + activations)")
+    lines.append(f"hardware: {hw.name}; budgets after a {SAFETY_MARGIN:.0%} margin: device "
+                 f"{gib(p.budgets['device'])}, host {gib(p.budgets['host'])}, disk "
+                 f"{gib(p.budgets['disk'])}")
+    lines.append(f"step: {train.micro_batches} x {train.batch_size} x {train.seq_len} tokens, "
+                 f"{train.precision}, micro-batch order {p.order}")
+    lines.append("")
+    lines.append("peak bytes per tier (by tensor class):")
+    for tier, total, classes in (
+        ("device", p.device_peak_bytes, p.device_by_class),
+        ("host", p.host_peak_bytes, p.host_by_class),
+        ("disk", p.disk_bytes, p.disk_by_class),
+    ):
+        parts = ", ".join(f"{c} {gib(v)}" for c, v in classes.items())
+        lines.append(f"  {tier:6s} {gib(total):>10s}  ({parts})")
+    lines.append(f"  + device activation workspace {gib(p.workspace_bytes)} -> device total "
+                 f"{gib(p.device_total_bytes)}")
+    counts = p.tier_counts()
+    resident = p.resident_names()
+    lines.append("")
+    lines.append(f"placement: state on device {counts['device']}, host {counts['host']}, disk "
+                 f"{counts['disk']} of {len(p.placements)} segments; compute weights resident: "
+                 f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
+    lines.append(f"activations: resident segments "
+                 f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
+                 "streamed segments recompute from their boundary input")
+    t = p.times_s
+    lines.append("")
+    lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}, "
+                 f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
+                 f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
+                 f"CPU AdamW {t['cpu_update']:.2f} + disk {t['update_disk']:.2f}, runs behind "
+                 "the next forward)")
+    lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}")
+    lines.append("moved per step: " + ", ".join(
+        f"{k} {gib(v)}" for k, v in p.moved_bytes.items() if v))
+    lines.append("")
+    if p.fits:
+        lines.append("fits. Train with: tierlm train " + " ".join((run_flags or []) + flags(p)))
+    else:
+        lines.append("DOES NOT FIT: " + "; ".join(p.problems))
+    return "\n".join(lines)
+
+
+def _short(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names) if len(names) <= 6 else ", ".join(names[:6]) + f", ... ({len(names)})"
+
+
+def flags(p: Plan) -> list[str]:
+    out = ["--offload-policy", "auto", "--microbatch-order", p.order]
+    if not p.keep_resident_activations:
+        out += ["--grad-checkpointing", "full"]
+    return out
+
+
+def ledger_prediction(p: Plan) -> dict[str, int]:
+    return {
+        "predicted_device_peak_bytes": p.device_peak_bytes,
+        "predicted_host_peak_bytes": p.host_peak_bytes,
+        "predicted_disk_bytes": p.disk_bytes,
+    }
