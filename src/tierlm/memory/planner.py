@@ -395,6 +395,8 @@ def _times(
     attn = 6 * train.seq_len * shape.hidden_size * shape.n_layers
     flops = tokens * (6 * (block_params + head_params) + 2 * recomputed + attn)
     rate = hw.matmul_flops * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
+    if not hw.device_is_cpu and train.precision == "fp32":
+        rate /= 2  # fp32 matmuls run as TF32 on tensor cores: half the bf16 rate
     if hw.device_is_cpu and train.precision == "bf16":
         rate *= 1.5  # measured on the dev CPU: bf16 autocast ~1.5x fp32 (bench/step_time.py)
     compute = flops / rate
@@ -457,16 +459,36 @@ def _priority(names: list[str]) -> list[int]:
     return sorted(range(len(names)), key=lambda i: (names[i] not in ("embed", "head"), -i))
 
 
+def evaluate(shape, train, hw, placements, order, keep, budgets) -> Plan:
+    """Predict memory and time for one given placement (the planner's inner step; also used to
+    predict runs whose placement the user chose)."""
+    return _evaluate(shape, train, hw, placements, order, keep, budgets)
+
+
+def _update_overlap_bytes(numels: list[int], placements: list[SegmentPlacement]) -> int:
+    """Host staging while the background update overlaps the next forward. Updates run in
+    forward order; the forward of segment a waits for a's update, then reads a's weights
+    (disk: through a staging buffer) while the worker updates the next segment b (disk: master,
+    gradient and both moments staged). So the peak is the worst such pair."""
+    order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
+
+    def read(i: int) -> int:
+        return 4 * numels[i] if placements[i].state_tier == Tier.DISK else 0
+
+    def update(i: int) -> int:
+        return 16 * numels[i] if placements[i].state_tier == Tier.DISK else 0
+
+    pairs = [update(order[0])] if order else [0]
+    pairs += [read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
+    return max(pairs)
+
+
 def _evaluate(shape, train, hw, placements, order, keep, budgets) -> Plan:
-    ledger, workspace, update_staging = _simulate(shape, train, placements, order, keep)
+    ledger, workspace, _ = _simulate(shape, train, placements, order, keep)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
-    host_peak = max(ledger.peak_tier_bytes[Tier.HOST], host_persistent + update_staging)
-    if update_staging:
-        # a disk update overlaps the next forward's disk read of the previous segment
-        host_peak = max(host_peak, host_persistent + update_staging +
-                        max((n * 4 for n, p in zip(shape.numels, placements, strict=True)
-                             if p.state_tier == Tier.DISK and not p.resident), default=0))
+    host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
+                    host_persistent + _update_overlap_bytes(shape.numels, placements))
     moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
     times = _times(shape, train, hw, placements, keep, moved)
 

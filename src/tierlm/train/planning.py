@@ -109,3 +109,48 @@ def _input_flags(cfg: Config, precision: str) -> list[str]:
         if value:
             out += [flag, value]
     return out
+
+
+def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
+    """`--offload-policy auto`: the planner's choice, or a PlacementError saying what fits."""
+    from tierlm.memory.placement import PlacementError
+
+    hw = hardware_for(cfg)
+    p, _, _ = make_plan(cfg, model_config, hw, precision)
+    if not p.fits:
+        raise PlacementError(
+            f"--offload-policy auto: no plan fits on {hw.name}: " + "; ".join(p.problems)
+        )
+    return p
+
+
+def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str) -> Plan:
+    """The planner's prediction for the placement the engine actually runs."""
+    from tierlm.memory.planner import evaluate, usable_budgets
+
+    hw = hardware_for(cfg)
+    shape = ModelShape.from_config(model_config)
+    return evaluate(
+        shape, train_shape(cfg, precision), hw, engine.report.placements,
+        engine.opts.microbatch_order, engine.opts.keep_resident_activations,
+        usable_budgets(hw),
+    )
+
+
+def prediction_record(p: Plan, engine: Any | None, step: int) -> dict[str, Any]:
+    """Predicted vs measured peak bytes per tier (measured: the engine's ledger; on CUDA also
+    torch.cuda.max_memory_allocated)."""
+    from tierlm.memory.tiers import Tier
+
+    rec: dict[str, Any] = {"step": step, "predicted_device_total_bytes": p.device_total_bytes,
+                           "predicted_device_peak_bytes": p.device_peak_bytes,
+                           "predicted_host_peak_bytes": p.host_peak_bytes,
+                           "predicted_disk_bytes": p.disk_bytes}
+    if engine is not None:
+        led = engine.ledger
+        rec.update(measured_device_peak_bytes=led.peak_tier_bytes[Tier.DEVICE],
+                   measured_host_peak_bytes=led.peak_tier_bytes[Tier.HOST],
+                   measured_disk_bytes=led.tier_bytes(Tier.DISK))
+    if torch.cuda.is_available():
+        rec["measured_cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return rec
