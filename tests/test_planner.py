@@ -168,3 +168,38 @@ def test_auto_refuses_an_impossible_budget_before_the_first_step(tmp_path, capsy
     assert rc == 2
     assert "no plan fits" in err and "would fit with" in err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_probe_measures_and_detect_uses_it(tmp_path, monkeypatch):
+    from tierlm.memory import hardware
+    from tierlm.memory.probe import run_probe
+
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr(hardware, "probe_path", lambda: out)
+    result = run_probe(str(tmp_path), out, disk_mib=16, log=lambda _m: None)
+    for key in ("disk_read_Bps", "disk_write_Bps", "host_copy_Bps", "cpu_adam_params_per_s",
+                "matmul_flops"):
+        assert result[key] > 0
+    prof = hardware.detect(tmp_path)
+    assert prof.cpu_adam_params_per_s == result["cpu_adam_params_per_s"]
+    assert prof.disk_read_Bps == result["disk_read_Bps"]
+    assert prof.host_memory_bytes > 2**30 and prof.disk_budget_bytes > 0
+
+
+def test_named_profiles_and_overrides():
+    from tierlm.config import ConfigError
+    from tierlm.memory.hardware import resolve
+
+    p = resolve("rtx4090", host_memory_bytes=64 * GiB)
+    assert p.gpu_memory_bytes == 24 * 10**9 and p.host_memory_bytes == 64 * GiB
+    assert p.fp8_matmul_flops and not PROFILES["rtx3090"].fp8_matmul_flops
+    with pytest.raises(ConfigError, match="unknown profile; known: auto, rtx3090"):
+        resolve("gtx1080")
+
+
+def test_precision_auto_takes_bf16_only_where_native():
+    from tierlm.train.planning import resolve_precision
+
+    assert resolve_precision("auto", torch.device("cpu"), None) == "fp32"
+    assert resolve_precision("auto", None, PROFILES["rtx4090"]) == "bf16"
+    assert resolve_precision("bf16", torch.device("cpu"), None) == "bf16"

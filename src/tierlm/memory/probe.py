@@ -85,10 +85,12 @@ def measure(directory: Path, *, disk_mib: int = 512, log=print) -> dict[str, flo
     return out
 
 
-def run_probe(directory: str | None, out_path: Path, *, log=print) -> dict[str, float]:
+def run_probe(
+    directory: str | None, out_path: Path, *, disk_mib: int = 512, log=print
+) -> dict[str, float]:
     target = Path(directory) if directory else Path.cwd()
     target.mkdir(parents=True, exist_ok=True)
-    result = measure(target, log=log)
+    result = measure(target, disk_mib=disk_mib, log=log)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1), encoding="utf-8")
