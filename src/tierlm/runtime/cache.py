@@ -41,6 +41,7 @@ class StreamCache:
         self.pending: dict[int, PendingLoad] = {}
         self.used_bytes = 0
         self.loads = 0  # segments fetched (the "swap" count)
+        self.fetches: dict[int, int] = {}  # per segment, since the last `begin` (one step)
         self._uses: dict[int, list[int]] = {}
         self._needs: list[list[int]] = []
 
@@ -48,6 +49,7 @@ class StreamCache:
         """Install the upcoming access sequence: `needs[k]` = streamed segments action k uses."""
         self._needs = needs
         self._uses = {}
+        self.fetches = {}
         for k, segs in enumerate(needs):
             for s in segs:
                 self._uses.setdefault(s, []).append(k)
@@ -75,6 +77,7 @@ class StreamCache:
         self.used_bytes += self._bytes(s)
         self.entries[s] = buf
         self.loads += 1
+        self.fetches[s] = self.fetches.get(s, 0) + 1
         return buf
 
     def acquire(self, k: int, s: int) -> torch.Tensor:

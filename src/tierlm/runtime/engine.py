@@ -192,6 +192,7 @@ class Engine:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
         self._updates: dict[int, Future] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
+        self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
         self.skipped_steps = 0
         self.param_norms: dict[str, torch.Tensor] = {}
         # The reference optimizer's order: decaying parameters, then the rest, in model order.
@@ -224,6 +225,11 @@ class Engine:
             actions += [Action("bwd", s, mbs) for s in reversed(range(last))]
         return actions
 
+    def stream_plan(self, m: int) -> list[list[int]]:
+        """Streamed segments each action of an m-micro-batch step reads, in order: the access
+        sequence the stream cache is given (monitoring replays it to know the planned fetches)."""
+        return [self._needs(a) for a in self.schedule(m)]
+
     def _needs(self, a: Action) -> list[int]:
         """Streamed segments whose device copy action `a` reads."""
         segs = [a.seg]
@@ -250,12 +256,17 @@ class Engine:
     def _weights(self, k: int, s: int) -> torch.Tensor:
         self._wait_update(s)
         st = self.states[s]
+        t0 = time.perf_counter()
         if not st.placement.resident:
-            return self.cache.acquire(k, s)
-        if st.device_stale:
-            start_load(self.store, st).finish(st.device_weights)
-            st.device_stale = False
-        return st.device_weights
+            w = self.cache.acquire(k, s)
+        else:
+            if st.device_stale:
+                start_load(self.store, st).finish(st.device_weights)
+                st.device_stale = False
+            w = st.device_weights
+        # Host-side wait: on CUDA an H2D copy the compute stream waits for is not included.
+        self.transfer_wait_s += time.perf_counter() - t0
+        return w
 
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as
@@ -290,13 +301,14 @@ class Engine:
         t0 = time.perf_counter()
         self.ledger.reset_step()
         self.update_wait_s = 0.0
+        self.transfer_wait_s = 0.0
         m = len(batches)
         mbs = [
             _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
             for b in batches
         ]
         actions = self.schedule(m)
-        self.cache.begin([self._needs(a) for a in actions])
+        self.cache.begin(self.stream_plan(m))
         self.param_norms = {}
         loss_sum = 0.0
         for k, a in enumerate(actions):
@@ -315,6 +327,7 @@ class Engine:
             "skipped": skipped,
             "sweep_s": compute_s,  # forward + backward, including waits for weights
             "update_wait_s": self.update_wait_s,  # part of sweep_s spent on the last update
+            "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
             "step_time_s": time.perf_counter() - t0,
         }
 
