@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory "
                         "(its newest valid checkpoint is used)")
     export.add_argument("out_dir", help="directory to write the Hugging Face model into")
+    report = sub.add_parser(
+        "report", help="plot a run's metrics (PNG) and write report.md; two runs are overlaid",
+        description="Write loss, step-time, memory and transfer plots and a report.md with a "
+        "summary table for RUN_DIR (into RUN_DIR/report), or overlay two runs.",
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or two run directories")
+    report.add_argument("--out", default=None, help="directory for the report (default: "
+                        "RUN_DIR/report, or RUN_DIR/report-vs-<RUN_DIR2> for two runs)")
     plan = sub.add_parser(
         "plan", help="print the memory plan and predicted step time, allocating nothing",
         description="Plan placement, activations and micro-batch order for a run, under the "
@@ -129,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "report":
+            from tierlm.train.report import report_main
+
+            return report_main(args.runs, args.out)
         if args.command == "export":
             out = _export(args.checkpoint, args.out_dir)
             print(f"exported to {out}")

@@ -159,6 +159,16 @@ class DistributedConfig:
 
 
 @dataclass(kw_only=True)
+class MonitorConfig:
+    tensorboard: bool = False
+    """Also write every metric to TensorBoard event files under RUN_DIR/tensorboard; needs the
+    optional dependency: pip install 'tierlm[tensorboard]' (--tensorboard)."""
+    log_every: int = 10
+    """Steps between progress lines when stdout is not a terminal (CI, files); a terminal gets
+    a live view redrawn in place."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     out: str | None = None
     """Run directory; empty means runs/<model>-<date>-<time> (--out)."""
@@ -188,6 +198,8 @@ class Config:
     """Tiered placement of model state."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process training."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Live view, metrics and alerts."""
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory, resume, seed and device."""
 
@@ -219,6 +231,7 @@ SEED_FLAGS: dict[str, str] = {
     "--device-budget": "memory.device_budget",
     "--host-budget": "memory.host_budget",
     "--offload-dir": "memory.offload_dir",
+    "--tensorboard": "monitor.tensorboard",
     "--hardware": "memory.hardware",
     "--gpu-memory": "memory.gpu_memory",
     "--host-memory": "memory.host_memory",
@@ -435,6 +448,7 @@ def validate(cfg: Config) -> None:
     _positive("train.grad_accum_steps", cfg.train.grad_accum_steps, "--grad-accum-steps")
     _positive("train.max_steps", cfg.train.max_steps, "--max-steps")
     _positive("train.eval_batches", cfg.train.eval_batches)
+    _positive("monitor.log_every", cfg.monitor.log_every)
     _positive("optim.lr", cfg.optim.lr, "--lr")
     if cfg.data.vocab_size < 260:
         raise ConfigError("data.vocab_size: must be >= 260 (256 bytes + special tokens)")

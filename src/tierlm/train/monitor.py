@@ -1,18 +1,41 @@
-"""Metrics file and progress display.
+"""Monitoring: every step's record, enriched by the probes, checked by the alerts, written to
+RUN_DIR/metrics.jsonl (and TensorBoard), and shown in the live view.
 
-`MetricsLog` appends one JSON object per line to RUN_DIR/metrics.jsonl and flushes each line, so a
-crash loses at most the line being written. `Progress` is a rich progress bar on a terminal and
-plain periodic lines otherwise (CI logs, files).
+`build_monitor` resolves at setup what this run can measure (tiered runtime or reference, CUDA,
+NVML, a disk tier, TensorBoard); the loop then calls `Monitor.step(rec)` and `Monitor.eval(rec)`
+unconditionally. `MetricsLog` appends one JSON object per line and flushes each line, so a crash
+loses at most the line being written.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+
+import torch
+
+from tierlm.config import Config, ConfigError
+from tierlm.train.alerts import (
+    Alert,
+    Alerts,
+    DiskSlow,
+    GpuThrottle,
+    LossSpike,
+    NonFinite,
+    Thrashing,
+)
+from tierlm.train.live import fmt_rate, open_view
+from tierlm.train.nvml import NoGpu, open_gpu_sampler
+from tierlm.train.probes import (
+    LossWindow,
+    Probe,
+    build_probes,
+    disk_segment_bytes,
+    probe_disk_Bps,
+)
 
 
 class MetricsLog:
@@ -50,59 +73,180 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash
+    return out
 
 
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+def _tb_tag(key: str) -> str:
+    """TensorBoard groups scalars by the part before the slash."""
+    if key.startswith(("loss", "eval_")):
+        group = "loss"
+    elif key.startswith("gpu_"):
+        group = "gpu"
+    elif key.startswith("fp8_"):
+        group = "fp8"
+    elif key.endswith(("_Bps", "_bytes_per_s", "_util")) or key.startswith("segments_"):
+        group = "moves"
+    elif key.endswith("_bytes"):
+        group = "memory"
+    elif key.endswith("_s"):
+        group = "time"
+    else:
+        group = "train"
+    return f"{group}/{key}"
 
 
-class Progress:
-    """Shows step, loss, tokens/s and ETA. Rich bar on a TTY; plain lines every `every` steps."""
+class TensorBoardSink:
+    def __init__(self, log_dir: Path) -> None:
+        self.writer = _summary_writer()(log_dir=str(log_dir))
 
-    def __init__(
-        self, total_steps: int, start_step: int, *, stream: TextIO | None = None, every: int = 10
-    ) -> None:
-        self.total = total_steps
-        self.stream = stream or sys.stdout
-        self.every = every
-        self.t0 = time.perf_counter()
-        self.start_step = start_step
-        self._bar = None
-        if self.stream.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
-            self._bar = RichProgress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
-                transient=False,
-            )
-            self._task = self._bar.add_task("train", total=total_steps, info="")
-            self._bar.update(self._task, completed=start_step)
-            self._bar.start()
-
-    def log(self, message: str) -> None:
-        if self._bar is not None:
-            self._bar.console.print(message)
-        else:
-            print(message, file=self.stream, flush=True)
-
-    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
-        info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s {extra}".rstrip()
-        if self._bar is not None:
-            self._bar.update(self._task, completed=step, info=info)
-            return
-        if step % self.every == 0 or step == self.total or step == self.start_step + 1:
-            done = step - self.start_step
-            elapsed = time.perf_counter() - self.t0
-            eta = elapsed / max(done, 1) * (self.total - step)
-            self.log(f"step {step}/{self.total}  {info}  eta {_fmt_eta(eta)}")
+    def write(self, rec: dict[str, Any]) -> None:
+        for key, value in rec.items():
+            if key == "step" or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                self.writer.add_scalar(_tb_tag(key), value, rec["step"])
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+        self.writer.close()
+
+
+def _summary_writer():
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package: pip install 'tierlm[tensorboard]' "
+            "(or drop --tensorboard; metrics.jsonl has the same numbers)"
+        ) from None
+    return SummaryWriter
+
+
+def check_monitor_deps(cfg: Config) -> None:
+    """Fail before any work when an optional dependency the config asks for is missing."""
+    if cfg.monitor.tensorboard:
+        _summary_writer()
+
+
+class SkippedSteps:
+    def __init__(self, stepper: Any) -> None:
+        self.stepper = stepper
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return {"skipped_steps": self.stepper.skipped_steps}
+
+
+class Monitor:
+    """What the loop calls: `start` (opens the live view), `step`, `eval`, `log`, `close`."""
+
+    def __init__(
+        self,
+        metrics: MetricsLog,
+        probes: list[Probe],
+        alerts: Alerts,
+        *,
+        sinks: tuple[TensorBoardSink, ...] = (),
+        every: int = 10,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.metrics = metrics
+        self.probes = probes
+        self.alerts = alerts
+        self.sinks = sinks
+        self.every = every
+        self._log = log
+        self.view: Any = None
+        self.last_eval: dict[str, Any] | None = None
+
+    def replay(self, records: list[dict[str, Any]]) -> None:
+        """Bring windows, detectors and alert counts up to date with the records of the run we
+        resume (metrics.jsonl after truncation), without logging anything again."""
+        for rec in records:
+            if "eval_loss" in rec:
+                self.last_eval = rec
+            elif "loss" in rec:
+                for p in self.probes:
+                    if isinstance(p, LossWindow):
+                        p.fields(rec)
+                self.alerts.check(rec)
+
+    def start(self, total_steps: int, start_step: int, stream: TextIO | None = None) -> Monitor:
+        self.view = open_view(total_steps, start_step, stream=stream, every=self.every)
+        return self
+
+    def log(self, message: str) -> None:
+        if self.view is not None:
+            self.view.log(message)
+        else:
+            self._log(message)
+
+    def step(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Add the probes' fields to `rec`, check alerts, write it and show it."""
+        for p in self.probes:
+            rec.update(p.fields(rec))
+        fired = self.alerts.check(rec)
+        rec["alerts"] = [name for name, _ in fired]
+        rec["alert_messages"] = [msg for _, msg in fired]
+        self.metrics.write(rec)
+        for sink in self.sinks:
+            sink.write(rec)
+        for name, msg in fired:
+            self.log(f"step {rec['step']}: alert {name}: {msg}")
+        if self.view is not None:
+            self.view.update(rec, self.last_eval, self.alerts.counts)
+        return rec
+
+    def eval(self, rec: dict[str, Any]) -> None:
+        self.last_eval = rec
+        self.metrics.write(rec)
+        for sink in self.sinks:
+            sink.write(rec)
+        self.log(f"step {rec['step']}: held-out loss {rec['eval_loss']:.4f}, "
+                 f"perplexity {rec['eval_ppl']:.2f}")
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = ()
+
+
+def build_monitor(
+    cfg: Config,
+    stepper: Any,
+    device: torch.device,
+    run_dir: Path,
+    metrics: MetricsLog,
+    *,
+    log: Callable[[str], None] = print,
+) -> Monitor:
+    gpu = open_gpu_sampler(device)
+    probes: list[Probe] = [
+        *build_probes(stepper, device, gpu, cfg.train.grad_accum_steps),
+        SkippedSteps(stepper),
+    ]
+    detectors: list[Alert] = [LossSpike(), NonFinite()]
+    if getattr(stepper, "cache", None) is not None:
+        detectors.append(Thrashing())
+    request_bytes = disk_segment_bytes(stepper)
+    if request_bytes:
+        ref = probe_disk_Bps(stepper.opts.offload_dir, request_bytes)
+        log(f"disk probe ({request_bytes / 2**20:.1f} MiB requests): write "
+            f"{fmt_rate(ref['disk_write'])}, read {fmt_rate(ref['disk_read'])}; the disk_slow "
+            "alert compares the run with these")
+        detectors.append(DiskSlow(ref))
+    if not isinstance(gpu, NoGpu):
+        detectors.append(GpuThrottle())
+    sinks = (TensorBoardSink(run_dir / "tensorboard"),) if cfg.monitor.tensorboard else ()
+    monitor = Monitor(metrics, probes, Alerts(detectors), sinks=sinks,
+                      every=cfg.monitor.log_every, log=log)
+    if metrics.path.exists():
+        monitor.replay(read_metrics(metrics.path))
+    return monitor

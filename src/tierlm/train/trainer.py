@@ -38,7 +38,7 @@ from tierlm.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tierlm.train.monitor import MetricsLog, Progress
+from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.schedule import lr_at
 
@@ -117,6 +117,7 @@ def build_stepper(cfg: Config, model: torch.nn.Module, device: torch.device, run
 class Trainer:
     def __init__(self, cfg: Config, *, log: Callable[[str], None] = print) -> None:
         check_supported(cfg)
+        check_monitor_deps(cfg)  # a missing optional dependency fails before any work
         self.cfg = cfg
         self.log = log
         self.device = resolve_device(cfg.run.device)
@@ -184,6 +185,8 @@ class Trainer:
             self.run_dir / "metrics.jsonl",
             resume_from_step=self.step if resume_ckpt is not None else None,
         )
+        self.monitor = build_monitor(cfg, self.stepper, self.device, self.run_dir, self.metrics,
+                                     log=log)
         self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
         log(
             f"model: {self.model.config.model_type}, {self.n_params / 1e6:.1f}M params, "
@@ -215,7 +218,7 @@ class Trainer:
             "step_time_s": step_time_s,
             "skipped": out["skipped"],
         }
-        for key in ("sweep_s", "update_wait_s"):
+        for key in ("sweep_s", "update_wait_s", "transfer_wait_s"):
             if key in out:
                 rec[key] = out[key]
         ledger = getattr(self.stepper, "ledger", None)
@@ -284,23 +287,17 @@ class Trainer:
 
         def run_eval() -> None:
             rec = self.evaluate()
-            self.metrics.write(rec)
+            progress.eval(rec)  # metrics.jsonl, TensorBoard, the live view
             result.eval_ppl[self.step] = rec["eval_ppl"]
-            progress.log(f"step {self.step}: held-out loss {rec['eval_loss']:.4f}, "
-                         f"perplexity {rec['eval_ppl']:.2f}")
 
-        progress = Progress(cfg.max_steps, self.step)
+        progress = self.monitor.start(cfg.max_steps, self.step)
         try:
             if self.step == 0:
                 run_eval()
             while self.step < end:
                 rec = self.train_step()
-                self.metrics.write(rec)
+                progress.step(rec)  # derived fields, alerts, metrics.jsonl, the live view
                 result.losses.append(rec["loss"])
-                if rec["skipped"]:
-                    progress.log(f"step {self.step}: non-finite gradient, step skipped "
-                                 f"({self.skipped_steps} so far)")
-                progress.update(self.step, rec["loss"], rec["tokens_per_s"])
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != end:
                     run_eval()
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step != end:

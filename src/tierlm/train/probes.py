@@ -1,0 +1,256 @@
+"""Per-step measurements beyond what the stepper returns, as metrics.jsonl fields.
+
+Each probe adds a fixed set of keys to the step record; `build_probes` picks, at setup, the
+implementation that fits this run (tiered runtime or reference, CUDA or CPU, NVML or not), and a
+probe with nothing to measure fills its keys with None, so every run's records carry the same
+fields. Rates: `<link>_Bps` is the link's throughput while busy (bytes / summed transfer time,
+from the ledger); `<link>_bytes_per_s` is the swap rate (bytes moved / step time).
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+import torch
+
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.store import Store
+from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.train.alerts import planned_fetches
+from tierlm.train.nvml import GpuSampler
+
+LOSS_WINDOW = 10  # steps in `loss_var`; the loss-spike rule uses the same window
+
+LEDGER_KEYS = [
+    *(f"{t}_{k}" for t in Tier for k in ("bytes", "peak_bytes", "step_peak_bytes")),
+    *(f"{link}_{k}" for link in Link for k in ("bytes", "Bps")),
+]
+
+
+class Probe(Protocol):
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class StepTime:
+    """Splits the step: transfer wait (weights not yet on the device), update wait (the previous
+    step's background optimizer update not yet done) and the rest, compute."""
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        transfer = rec.get("transfer_wait_s") or 0.0
+        update = rec.get("update_wait_s") or 0.0
+        return {
+            "compute_s": max(0.0, rec["step_time_s"] - transfer - update),
+            "transfer_wait_s": transfer,
+            "update_wait_s": update,
+        }
+
+
+class LossWindow:
+    """Variance of the finite losses of the last `window` steps (None below two)."""
+
+    def __init__(self, window: int = LOSS_WINDOW) -> None:
+        self.losses: deque[float] = deque(maxlen=window)
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        loss = rec["loss"]
+        if isinstance(loss, float) and loss == loss and abs(loss) != float("inf"):
+            self.losses.append(loss)
+        if len(self.losses) < 2:
+            return {"loss_var": None}
+        mean = sum(self.losses) / len(self.losses)
+        return {"loss_var": sum((x - mean) ** 2 for x in self.losses) / len(self.losses)}
+
+
+class Moves:
+    """Ledger fields (None without a ledger), swap rates per link and PCIe utilisation (bytes
+    moved per second of step / the link's peak per direction; None without NVML's link data)."""
+
+    def __init__(self, ledger: Ledger | None, pcie_peak_Bps: float | None) -> None:
+        self.ledger = ledger
+        self.pcie_peak_Bps = pcie_peak_Bps
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {k: rec.get(k) for k in LEDGER_KEYS}
+        for link in Link:
+            nbytes = out[f"{link}_bytes"]
+            out[f"{link}_bytes_per_s"] = (
+                nbytes / rec["step_time_s"] if nbytes is not None else None
+            )
+        for link in (Link.H2D, Link.D2H):
+            rate = out[f"{link}_bytes_per_s"]
+            out[f"pcie_{link}_util"] = (
+                rate / self.pcie_peak_Bps if rate is not None and self.pcie_peak_Bps else None
+            )
+        return out
+
+
+def _peak_rss_bytes() -> int:
+    """The process's peak resident set (VmHWM): the CPU has no allocator statistics."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class HostMemory:
+    """The process's resident set, current and peak (on a CPU-only machine the device tier
+    lives there too). The trainer's memory watch may have measured them already."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "rss_bytes": rec.get("rss_bytes") or self.proc.memory_info().rss,
+            "rss_peak_bytes": rec.get("rss_peak_bytes") or _peak_rss_bytes(),
+        }
+
+
+class CudaMemory:
+    """The caching allocator's allocated bytes (what tensors hold; not reserved memory, not
+    nvidia-smi's number), current and peak since the run started."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "cuda_allocated_bytes": torch.cuda.memory_allocated(self.device),
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+        }
+
+
+class NoCuda:
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return {"cuda_allocated_bytes": None, "cuda_max_allocated_bytes": None}
+
+
+class StreamFetches:
+    """Segments fetched to the device this step against the schedule's plan; over-plan
+    segments are listed by name (the thrashing alert reads them)."""
+
+    def __init__(self, engine: Any, micro_batches: int) -> None:
+        self.cache = engine.cache
+        self.names = [st.seg.name for st in engine.states]
+        self.planned = planned_fetches(engine.cache, engine.stream_plan(micro_batches))
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        got = self.cache.fetches  # reset by the cache at the start of every step
+        total = sum(got.values())
+        over = {
+            self.names[s]: [n, self.planned.get(s, 0)]
+            for s, n in sorted(got.items())
+            if n > self.planned.get(s, 0)
+        }
+        return {
+            "segments_fetched": total,
+            "segments_fetched_planned": sum(self.planned.values()),
+            "segments_fetched_per_s": total / rec["step_time_s"],
+            "segments_over_plan": over,
+        }
+
+
+class NoStream:
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return dict.fromkeys(
+            ("segments_fetched", "segments_fetched_planned", "segments_fetched_per_s",
+             "segments_over_plan")
+        )
+
+
+FP8_KEYS = ("fp8_underflow_rate", "fp8_overflow_rate", "fp8_underflow_by_layer")
+
+
+class Fp8Stats:
+    """fp8 under/overflow from a stepper that computes in fp8. Contract: the stepper's
+    `fp8_stats()` returns {layer name: (underflow fraction, overflow fraction)} for the values
+    cast to fp8 since the previous call; the run-wide rates are the mean over layers."""
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        per_layer = self.stats()
+        if not per_layer:
+            return dict.fromkeys(FP8_KEYS)
+        n = len(per_layer)
+        return {
+            "fp8_underflow_rate": sum(u for u, _ in per_layer.values()) / n,
+            "fp8_overflow_rate": sum(o for _, o in per_layer.values()) / n,
+            "fp8_underflow_by_layer": {k: u for k, (u, _) in per_layer.items()},
+        }
+
+
+class NoFp8:
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return dict.fromkeys(FP8_KEYS)
+
+
+class Gpu:
+    def __init__(self, sampler: GpuSampler) -> None:
+        self.sampler = sampler
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return self.sampler.sample()
+
+
+def build_probes(stepper: Any, device: torch.device, gpu: GpuSampler, micro_batches: int):
+    """The probes for this run, in the order their fields are added."""
+    ledger = getattr(stepper, "ledger", None)
+    cache = getattr(stepper, "cache", None)
+    fp8 = getattr(stepper, "fp8_stats", None)
+    return [
+        StepTime(),
+        LossWindow(),
+        Moves(ledger, gpu.pcie_peak_Bps),
+        HostMemory(),
+        CudaMemory(device) if device.type == "cuda" else NoCuda(),
+        StreamFetches(stepper, micro_batches) if cache is not None else NoStream(),
+        Fp8Stats(fp8) if fp8 is not None else NoFp8(),
+        Gpu(gpu),
+    ]
+
+
+def disk_segment_bytes(engine: Any) -> int:
+    """The largest disk-resident segment's fp32 copy: the size of the run's disk requests."""
+    sizes = [st.numel * 4 for st in getattr(engine, "states", []) if st.tier == Tier.DISK]
+    return max(sizes, default=0)
+
+
+def probe_disk_Bps(
+    directory: str | Path, request_bytes: int, requests: int = 4
+) -> dict[str, float]:
+    """Reference disk-tier throughput in `directory`, measured the way the ledger measures the
+    run: `requests` concurrent files of `request_bytes` (an update reads and writes its segment's
+    copies together) through a `Store`, rate = bytes / summed request time. Files are written
+    once first, as the run's are preallocated, then the timed write and read; best of two."""
+    root = Path(tempfile.mkdtemp(prefix=".tierlm-disk-probe-", dir=directory))
+    store = Store(torch.device("cpu"), offload_dir=root)
+    numel = max(1, request_bytes // 4)
+    bufs = [store.alloc(Tier.HOST, TensorClass.STAGING, numel).fill_(1.0) for _ in range(requests)]
+    best = {"disk_write": 0.0, "disk_read": 0.0}
+    try:
+        for f in [store.write_file(f"p{i}", b, TensorClass.GRAD) for i, b in enumerate(bufs)]:
+            f.result()
+        for _ in range(2):
+            store.ledger.reset_step()
+            for f in [store.write_file(f"p{i}", b, TensorClass.GRAD) for i, b in enumerate(bufs)]:
+                f.result()
+            for f in [store.read_file(f"p{i}", b) for i, b in enumerate(bufs)]:
+                f.result()
+            snap = store.ledger.snapshot()
+            for link in best:
+                best[link] = max(best[link], snap[f"{link}_Bps"] or 0.0)
+    finally:
+        store.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return best

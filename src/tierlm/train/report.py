@@ -1,0 +1,215 @@
+"""`tierlm report RUN_DIR [RUN_DIR2]`: PNG plots and a report.md with a summary table.
+
+One run: RUN_DIR/report/. Two runs: the plots overlay them, written to
+RUN_DIR/report-vs-<second run's name>/ (or `--out`). The summary shows, per run: steps,
+final train and held-out loss, tokens/s, the step-time split, skipped steps, alerts, and the
+peak bytes per tier measured by the ledger against the planner's prediction when the run has one
+(a record with `predicted_<tier>_peak_bytes`) and the budget when one was set.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tierlm.config import ConfigError, parse_bytes
+from tierlm.memory.tiers import Tier
+from tierlm.train.live import fmt_bytes
+from tierlm.train.monitor import read_metrics
+from tierlm.train.plots import build_figures
+
+DPI = 110
+
+
+class ReportError(ValueError):
+    """The directory is not a run, or its metrics hold no training steps."""
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    steps: list[dict[str, Any]]  # one record per optimizer step (has "loss")
+    evals: list[dict[str, Any]]  # held-out evaluations (has "eval_loss")
+    other: list[dict[str, Any]]  # anything else (the planner's predictions, events)
+    budgets: dict[str, float] = field(default_factory=dict)  # tier -> bytes, from config.yaml
+    planned: dict[str, float] = field(default_factory=dict)  # tier -> predicted peak bytes
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportError(f"{path}: no metrics.jsonl; is it a run directory (--out of a run)?")
+    recs = read_metrics(metrics)
+    steps = [r for r in recs if "loss" in r and "step" in r]
+    if not steps:
+        raise ReportError(f"{metrics}: no training steps recorded yet")
+    # A resumed run rewrites the steps after its checkpoint: the last record of a step wins.
+    steps = list({r["step"]: r for r in steps}.values())
+    evals = list({r["step"]: r for r in recs if "eval_loss" in r}.values())
+    other = [r for r in recs if "loss" not in r and "eval_loss" not in r]
+    run = Run(name=path.resolve().name, path=path, steps=steps, evals=evals, other=other)
+    cfg_file = path / "config.yaml"
+    if cfg_file.is_file():
+        mem = (yaml.safe_load(cfg_file.read_text(encoding="utf-8")) or {}).get("memory") or {}
+        for tier, key in ((Tier.DEVICE, "device_budget"), (Tier.HOST, "host_budget"),
+                          (Tier.DISK, "disk_budget")):
+            if mem.get(key):
+                try:
+                    run.budgets[str(tier)] = parse_bytes(mem[key])
+                except ConfigError:
+                    pass
+    for rec in other:
+        for tier in Tier:
+            value = rec.get(f"predicted_{tier}_peak_bytes", rec.get(f"predicted_{tier}_bytes"))
+            if value is not None:
+                run.planned[str(tier)] = value
+    return run
+
+
+def _median(run: Run, key: str) -> float | None:
+    vals = [r[key] for r in run.steps if isinstance(r.get(key), int | float)]
+    return statistics.median(vals) if vals else None
+
+
+def _peak(run: Run, tier: Tier) -> float | None:
+    vals = [r[f"{tier}_peak_bytes"] for r in run.steps
+            if isinstance(r.get(f"{tier}_peak_bytes"), int | float)]
+    return max(vals) if vals else None
+
+
+def alert_counts(run: Run) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in run.steps:
+        for name in r.get("alerts") or []:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def summary_rows(run: Run) -> list[tuple[str, str]]:
+    last = run.steps[-1]
+    rows = [("steps", f"{last['step']}")]
+    loss = last.get("loss")
+    rows.append(("final train loss", "-" if loss is None else f"{loss:.4f}"))
+    if run.evals:
+        e = run.evals[-1]
+        rows.append(("final held-out loss (perplexity)",
+                     f"{e['eval_loss']:.4f} ({e['eval_ppl']:.2f}) at step {e['step']}"))
+    tps = _median(run, "tokens_per_s")
+    rows.append(("tokens/s (median)", "-" if tps is None else f"{tps:,.0f}"))
+    parts = [_median(run, k) for k in ("step_time_s", "compute_s", "transfer_wait_s",
+                                       "update_wait_s")]
+    if parts[0] is not None:
+        split = " / ".join("-" if p is None else f"{p:.3f}" for p in parts[1:])
+        rows.append(("step time, median s (compute / transfer wait / update wait)",
+                     f"{parts[0]:.3f} ({split})"))
+    rows.append(("skipped steps", str(last.get("skipped_steps",
+                                               sum(1 for r in run.steps if r.get("skipped"))))))
+    counts = alert_counts(run)
+    rows.append(("alerts", ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"))
+    for tier in Tier:
+        measured, planned = _peak(run, tier), run.planned.get(str(tier))
+        budget = run.budgets.get(str(tier))
+        if not measured and not planned:
+            continue  # this run used no such tier
+        label = f"peak {tier} bytes"
+        text = fmt_bytes(measured)
+        if planned is not None:
+            label += " (planned / measured)"
+            ratio = f", {measured / planned:.2f}x" if measured and planned else ""
+            text = f"{fmt_bytes(planned)} / {fmt_bytes(measured)}{ratio}"
+        if budget is not None:
+            text += f" (budget {fmt_bytes(budget)})"
+        rows.append((label, text))
+    cuda = [r["cuda_max_allocated_bytes"] for r in run.steps
+            if r.get("cuda_max_allocated_bytes") is not None]
+    if cuda:
+        rows.append(("CUDA max allocated", fmt_bytes(max(cuda))))
+    rss = [r["rss_peak_bytes"] for r in run.steps if r.get("rss_peak_bytes")]
+    if rss:
+        rows.append(("process peak RSS", fmt_bytes(max(rss))))
+    return rows
+
+
+def summary_table(runs: list[Run]) -> str:
+    tables = [dict(summary_rows(r)) for r in runs]
+    labels = list(dict.fromkeys(k for t in tables for k in t))
+    lines = ["| | " + " | ".join(r.name for r in runs) + " |",
+             "| --- |" + " --- |" * len(runs)]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(t.get(label, "-") for t in tables) + " |")
+    return "\n".join(lines)
+
+
+_CAPTIONS = {
+    "loss": "Training loss per step and held-out loss at each evaluation; red dotted lines mark "
+            "steps that raised an alert, red crosses skipped steps.",
+    "step_time": "Where each step's time went: compute, waiting for weights to arrive "
+                 "(transfer wait), waiting for the previous step's background optimizer update "
+                 "(update wait).",
+    "memory": "Bytes each tier held (the peak within each step, from the ledger) against the "
+              "budget and the planner's predicted peak; the process panel shows the resident "
+              "set (and CUDA's allocated bytes on a GPU).",
+    "moves": "Swap rates: bytes moved per second of step on each link, and segments fetched to "
+             "the device per step against the schedule's plan.",
+    "fp8_underflow": "Share of values that underflowed to zero when cast to fp8, per layer.",
+}
+
+
+def alert_section(runs: list[Run]) -> str:
+    lines = []
+    for run in runs:
+        for r in run.steps:
+            for name, msg in zip(r.get("alerts") or [], r.get("alert_messages") or [],
+                                 strict=False):
+                lines.append(f"- {run.name}, step {r['step']}: **{name}**: {msg}")
+    if not lines:
+        return "No alerts."
+    if len(lines) > 50:
+        lines = lines[:50] + [f"- ... and {len(lines) - 50} more (see metrics.jsonl)"]
+    return "\n".join(lines)
+
+
+def write_report(runs: list[Run], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figs = build_figures(runs)
+    title = (f"Run report: {runs[0].name}" if len(runs) == 1
+             else "Run comparison: " + " vs ".join(r.name for r in runs))
+    md = [f"# {title}", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), "",
+          summary_table(runs), ""]
+    for name, fig in figs.items():
+        fig.savefig(out_dir / f"{name}.png", dpi=DPI)
+        md += [f"## {name.replace('_', ' ').capitalize()}", "", _CAPTIONS[name], "",
+               f"![{name}]({name}.png)", ""]
+    md += ["## Alerts", "", alert_section(runs), ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md), encoding="utf-8")
+    return path
+
+
+def default_out_dir(runs: list[Run]) -> Path:
+    if len(runs) == 1:
+        return runs[0].path / "report"
+    return runs[0].path / f"report-vs-{runs[1].name}"
+
+
+def report_main(run_dirs: list[str], out: str | None = None) -> int:
+    """The `tierlm report` command: returns the exit status."""
+    try:
+        if not 1 <= len(run_dirs) <= 2:
+            raise ReportError("report: give one run directory, or two to compare")
+        runs = [load_run(d) for d in run_dirs]
+        if len(runs) == 2 and runs[0].name == runs[1].name:
+            runs[1].name = f"{runs[1].name} (2)"
+        path = write_report(runs, Path(out) if out else default_out_dir(runs))
+    except ReportError as exc:
+        print(f"tierlm: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
