@@ -23,6 +23,7 @@ install: $(STAMP)
 
 train: $(STAMP)
 	$(VENV)/bin/tierlm train --config configs/demo.yaml
+	$(VENV)/bin/tierlm report runs/demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench train_large_model.py

@@ -19,6 +19,15 @@ _LINK_LABEL = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
                Link.DISK_WRITE: "disk write"}
 
 
+def _shown(link: Link, rec: dict[str, Any]) -> bool:
+    """PCIe links always; disk links where a disk tier exists; others once they move bytes."""
+    if link in (Link.H2D, Link.D2H):
+        return True
+    if link in (Link.DISK_READ, Link.DISK_WRITE):
+        return bool(rec.get(f"{Tier.DISK}_peak_bytes"))
+    return bool(rec.get(f"{link}_bytes_per_s"))
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -49,7 +58,7 @@ def _num(x: Any, fmt: str) -> str:
 def summary_parts(rec: dict[str, Any], eval_rec: dict[str, Any] | None,
                   alert_counts: dict[str, int]) -> dict[str, str]:
     """The view's rows as text: loss, time, memory, moves, health."""
-    loss = f"loss {_num(rec['loss'], '.4f')}  var {_num(rec.get('loss_var'), '.3g')}"
+    loss = f"{_num(rec['loss'], '.4f')}  var {_num(rec.get('loss_var'), '.3g')}"
     if eval_rec is not None:
         loss += f"  eval {eval_rec['eval_loss']:.4f} (step {eval_rec['step']})"
     loss += f"  {rec['tokens_per_s']:,.0f} tok/s"
@@ -65,9 +74,9 @@ def summary_parts(rec: dict[str, Any], eval_rec: dict[str, Any] | None,
     if rec.get(f"{Link.H2D}_bytes") is None:
         moves = "none (reference trainer: the model stays on the device)"
     else:
-        moves = "  ".join(  # the disk links only where a disk tier exists
-            f"{_LINK_LABEL[link]} {fmt_rate(rec.get(f'{link}_bytes_per_s'))}" for link in Link
-            if link in (Link.H2D, Link.D2H) or rec.get(f"{Tier.DISK}_peak_bytes")
+        moves = "  ".join(
+            f"{_LINK_LABEL.get(link, link)} {fmt_rate(rec.get(f'{link}_bytes_per_s'))}"
+            for link in Link if _shown(link, rec)
         )
         if rec.get("segments_fetched") is not None:
             moves += (f"  fetched {rec['segments_fetched']}/step"
@@ -101,8 +110,11 @@ class LineView:
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(step - self.start, 1) * (self.total - step)
         p = summary_parts(rec, eval_rec, alert_counts)
-        self.log(f"step {step}/{self.total}  {p['loss']} | {p['time']} | peak {p['peak']} | "
+        self.log(f"step {step}/{self.total}  loss {p['loss']} | {p['time']} | peak {p['peak']} | "
                  f"moves {p['moves']} | {p['health']} | eta {fmt_eta(eta)}")
+
+    def show_eval(self, eval_rec: dict[str, Any]) -> None:
+        pass  # the evaluation's own log line says it
 
     def close(self) -> None:
         pass
@@ -134,6 +146,7 @@ class RichView:
         )
         self.task = self.bar.add_task("train", total=total, completed=start)
         self.table = self._rows({"loss": "waiting for the first step"})
+        self._last: tuple[dict[str, Any], dict[str, int]] | None = None
         self.live = Live(self._render(), console=self.console, refresh_per_second=4,
                          get_renderable=self._render)
         self.live.start()
@@ -156,6 +169,12 @@ class RichView:
                alert_counts: dict[str, int]) -> None:
         self.bar.update(self.task, completed=rec["step"])
         self.table = self._rows(summary_parts(rec, eval_rec, alert_counts))
+        self._last = (rec, alert_counts)
+
+    def show_eval(self, eval_rec: dict[str, Any]) -> None:
+        if self._last is not None:
+            rec, counts = self._last
+            self.table = self._rows(summary_parts(rec, eval_rec, counts))
 
     def close(self) -> None:
         self.live.refresh()

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import torch
 
 from tierlm.config import Config, ConfigError
+from tierlm.memory.tiers import Link
 from tierlm.train.alerts import (
     Alert,
     Alerts,
@@ -90,7 +91,9 @@ def _tb_tag(key: str) -> str:
         group = "gpu"
     elif key.startswith("fp8_"):
         group = "fp8"
-    elif key.endswith(("_Bps", "_bytes_per_s", "_util")) or key.startswith("segments_"):
+    elif key.endswith(("_Bps", "_bytes_per_s", "_util")) or key.startswith(
+        ("segments_", *(f"{link}_" for link in Link))
+    ):
         group = "moves"
     elif key.endswith("_bytes"):
         group = "memory"
@@ -208,6 +211,8 @@ class Monitor:
             sink.write(rec)
         self.log(f"step {rec['step']}: held-out loss {rec['eval_loss']:.4f}, "
                  f"perplexity {rec['eval_ppl']:.2f}")
+        if self.view is not None:
+            self.view.show_eval(rec)
 
     def close(self) -> None:
         if self.view is not None:

@@ -22,6 +22,7 @@ LINK_COLOR = {Link.H2D: "tab:blue", Link.D2H: "tab:orange", Link.DISK_READ: "tab
               Link.DISK_WRITE: "tab:red"}
 RUN_STYLE = ["-", "--"]  # run A solid, run B dashed
 RUN_COLOR = ["tab:blue", "tab:orange"]
+RUN_MARKER = ["o", "x"]
 WIDTH_IN = 10
 
 
@@ -72,7 +73,7 @@ def _mark_off_scale(ax, x: np.ndarray, y: np.ndarray, top: float, unit: str) -> 
     for xi, yi in zip(x, y, strict=True):
         if yi > top:
             ax.annotate(f"step {xi:.0f}: {yi:.3g} {unit} (off scale)", (xi, top),
-                        xytext=(6, -14), textcoords="offset points", fontsize="small",
+                        xytext=(14, -14), textcoords="offset points", fontsize="small",
                         color="0.3", arrowprops={"arrowstyle": "->", "color": "0.3"})
 
 
@@ -98,19 +99,22 @@ def loss_figure(runs: list[Any]) -> Figure:
         if ex.size:
             _line(ax, ex, ey, f"eval/{run.name}", color=RUN_COLOR[i], ls="--", marker="o",
                   ms=6, mec="black", mew=0.6, label=f"held-out loss{tag}")
+        # one run: red marks trouble; two runs: each run's marks in its own color
+        mark = "red" if len(runs) == 1 else RUN_COLOR[i]
         skipped = [r["step"] for r in run.steps if r.get("skipped")]
         if skipped:
-            ax.plot(skipped, [0] * len(skipped), "x", color="red", ms=8, clip_on=False,
-                    transform=ax.get_xaxis_transform(), label=f"skipped steps{tag}")
+            ax.plot(skipped, [0] * len(skipped), RUN_MARKER[i], color=mark, ms=8,
+                    clip_on=False, transform=ax.get_xaxis_transform(),
+                    label=f"skipped steps{tag}")
         alerted = [r["step"] for r in run.steps if r.get("alerts")]
         for k, s in enumerate(alerted):
-            ax.axvline(s, color="red", ls=":", lw=1, alpha=0.7,
+            ax.axvline(s, color=mark, ls=":", lw=1.2, alpha=0.8,
                        label=f"alert{tag}" if k == 0 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (cross-entropy, nats/token)")
     ax.set_title(_title(runs, "Loss"))
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     return fig
 
 
@@ -220,8 +224,8 @@ def moves_figure(runs: list[Any]) -> Figure:
         tag = f" ({run.name})" if len(runs) > 1 else ""
         for link in links:
             x, y = series(run.steps, f"{link}_bytes_per_s")
-            _line(ax, x, y / scale, f"{link}/{run.name}", color=LINK_COLOR[link],
-                  ls=RUN_STYLE[i], lw=1.4, label=LINK_LABEL[link] + tag)
+            _line(ax, x, y / scale, f"{link}/{run.name}", color=LINK_COLOR.get(link),
+                  ls=RUN_STYLE[i], lw=1.4, label=LINK_LABEL.get(link, link) + tag)
     if links:
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0, top=1.3 * top / scale)  # headroom for the legend
@@ -237,7 +241,7 @@ def moves_figure(runs: list[Any]) -> Figure:
                       ls=RUN_STYLE[i], lw=4, alpha=0.5, label=f"planned{tag}")
                 x, y = series(run.steps, "segments_fetched")
                 _line(ax, x, y, f"segments_fetched/{run.name}", color=RUN_COLOR[i],
-                      ls="none", marker="o", ms=3.5, label=f"fetched{tag}")
+                      ls="none", marker=RUN_MARKER[i], ms=4, label=f"fetched{tag}")
                 ax.set_ylabel("segments / step")
                 ax.set_title("Segments fetched to the device per step (swaps)")
             else:
