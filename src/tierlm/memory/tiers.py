@@ -25,3 +25,5 @@ class Link(StrEnum):
     D2H = "d2h"
     DISK_READ = "disk_read"
     DISK_WRITE = "disk_write"
+    NET_SEND = "net_send"  # bytes this rank sends to other ranks (tierlm.distributed)
+    NET_RECV = "net_recv"  # bytes this rank receives from other ranks

@@ -16,7 +16,8 @@ from typing import Any, TextIO
 from tierlm.memory.tiers import Link, Tier
 
 _LINK_LABEL = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
-               Link.DISK_WRITE: "disk write"}
+               Link.DISK_WRITE: "disk write", Link.NET_SEND: "net send",
+               Link.NET_RECV: "net recv"}
 
 
 def _shown(link: Link, rec: dict[str, Any]) -> bool:

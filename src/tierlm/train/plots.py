@@ -16,10 +16,12 @@ from matplotlib.figure import Figure
 from tierlm.memory.tiers import Link, Tier
 
 LINK_LABEL = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
-              Link.DISK_WRITE: "disk write"}
+              Link.DISK_WRITE: "disk write", Link.NET_SEND: "net send",
+              Link.NET_RECV: "net recv"}
 TIER_COLOR = {Tier.DEVICE: "tab:blue", Tier.HOST: "tab:orange", Tier.DISK: "tab:green"}
 LINK_COLOR = {Link.H2D: "tab:blue", Link.D2H: "tab:orange", Link.DISK_READ: "tab:green",
-              Link.DISK_WRITE: "tab:red"}
+              Link.DISK_WRITE: "tab:red", Link.NET_SEND: "tab:purple",
+              Link.NET_RECV: "tab:brown"}
 RUN_STYLE = ["-", "--"]  # run A solid, run B dashed
 RUN_COLOR = ["tab:blue", "tab:orange"]
 RUN_MARKER = ["o", "x"]
