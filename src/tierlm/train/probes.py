@@ -220,10 +220,14 @@ def build_probes(stepper: Any, device: torch.device, gpu: GpuSampler, micro_batc
     ]
 
 
+PROBE_REQUEST_CAP_BYTES = 32 << 20
+
+
 def disk_segment_bytes(engine: Any) -> int:
-    """The largest disk-resident segment's fp32 copy: the size of the run's disk requests."""
+    """The size of the run's disk requests (the largest disk-resident segment's fp32 copy), for
+    the probe: capped, since larger requests only run faster, so the probe stays ~a second."""
     sizes = [st.numel * 4 for st in getattr(engine, "states", []) if st.tier == Tier.DISK]
-    return max(sizes, default=0)
+    return min(max(sizes, default=0), PROBE_REQUEST_CAP_BYTES)
 
 
 def probe_disk_Bps(
