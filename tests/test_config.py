@@ -99,6 +99,17 @@ EXAMPLE_VALUES = {
     "--device-budget": "8GiB",
     "--host-budget": "1.5GiB",
     "--offload-dir": "/tmp/off",
+    "--fp8-scaling": "delayed",
+    "--fp8-history": "4",
+    "--fp8-layers": "lm_head",
+    "--bf16-layers": "down_proj",
+    "--fp32-layers": "q_proj",
+    "--fp8-emulate": "True",
+}
+# fp8 flags only make sense with --precision fp8.
+NEEDS_FP8 = {
+    "--fp8-scaling", "--fp8-history", "--fp8-layers", "--bf16-layers", "--fp32-layers",
+    "--fp8-emulate",
 }
 # Flags of the tiered runtime only make sense with an offload policy.
 NEEDS_OFFLOAD = {
@@ -118,6 +129,7 @@ def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
         assert cfg.train.max_steps == 3  # the saved config is the base of a resumed run
         return
     extra = ["--offload-policy", "host"] if flag in NEEDS_OFFLOAD else []
+    extra += ["--precision", "fp8"] if flag in NEEDS_FP8 else []
     cfg = parse(flag, EXAMPLE_VALUES[flag], *extra)
     section, key = dotted.split(".")
     value = getattr(getattr(cfg, section), key)
@@ -136,8 +148,6 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--precision", "fp8"], "--precision fp8"),
-        (["--precision", "auto"], "--precision auto"),
         (["--grad-checkpointing", "dynamic"], "--grad-checkpointing dynamic"),
         (["--grad-checkpointing", "selective"], "--grad-checkpointing selective"),
         (["--offload-policy", "auto"], "--offload-policy auto"),

@@ -201,5 +201,8 @@ def test_precision_auto_takes_bf16_only_where_native():
     from tierlm.train.planning import resolve_precision
 
     assert resolve_precision("auto", torch.device("cpu"), None) == "fp32"
-    assert resolve_precision("auto", None, PROFILES["rtx4090"]) == "bf16"
+    assert resolve_precision("auto", None, PROFILES["rtx3090"]) == "bf16"
+    # fp8 only where the profile has fp8 units, or where the user asks for emulation
+    assert resolve_precision("auto", None, PROFILES["rtx4090"]) == "fp8"
+    assert resolve_precision("auto", torch.device("cpu"), None, fp8_emulate=True) == "fp8"
     assert resolve_precision("bf16", torch.device("cpu"), None) == "bf16"

@@ -107,8 +107,41 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class PrecisionConfig:
     mode: Literal["auto", "fp32", "bf16", "fp8"] = "fp32"
-    """Compute precision: fp32, or bf16 autocast with fp32 master weights; auto takes bf16 where
-    the device computes it natively (CUDA with bf16 support) and fp32 elsewhere (--precision)."""
+    """Compute precision, master weights always fp32: fp32; bf16 (autocast, with embeddings,
+    norms and the output head kept in fp32); fp8 (as bf16, plus fp8 matmuls for the attention
+    and MLP projections); auto takes fp8 where the device has fp8 units (CUDA sm_89+, or with
+    --fp8-emulate), else bf16 where it computes bf16 natively, else fp32 (--precision)."""
+    fp8_scaling: Literal["dynamic", "delayed", "fixed"] = "dynamic"
+    """How fp8 activations and gradients are scaled before the cast: dynamic (by the tensor's
+    current amax), delayed (by the largest amax of the last fp8_history steps) or fixed
+    (fp8_input_scale, fp8_grad_scale: the troubleshooting switch); weights are always scaled
+    by their current amax (--fp8-scaling)."""
+    fp8_history: int = 16
+    """Delayed scaling: optimizer steps of amax history (--fp8-history)."""
+    fp8_input_scale: float = 1.0
+    """Fixed scaling: multiplier applied to activations before the E4M3 cast (max 448)."""
+    fp8_grad_scale: float = 65536.0
+    """Fixed scaling: multiplier applied to output gradients before the E5M2 cast (max 57344);
+    gradients of a mean token loss are small, hence the large default."""
+    fp8_layers: str | None = None
+    """Regex of linear layer names to compute in fp8 besides the default (every linear layer
+    in the blocks), e.g. 'lm_head' (--fp8-layers)."""
+    bf16_layers: str | None = None
+    """Regex of linear layer names to keep in bf16 under --precision fp8, e.g. 'down_proj'
+    (--bf16-layers)."""
+    fp32_layers: str | None = None
+    """Regex of linear layer names to compute in fp32, e.g. 'layers\\.0\\.' (--fp32-layers);
+    embeddings, norms and the output head are fp32 anyway."""
+    fp8_overflow_steps: int = 16
+    """An fp8 layer whose tensors saturate more than fp8_overflow_fraction of their values for
+    this many steps in a row is switched to bf16 (logged); 0: never switch."""
+    fp8_overflow_fraction: float = 0.001
+    """Share of a tensor's values that may saturate in a step before the step counts as an
+    overflow step for its layer."""
+    fp8_emulate: bool = False
+    """Compute fp8 matmuls by dequantising to fp32 and multiplying (same numerics, no speed-up)
+    instead of torch._scaled_mm; also lets --precision auto choose fp8 on hardware without fp8
+    units (--fp8-emulate)."""
 
 
 @dataclass(kw_only=True)
@@ -209,6 +242,12 @@ SEED_FLAGS: dict[str, str] = {
     "--model-size": "model.size",
     "--model": "model.path",
     "--precision": "precision.mode",
+    "--fp8-scaling": "precision.fp8_scaling",
+    "--fp8-history": "precision.fp8_history",
+    "--fp8-layers": "precision.fp8_layers",
+    "--bf16-layers": "precision.bf16_layers",
+    "--fp32-layers": "precision.fp32_layers",
+    "--fp8-emulate": "precision.fp8_emulate",
     "--grad-checkpointing": "activations.policy",
     "--offload-policy": "memory.offload_policy",
     "--opt": "optim.name",
@@ -441,6 +480,35 @@ def _positive(key: str, value: float, flag: str | None = None) -> None:
         raise ConfigError(f"{name}: must be > 0, got {value}")
 
 
+def _validate_precision(p: PrecisionConfig) -> None:
+    _positive("precision.fp8_history", p.fp8_history, "--fp8-history")
+    _positive("precision.fp8_input_scale", p.fp8_input_scale)
+    _positive("precision.fp8_grad_scale", p.fp8_grad_scale)
+    if p.fp8_overflow_steps < 0:
+        raise ConfigError(f"precision.fp8_overflow_steps: must be >= 0, got {p.fp8_overflow_steps}")
+    if not 0 <= p.fp8_overflow_fraction < 1:
+        raise ConfigError("precision.fp8_overflow_fraction: must be in [0, 1)")
+    # flags that only mean something for some modes; auto is resolved later, so it allows all
+    needs = {"--fp8-layers": ("fp8",), "--bf16-layers": ("bf16", "fp8"),
+             "--fp32-layers": ("bf16", "fp8")}
+    for flag, value in (("--fp8-layers", p.fp8_layers), ("--bf16-layers", p.bf16_layers),
+                        ("--fp32-layers", p.fp32_layers)):
+        if value is None:
+            continue
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ConfigError(f"{flag}: {value!r} is not a regex: {exc}") from None
+        if p.mode not in (*needs[flag], "auto"):
+            raise ConfigError(f"{flag} has no effect with --precision {p.mode}; use --precision "
+                              f"{' or '.join(needs[flag])}")
+    for flag, off in (("--fp8-scaling " + p.fp8_scaling, p.fp8_scaling == "dynamic"),
+                      ("--fp8-emulate", not p.fp8_emulate)):
+        if not off and p.mode not in ("fp8", "auto"):
+            raise ConfigError(f"{flag} has no effect with --precision {p.mode}; add "
+                              "--precision fp8")
+
+
 def validate(cfg: Config) -> None:
     """Value checks and combinations that cannot work; each error names the flag to change."""
     _positive("data.seq_len", cfg.data.seq_len, "--seq-len")
@@ -506,12 +574,11 @@ def validate(cfg: Config) -> None:
     ratio = cfg.distributed.sparse_grad_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError(f"--sparse-grad-ratio: must be in (0, 1], got {ratio}")
+    _validate_precision(cfg.precision)
 
 
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
-    if cfg.precision.mode == "fp8":
-        raise NotSupportedYet("--precision fp8", "use fp32, bf16 or auto")
     if cfg.activations.policy in ("selective", "dynamic"):
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy}", "use none or full"

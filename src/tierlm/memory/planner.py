@@ -364,7 +364,7 @@ def _simulate(
     # workspace outside the ledger: graphs kept by resident segments for the micro-batches in
     # flight, one segment's recompute, and one chunk of logits (+ its gradient) at the head
     in_flight = m if order == "layer-outer" else 1
-    bytes_per_elem = 2 if train.precision == "bf16" else 4
+    bytes_per_elem = 2 if train.precision in ("bf16", "fp8") else 4  # fp8: bf16 activations
     block_saved = (
         shape.block_saved_bytes_per_token * train.batch_size * train.seq_len * bytes_per_elem / 4
     )

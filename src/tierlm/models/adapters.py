@@ -46,10 +46,13 @@ class Segment:
 class HeadSegment(Segment):
     weight_name: str = ""  # the output projection's weight (may be borrowed from `embed`)
     bias_name: str | None = None
+    # the head module's own matmul on given tensors where it has one (tierlm.precision's
+    # PrecisionLinear keeps the head in fp32 under autocast), else a plain linear
+    linear: Callable[..., torch.Tensor] = F.linear
 
     def project(self, views: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         bias = views[self.bias_name] if self.bias_name else None
-        return F.linear(h, views[self.weight_name], bias)
+        return self.linear(h, views[self.weight_name], bias)
 
 
 def _call(module: nn.Module, prefix: str, views: dict[str, torch.Tensor], *args, **kwargs):
@@ -110,6 +113,7 @@ class ModelAdapter:
             borrowed={weight_name: "embed"} if tied else {},
             weight_name=weight_name,
             bias_name=bias_name,
+            linear=getattr(lm_head, "functional", F.linear),
         )
 
     # -- Llama family (Llama, Mistral, Qwen2, Qwen3) ----

@@ -26,15 +26,24 @@ def hardware_for(cfg: Config) -> HardwareProfile:
     )
 
 
-def resolve_precision(mode: str, device: torch.device | None, hw: HardwareProfile | None) -> str:
-    """`auto`: bf16 where the device computes it natively, fp32 elsewhere. (fp8 is chosen only
-    once the fp8 engine exists.)"""
+def resolve_precision(
+    mode: str, device: torch.device | None, hw: HardwareProfile | None, *,
+    fp8_emulate: bool = False,
+) -> str:
+    """`auto`: fp8 where the device has fp8 units (CUDA sm_89+; a profile with
+    `fp8_matmul_flops`) or the user asked for emulation (`--fp8-emulate`), else bf16 where the
+    device computes it natively, else fp32."""
     if mode != "auto":
         return mode
     if device is not None:
-        native = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        cuda = device.type == "cuda"
+        fp8 = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+        native = cuda and torch.cuda.is_bf16_supported()
     else:
+        fp8 = hw is not None and hw.fp8_matmul_flops is not None
         native = hw is not None and not hw.device_is_cpu
+    if fp8 or fp8_emulate:
+        return "fp8"
     return "bf16" if native else "fp32"
 
 
@@ -87,7 +96,8 @@ def print_plan(cfg: Config, *, as_json: bool = False) -> int:
     from tierlm.memory.planner import describe
 
     hw = hardware_for(cfg)
-    precision = resolve_precision(cfg.precision.mode, None, hw)
+    precision = resolve_precision(cfg.precision.mode, None, hw,
+                                  fp8_emulate=cfg.precision.fp8_emulate)
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
     if as_json:
         print(json.dumps(p.to_json(), indent=1))

@@ -1,0 +1,127 @@
+"""Linear layers that compute in the precision the policy gave them.
+
+`PrecisionLinear` replaces an `nn.Linear` (or GPT-2's `Conv1D`, whose weight is stored
+transposed) and keeps the original `weight` and `bias` Parameters, so parameter names,
+checkpoints, tied weights and the tiered runtime's `functional_call` views are unchanged; only
+the matmul differs. Its `compute` is one of:
+
+- `Fp32Linear`: autocast off, fp32 operands (sensitive layers, e.g. the output head).
+- `Bf16Linear`: bf16 operands, as autocast would cast them (regular layers, and fp8 layers that
+  fell back).
+- `Fp8Linear`: E4M3 input and weight, E5M2 output gradient, per-tensor scales, fp32
+  accumulation; the weight gradient is returned in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierlm.precision.formats import E4M3, E5M2
+from tierlm.precision.matmul import Fp8Matmul
+from tierlm.precision.scaling import DynamicScaling, ScalingRule, TensorScaler
+
+
+class Fp32Linear:
+    name = "fp32"
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+class Bf16Linear:
+    name = "bf16"
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        bf16 = torch.bfloat16
+        return F.linear(x.to(bf16), w.to(bf16), None if b is None else b.to(bf16))
+
+
+class Fp8LayerScalers:
+    """The three fp8 tensors of one layer. Weights always take the dynamic rule (scaling.py)."""
+
+    def __init__(self, layer: str, input_rule: ScalingRule, grad_rule: ScalingRule) -> None:
+        self.layer = layer
+        self.input = TensorScaler(f"{layer}.input", E4M3, input_rule)
+        self.weight = TensorScaler(f"{layer}.weight", E4M3, DynamicScaling())
+        self.grad = TensorScaler(f"{layer}.grad", E5M2, grad_rule)
+
+    def all(self) -> tuple[TensorScaler, TensorScaler, TensorScaler]:
+        return self.input, self.weight, self.grad
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """y = x @ w.T + b with both operands in E4M3; backward with the output gradient in E5M2.
+    Saves the fp8 operands (1 byte per value) rather than the inputs."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, scalers: Fp8LayerScalers, mm: Fp8Matmul, out_dtype):
+        x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
+        x8, x_inv = scalers.input.quantize(x2)
+        w8, w_inv = scalers.weight.quantize(w)  # (out, in)
+        out = mm(x8, w8.t(), x_inv, w_inv, out_dtype)  # (tokens, out)
+        if b is not None:
+            out = out + b.to(out_dtype)
+        ctx.save_for_backward(x8, w8, x_inv, w_inv)
+        ctx.scalers, ctx.mm = scalers, mm
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+        ctx.has_bias = b is not None
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, gout):
+        x8, w8, x_inv, w_inv = ctx.saved_tensors
+        g2 = gout.reshape(-1, gout.shape[-1])  # (tokens, out)
+        g8, g_inv = ctx.scalers.grad.quantize(g2)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = ctx.mm(g8, w8, g_inv, w_inv, ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # accumulated in fp32 whatever the activations' dtype
+            gw = ctx.mm(g8.t(), x8, g_inv, x_inv, torch.float32).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.float().sum(0)
+        return gx, gw, gb, None, None, None
+
+
+class Fp8Linear:
+    name = "fp8"
+
+    def __init__(self, scalers: Fp8LayerScalers, mm: Fp8Matmul) -> None:
+        self.scalers = scalers
+        self.mm = mm
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        # Inside autocast the output takes autocast's dtype, as a plain linear's would.
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        with torch.autocast(dev, enabled=False):
+            return _Fp8LinearFn.apply(x, w, b, self.scalers, self.mm, out_dtype)
+
+
+class PrecisionLinear(nn.Module):
+    def __init__(
+        self, name: str, source: nn.Module, compute, *, transposed: bool
+    ) -> None:
+        super().__init__()
+        self.layer_name = name
+        self.transposed = transposed  # GPT-2 Conv1D: weight is (in, out)
+        self.weight = source.weight
+        self.register_parameter("bias", source.bias)
+        out_dim, in_dim = source.weight.shape[::-1] if transposed else source.weight.shape
+        self.in_features, self.out_features = int(in_dim), int(out_dim)
+        self.compute = compute
+
+    def functional(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The layer on given tensors (the tiered runtime's head passes its own views)."""
+        return self.compute(x, weight.t() if self.transposed else weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.functional(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.layer_name}: in={self.in_features}, out={self.out_features}, "
+                f"compute={self.compute.name}")

@@ -1,0 +1,82 @@
+"""The fp8 matmul: `torch._scaled_mm` where the build and device run it, else an emulation that
+dequantises both operands to fp32 and multiplies (the same result up to fp32 rounding, without
+the speed). Which one a run uses is decided once, at setup, by trying the kernel on the device.
+
+Both compute `(a8 / sa) @ (b8 / sb)` with fp32 accumulation for a (M, K) and b (K, N); `a_inv`,
+`b_inv` are the reciprocal scales (0-dim fp32 tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tierlm.precision.formats import E4M3
+
+KERNEL_MULTIPLE = 16  # CUDA's fp8 GEMMs need every dimension divisible by 16
+
+
+class Fp8Matmul(Protocol):
+    name: str
+
+    def __call__(
+        self, a8: torch.Tensor, b8: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor: ...
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
+
+
+class ScaledMM:
+    """`torch._scaled_mm`: the first operand row-major, the second column-major. The inner
+    dimension is padded with zeros to a multiple of 16 where it is not (the weight gradient's
+    inner dimension is the token count); zeros add nothing to the product."""
+
+    name = "scaled_mm"
+
+    def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
+        k = a8.shape[1]
+        pad = -k % KERNEL_MULTIPLE
+        if pad:  # fp8 zero is the all-zero byte in both formats
+            zeros = torch.zeros(max(a8.shape[0], b8.shape[1]), pad, dtype=torch.uint8,
+                                device=a8.device)
+            a8 = torch.cat([a8.view(torch.uint8), zeros[: a8.shape[0]]], 1).view(a8.dtype)
+            b8 = torch.cat([b8.view(torch.uint8), zeros[: b8.shape[1]].t()], 0).view(b8.dtype)
+        return torch._scaled_mm(
+            _row_major(a8), _col_major(b8), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype
+        )
+
+
+class Emulated:
+    """Dequantise to fp32 and multiply: for devices without fp8 kernels."""
+
+    name = "emulated"
+
+    def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
+        return ((a8.float() * a_inv) @ (b8.float() * b_inv)).to(out_dtype)
+
+
+def scaled_mm_works(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` runs on `device` (CPU builds of torch >= 2.5 and CUDA sm_89+
+    do; older GPUs raise)."""
+    n = KERNEL_MULTIPLE
+    try:
+        a = torch.ones(n, n, device=device).to(E4M3.dtype)
+        one = torch.ones((), device=device)
+        out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return bool(out[0, 0].item() == n)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return False
+
+
+def select_matmul(device: torch.device, emulate: bool) -> Fp8Matmul:
+    if emulate or not scaled_mm_works(device):
+        return Emulated()
+    return ScaledMM()
