@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tierlm.crashpoints import crash_point
 from tierlm.memory.disk import DiskTier, aligned_empty
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link, TensorClass, Tier
@@ -111,6 +112,7 @@ class Store:
         fut.add_done_callback(
             lambda _f: self.ledger.record_move(Link.DISK_WRITE, size, time.perf_counter() - t0)
         )
+        crash_point("disk-write")  # test-only (tests/test_kill.py): the bytes are in flight
         return fut
 
     def read_file(self, name: str, dst: torch.Tensor) -> Future[None]:

@@ -87,12 +87,17 @@ class ReferenceStep:
                 p.copy_(weights[n])
         for p in self.params:
             prefix = self.names[id(p)] + "."
-            state = {k[len(prefix):]: v for k, v in optim.items() if k.startswith(prefix)}
+            # keys first: `optim` may be a lazy mapping that reads a tensor per access
+            state = {k[len(prefix):]: optim[k] for k in optim if k.startswith(prefix)}
             if state:
                 self.optimizer.state[p] = {
                     k: v.to(device=p.device, dtype=torch.float32 if k == "step" else p.dtype)
                     for k, v in state.items()
                 }
+
+    def state_shards(self):
+        """The state as one checkpoint shard (this runtime holds the whole model anyway)."""
+        yield "", self.weights(), self.optimizer_state()
 
     def synchronize(self) -> None:
         pass
