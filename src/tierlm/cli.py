@@ -32,17 +32,20 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file with config sections")
     seed = p.add_argument_group("common flags")
     full = p.add_argument_group("all config fields (section.key)")
-    for dotted, _tp, default, doc in leaf_fields():
+    for dotted, tp, default, doc in leaf_fields():
         shown = "empty" if default is None else default
         help_text = f"{doc} [default: {shown}]"
         names = [f"--{dotted}"]
+        # a bare boolean flag (--trust-remote-code) means true
+        switch = {"nargs": "?", "const": "true"} if tp is bool else {}
         if dotted in _ALIAS_FOR:
             seed.add_argument(
                 _ALIAS_FOR[dotted], dest=dotted, default=argparse.SUPPRESS, metavar="V",
-                help=help_text,
+                help=help_text, **switch,
             )
         full.add_argument(*names, dest=dotted, default=argparse.SUPPRESS, metavar="V",
-                          help=argparse.SUPPRESS if dotted in _ALIAS_FOR else help_text)
+                          help=argparse.SUPPRESS if dotted in _ALIAS_FOR else help_text,
+                          **switch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +93,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     }
     config_file = args.config
     resume = overrides.get("run.resume")
+    if resume == "auto":  # the same command line is rerun after a crash: flags say it all
+        return resolve(config_file, overrides)
     if resume and config_file is None:
         # A resumed run continues with the config it was started with; flags given now
         # (for example a larger --max-steps) override it.
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
     from tierlm.train.checkpoint import CheckpointError
+    from tierlm.train.safety import ReliabilityError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -164,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
         run_training(cfg)
         return 0
-    except (ConfigError, DataError, ModelLoadError, CheckpointError, PlacementError) as exc:
+    except (
+        ConfigError, DataError, ModelLoadError, CheckpointError, PlacementError, ReliabilityError,
+    ) as exc:
         print(f"tierlm: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

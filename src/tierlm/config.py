@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import re
 import textwrap
 import types
@@ -42,6 +43,9 @@ class ModelConfig:
     path: str | None = None
     """Local Hugging Face checkpoint directory (config.json + safetensors + tokenizer) to
     continue training from; Llama, Qwen2/Qwen3, Mistral and GPT-2 families (--model)."""
+    trust_remote_code: bool = False
+    """Let transformers run Python code shipped in the model directory (auto_map); off unless
+    you trust its source (--trust-remote-code)."""
 
 
 @dataclass(kw_only=True)
@@ -102,6 +106,9 @@ class TrainConfig:
     (--save-every)."""
     sample_tokens: int = 48
     """Tokens generated for the sample printed at the end; 0 disables it."""
+    max_skipped_in_a_row: int = 10
+    """Stop with a diagnosis after this many non-finite (skipped) steps in a row; 0: never stop
+    (--max-skipped-in-a-row)."""
 
 
 @dataclass(kw_only=True)
@@ -169,10 +176,11 @@ class MemoryConfig:
     """Device memory the runtime may use for model state and boundary activations, e.g. 8GiB;
     empty: no limit (--device-budget)."""
     host_budget: str | None = None
-    """Host RAM the runtime may use for model state and staging, e.g. 48GiB; empty: no limit
-    (--host-budget)."""
+    """Host RAM the runtime may use for model state and staging, e.g. 48GiB; empty: 0.7 x the
+    RAM available at start (container limits included) (--host-budget)."""
     offload_dir: str | None = None
-    """Directory for the disk tier's files; empty: RUN_DIR/offload (--offload-dir)."""
+    """Directory for the disk tier's files; empty: RUN_DIR/offload; a relative path is inside
+    the run directory, an absolute one is used as given (--offload-dir)."""
     hardware: str = "auto"
     """Hardware profile for the planner: auto (detect this machine), or one of rtx3090,
     rtx4090, rtx4060ti-16g, rtx5090, a100-40g, a100-80g, h100-80g, h200, cpu (--hardware)."""
@@ -206,7 +214,12 @@ class RunConfig:
     out: str | None = None
     """Run directory; empty means runs/<model>-<date>-<time> (--out)."""
     resume: str | None = None
-    """Run directory whose newest checkpoint to continue from (--resume)."""
+    """Run directory whose newest valid checkpoint to continue from; `auto`: the newest valid
+    checkpoint under --out, or a fresh start when there is none, so the same command line can
+    be rerun after any crash (--resume)."""
+    keep_checkpoints: int = 3
+    """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps
+    all (--keep-checkpoints)."""
     seed: int = 0
     """Seed for weights, data order and sampling (--seed)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -270,6 +283,9 @@ SEED_FLAGS: dict[str, str] = {
     "--device-budget": "memory.device_budget",
     "--host-budget": "memory.host_budget",
     "--offload-dir": "memory.offload_dir",
+    "--keep-checkpoints": "run.keep_checkpoints",
+    "--max-skipped-in-a-row": "train.max_skipped_in_a_row",
+    "--trust-remote-code": "model.trust_remote_code",
     "--tensorboard": "monitor.tensorboard",
     "--hardware": "memory.hardware",
     "--gpu-memory": "memory.gpu_memory",
@@ -383,14 +399,13 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+        try:
+            number = float(value) if isinstance(value, int | float | str) else math.nan
+        except (ValueError, OverflowError):
+            raise bad from None
+        if not math.isfinite(number):  # nan/inf would slip through every range check
+            raise ConfigError(f"{key}: got {value!r}, expected a finite number")
+        return number
     if tp is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
@@ -526,6 +541,8 @@ def validate(cfg: Config) -> None:
         ("train.eval_every", cfg.train.eval_every),
         ("train.save_every", cfg.train.save_every),
         ("train.sample_tokens", cfg.train.sample_tokens),
+        ("train.max_skipped_in_a_row", cfg.train.max_skipped_in_a_row),
+        ("run.keep_checkpoints", cfg.run.keep_checkpoints),
         ("optim.warmup_steps", cfg.optim.warmup_steps),
         ("optim.weight_decay", cfg.optim.weight_decay),
         ("optim.grad_clip", cfg.optim.grad_clip),
@@ -571,6 +588,14 @@ def validate(cfg: Config) -> None:
                 "--microbatch-order layer-outer needs the tiered runtime; add "
                 "--offload-policy tiered, host or disk"
             )
+    if cfg.run.resume == "auto" and not cfg.run.out:
+        raise ConfigError("--resume auto needs --out: the run directory to continue or start")
+    offload = cfg.memory.offload_dir
+    if offload and not Path(offload).is_absolute() and ".." in Path(offload).parts:
+        raise ConfigError(
+            f"--offload-dir {offload}: a relative offload directory lives inside the run "
+            "directory and may not contain '..'; give an absolute path to put it elsewhere"
+        )
     ratio = cfg.distributed.sparse_grad_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError(f"--sparse-grad-ratio: must be in (0, 1], got {ratio}")

@@ -102,8 +102,11 @@ def load_or_train_tokenizer(
     return tokenizer
 
 
-def load_model_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerFast:
-    """The tokenizer shipped in a Hugging Face model directory; pad falls back to eos."""
+def load_model_tokenizer(
+    model_dir: str | Path, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerFast:
+    """The tokenizer shipped in a Hugging Face model directory; pad falls back to eos. Code it
+    ships runs only with `trust_remote_code` (--trust-remote-code)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise DataError(f"{model_dir}: no such model directory; check --model (model.path)")
@@ -113,7 +116,7 @@ def load_model_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerFast:
             "the tokenizer of the checkpoint into this directory"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as err:  # loaders raise OSError, ValueError, KeyError... depending on format
         raise DataError(f"{model_dir}: could not load its tokenizer: {err}") from err
     if not isinstance(tokenizer, PreTrainedTokenizerFast):

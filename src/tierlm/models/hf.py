@@ -80,8 +80,12 @@ def load_hf_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM from a local safetensors checkpoint directory.
+
+    ``trust_remote_code`` (``--trust-remote-code``) lets transformers import Python code the
+    directory ships; it stays off unless the user asks for it.
 
     ``dtype`` is always applied: transformers 5 otherwise keeps the checkpoint's stored dtype
     (often bf16), which would silently change training precision. The model is returned in
@@ -99,7 +103,7 @@ def load_hf_model(
         attn_implementation="sdpa",
         local_files_only=True,
         use_safetensors=True,
-        trust_remote_code=False,
+        trust_remote_code=trust_remote_code,
     )
     # Module.to keeps tied Parameters shared, so ties survive the move.
     model.to(device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -86,6 +86,9 @@ class EngineOptions:
     """Resident segments keep their forward graph (no recompute); streamed segments are always
     recomputed from their boundary input, since their weights leave the device."""
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    check_placement: Callable[[PlacementReport], None] = lambda report: None
+    """Called with the placement before anything is allocated or written (the trainer's
+    free-space and host-memory checks refuse an impossible run here)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class Engine:
             activation_bytes=self.activation_bytes,
             placements=options.placements,
         )
+        options.check_placement(self.report)
         self.states: list[SegmentState] = []
         for i, (seg, lay, plc) in enumerate(
             zip(segs, layouts, self.report.placements, strict=True)
@@ -638,6 +642,28 @@ class Engine:
             if st.device_weights is not None and st.device_weights is not st.master:
                 st.device_stale = True
         self.cache.drop_all()
+
+    def state_shards(
+        self,
+    ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+        """(segment name, weights, optimizer state) one segment at a time, keyed like `weights`
+        and `optimizer_state`, so a checkpoint never holds the whole model in RAM. The tensors
+        are views of the state or of staging buffers, valid until the next shard is asked for."""
+        self.synchronize()
+        for st in self.states:
+            bufs = read_copies(self.store, st, STATE_COPIES)
+            try:
+                optim = {}
+                for copy in ("exp_avg", "exp_avg_sq"):
+                    for name, view in st.layout.views(bufs[copy]).items():
+                        optim[f"{name}.{copy}"] = view
+                for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
+                    for slot in st.layout.slots:
+                        if slot.decay == decay:
+                            optim[f"{slot.name}.step"] = step
+                yield st.seg.name, st.layout.views(bufs["master"]), optim
+            finally:
+                free_copies(self.store, st, bufs)
 
     def close(self) -> None:
         self.synchronize()
