@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tierlm.config import Config
-from tierlm.models import export_hf
+from tierlm.train.checkpoint import export_hf_from_checkpoint
 from tierlm.train.trainer import Trainer, TrainResult
 
 
 def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainResult:
     trainer = Trainer(cfg, log=log)
     result = trainer.train()
-    hf_dir = export_hf(trainer.export_model(), trainer.tokenizer, trainer.run_dir / "hf")
+    # from the final checkpoint, file by file: the weights never have to fit in RAM at once
+    hf_dir = export_hf_from_checkpoint(result.final_checkpoint, trainer.run_dir / "hf")
     if cfg.train.sample_tokens:
         log("sample: " + trainer.sample(cfg.train.sample_tokens).replace("\n", "\n        "))
     trainer.stepper.close()

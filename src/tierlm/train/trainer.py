@@ -23,7 +23,6 @@ from tierlm.config import Config, ConfigError, check_supported, parse_bytes, to_
 from tierlm.data import (
     BatchSampler,
     PackedSequences,
-    check_token_ids,
     encode_documents,
     eval_batches,
     load_corpus,
@@ -34,12 +33,24 @@ from tierlm.models import build_model, count_params, load_hf_model, preset_confi
 from tierlm.train.checkpoint import (
     TrainState,
     check_weight_names,
-    latest_valid_checkpoint,
+    last_good_checkpoint,
     load_checkpoint,
+    resume_point,
     save_checkpoint,
+    state_shards,
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
+from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
+from tierlm.train.safety import (
+    DeferredInterrupt,
+    MemoryWatch,
+    NonFiniteGuard,
+    all_finite,
+    check_token_stream,
+    is_storage_failure,
+    storage_failure,
+)
 from tierlm.train.schedule import lr_at
 
 
@@ -75,7 +86,13 @@ class TrainResult:
     final_checkpoint: Path | None = None
 
 
-def build_stepper(cfg: Config, model: torch.nn.Module, device: torch.device, run_dir: Path):
+def build_stepper(
+    cfg: Config,
+    model: torch.nn.Module,
+    device: torch.device,
+    run_dir: Path,
+    preflight: Preflight | None = None,
+):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none`. Both answer the same calls."""
     autocast = (
@@ -84,6 +101,8 @@ def build_stepper(cfg: Config, model: torch.nn.Module, device: torch.device, run
         else contextlib.nullcontext
     )
     if cfg.memory.offload_policy == "none":
+        if preflight is not None:
+            preflight(None)  # disk space for checkpoints; RAM when the device is the CPU
         model.to(device)
         if cfg.activations.policy == "full":
             kwargs = {"use_reentrant": False}
@@ -102,14 +121,18 @@ def build_stepper(cfg: Config, model: torch.nn.Module, device: torch.device, run
         microbatch_order=mem.microbatch_order,
         resident=mem.resident,
         device_budget_bytes=parse_bytes(mem.device_budget) if mem.device_budget else None,
-        host_budget_bytes=parse_bytes(mem.host_budget) if mem.host_budget else None,
-        offload_dir=mem.offload_dir or str(run_dir / "offload"),
+        # the budget caps the process: the runtime gets what the rest of the run leaves
+        host_budget_bytes=preflight.host_budget_bytes() if preflight is not None else (
+            parse_bytes(mem.host_budget) if mem.host_budget else None
+        ),
+        offload_dir=str(resolve_offload_dir(mem.offload_dir, run_dir)),
         grad_clip=cfg.optim.grad_clip,
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len,
         micro_batches=cfg.train.grad_accum_steps,
         keep_resident_activations=cfg.activations.policy != "full",
         autocast=autocast,
+        check_placement=preflight or (lambda report: None),
     )
     return Engine(model, cfg.optim, options, device=device)
 
@@ -117,17 +140,14 @@ def build_stepper(cfg: Config, model: torch.nn.Module, device: torch.device, run
 class Trainer:
     def __init__(self, cfg: Config, *, log: Callable[[str], None] = print) -> None:
         check_supported(cfg)
+        self.memory_watch = MemoryWatch(log)  # first: it measures what the run adds
         check_monitor_deps(cfg)  # a missing optional dependency fails before any work
         self.cfg = cfg
         self.log = log
         self.device = resolve_device(cfg.run.device)
-        resume_ckpt = None
-        if cfg.run.resume:
-            self.run_dir = Path(cfg.run.resume)
-            resume_ckpt = latest_valid_checkpoint(self.run_dir, warn=log)
-        else:
-            self.run_dir = Path(cfg.run.out) if cfg.run.out else default_run_dir(cfg)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir, resume_ckpt = resume_point(cfg.run.resume, cfg.run.out, log)
+        self.run_dir = run_dir or (Path(cfg.run.out) if cfg.run.out else default_run_dir(cfg))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(
             yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
         )
@@ -139,8 +159,11 @@ class Trainer:
             eval_fraction=cfg.data.eval_fraction,
         )
         log(f"data: {corpus.source}")
+        trust = cfg.model.trust_remote_code
+        if trust:
+            log("WARNING: --trust-remote-code: code shipped with the model will run")
         if cfg.model.path:
-            self.tokenizer = load_model_tokenizer(cfg.model.path)
+            self.tokenizer = load_model_tokenizer(cfg.model.path, trust_remote_code=trust)
         elif resume_ckpt is not None:
             self.tokenizer = load_model_tokenizer(resume_ckpt)
         else:
@@ -153,15 +176,16 @@ class Trainer:
         # Built on the CPU: the reference step moves it to the device, the tiered runtime
         # moves its segments where the placement says.
         if cfg.model.path:
-            self.model = load_hf_model(cfg.model.path, device="cpu")
+            self.model = load_hf_model(cfg.model.path, device="cpu", trust_remote_code=trust)
         else:
             model_cfg = preset_config(
                 cfg.model.size, vocab_size=len(self.tokenizer), max_seq_len=cfg.data.seq_len
             )
             self.model = build_model(model_cfg, device="cpu", seed=cfg.run.seed)
         vocab = self.model.config.vocab_size
-        check_token_ids(train_ids, vocab, "training data")
-        check_token_ids(eval_ids, vocab, "held-out data")
+        eos = self.tokenizer.eos_token_id
+        check_token_stream(train_ids, vocab, corpus.train, eos, "training data")
+        check_token_stream(eval_ids, vocab, corpus.eval, eos, "held-out data")
         self.model.train()
         self.n_params = count_params(self.model)
         self.param_names = {n for n, _ in self.model.named_parameters()}
@@ -170,7 +194,16 @@ class Trainer:
         eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
         self.sampler = BatchSampler(train_seqs, cfg.train.batch_size, cfg.run.seed)
         self.eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
-        self.stepper = build_stepper(cfg, self.model, self.device, self.run_dir)
+        preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
+                              device_is_cpu=self.device.type == "cpu",
+                              start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
+        self.stepper = build_stepper(cfg, self.model, self.device, self.run_dir, preflight)
+        self.memory_watch.trim()  # the model as built went to the runtime
+        self.nonfinite = NonFiniteGuard(
+            cfg.train.max_skipped_in_a_row, precision=cfg.precision.mode,
+            grad_clip=cfg.optim.grad_clip, save=self.save,
+            weights_finite=lambda: all_finite(state_shards(self.stepper)),
+        )
 
         self.step = 0
         if resume_ckpt is not None:
@@ -224,6 +257,7 @@ class Trainer:
         ledger = getattr(self.stepper, "ledger", None)
         if ledger is not None:
             rec.update(ledger.snapshot())
+        rec.update(self.memory_watch.sample())
         return rec
 
     def evaluate(self) -> dict[str, float]:
@@ -270,11 +304,11 @@ class Trainer:
         )
         return save_checkpoint(
             self.run_dir,
-            weights=self.stepper.weights(),
-            optimizer_state=self.stepper.optimizer_state(),
+            shards=state_shards(self.stepper),  # one segment in RAM at a time
             model_config=self.model.config,
             tokenizer=self.tokenizer,
             state=state,
+            keep=self.cfg.run.keep_checkpoints,
         )
 
     # -- the loop ----
@@ -291,12 +325,15 @@ class Trainer:
             result.eval_ppl[self.step] = rec["eval_ppl"]
 
         progress = self.monitor.start(cfg.max_steps, self.step)
+        interrupt = DeferredInterrupt(progress.log)  # Ctrl-C lands between steps
         try:
             if self.step == 0:
                 run_eval()
             while self.step < end:
+                interrupt.check()
                 rec = self.train_step()
                 progress.step(rec)  # derived fields, alerts, metrics.jsonl, the live view
+                self.nonfinite.observe(rec)
                 result.losses.append(rec["loss"])
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != end:
                     run_eval()
@@ -308,6 +345,14 @@ class Trainer:
             self.log(f"interrupted at step {self.step}; checkpoint {path}; "
                      f"continue with --resume {self.run_dir}")
             raise
+        except Exception as exc:
+            if not is_storage_failure(exc):
+                raise
+            progress.close()  # a full or failing disk: stop without touching the checkpoints
+            last_good = lambda: last_good_checkpoint(self.run_dir, self.log)  # noqa: E731
+            raise storage_failure(exc, self.step, self.run_dir, last_good) from exc
+        finally:
+            interrupt.restore()
         if self.step == cfg.max_steps or cfg.eval_every and self.step % cfg.eval_every == 0:
             run_eval()
         progress.close()
