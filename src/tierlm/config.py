@@ -399,8 +399,10 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
+        if not isinstance(value, int | float | str):
+            raise bad
         try:
-            number = float(value) if isinstance(value, int | float | str) else math.nan
+            number = float(value)
         except (ValueError, OverflowError):
             raise bad from None
         if not math.isfinite(number):  # nan/inf would slip through every range check
