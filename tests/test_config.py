@@ -99,6 +99,7 @@ EXAMPLE_VALUES = {
     "--device-budget": "8GiB",
     "--host-budget": "1.5GiB",
     "--offload-dir": "/tmp/off",
+    "--tensorboard": "True",
     "--keep-checkpoints": "5",
     "--max-skipped-in-a-row": "4",
     "--trust-remote-code": "True",
