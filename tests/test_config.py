@@ -152,8 +152,6 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--grad-checkpointing", "dynamic"], "--grad-checkpointing dynamic"),
-        (["--grad-checkpointing", "selective"], "--grad-checkpointing selective"),
         (["--offload-policy", "auto"], "--offload-policy auto"),
         (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
         (["--opt", "Lion"], "--opt Lion"),

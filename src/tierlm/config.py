@@ -153,9 +153,19 @@ class PrecisionConfig:
 
 @dataclass(kw_only=True)
 class ActivationConfig:
-    policy: Literal["none", "full", "selective", "dynamic"] = "none"
-    """Activation checkpointing: none keeps every activation, full recomputes each decoder
-    block in the backward (--grad-checkpointing)."""
+    policy: Literal["none", "full", "selective", "offload", "dynamic"] = "none"
+    """Activation memory per segment: none keeps every activation (segments streamed by the
+    tiered runtime recompute); full recomputes each segment from its input in the backward;
+    selective keeps matmul and attention outputs and recomputes norms and elementwise ops;
+    offload moves saved tensors to host RAM until the backward; dynamic keeps what fits
+    --device-budget, last blocks first (--grad-checkpointing)."""
+    overrides: str | None = None
+    """Per-segment policies as comma-separated pattern=policy pairs, the pattern a regex over
+    segment names (embed, block.N), e.g. 'block.[0-3]=full,block.1[01]=keep'; the last match
+    wins; policies: keep, selective, full, offload."""
+    dynamic_fallback: Literal["full", "offload"] = "full"
+    """What dynamic does with segments whose activations do not fit: recompute them (full) or
+    hold them in host RAM (offload)."""
 
 
 @dataclass(kw_only=True)
@@ -573,7 +583,14 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"--resident: {cfg.memory.resident!r} is not a regex: {exc}"
             ) from None
-    tiered = cfg.memory.offload_policy != "none"
+    if cfg.activations.overrides:
+        from tierlm.activations.spec import parse_overrides
+
+        try:
+            parse_overrides(cfg.activations.overrides)
+        except ValueError as exc:
+            raise ConfigError(f"--activations.overrides: {exc}") from None
+    tiered = uses_tiered_runtime(cfg)
     if not tiered:
         for flag, value in (
             ("--resident", cfg.memory.resident),
@@ -604,16 +621,29 @@ def validate(cfg: Config) -> None:
     _validate_precision(cfg.precision)
 
 
+def uses_tiered_runtime(cfg: Config) -> bool:
+    """Whether the run needs the tiered runtime (tierlm.runtime.Engine) rather than the plain
+    reference step: any offload policy, or an activation policy the reference does not have
+    (it has none and full; the runtime with everything resident stands in for it)."""
+    return (
+        cfg.memory.offload_policy != "none"
+        or cfg.activations.policy not in ("none", "full")
+        or bool(cfg.activations.overrides)
+    )
+
+
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
-    if cfg.activations.policy in ("selective", "dynamic"):
-        raise NotSupportedYet(
-            f"--grad-checkpointing {cfg.activations.policy}", "use none or full"
-        )
-    tiered = cfg.memory.offload_policy != "none"
+    tiered = uses_tiered_runtime(cfg)
     if tiered and cfg.optim.name != "AdamW":
+        why = (
+            f"--offload-policy {cfg.memory.offload_policy}"
+            if cfg.memory.offload_policy != "none"
+            else "--grad-checkpointing " + cfg.activations.policy
+            + (" --activations.overrides" if cfg.activations.overrides else "")
+        )
         raise NotSupportedYet(
-            f"--opt {cfg.optim.name} with --offload-policy {cfg.memory.offload_policy}",
+            f"--opt {cfg.optim.name} with {why}",
             "the tiered runtime has AdamW only; use --opt AdamW or --offload-policy none",
         )
     if cfg.optim.name == "Lion":

@@ -24,6 +24,20 @@ class Ledger:
         self.moved_bytes: dict[Link, int] = defaultdict(int)  # since the last reset_step
         self.moved_s: dict[Link, float] = defaultdict(float)
         self.total_moved_bytes: dict[Link, int] = defaultdict(int)
+        # Activations per segment (tierlm.activations): "boundary" inputs (also in the tier
+        # totals, class ACTIVATION), "saved" tensors held on the device until the backward,
+        # "offloaded" saved tensors held on the host, "workspace" materialised for a backward
+        # (a recompute, or saved tensors brought back). Saved and workspace bytes are not managed
+        # buffers, so they stay out of the tier totals the placement budgets; the device total
+        # below adds them.
+        self.activation_bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.step_activation_peak: dict[tuple[str, str], int] = defaultdict(int)
+        self.kind_bytes: dict[str, int] = defaultdict(int)  # all segments together
+        self.step_kind_peak: dict[str, int] = defaultdict(int)
+        self.device_activation_bytes = 0  # saved + workspace on the device now
+        self.peak_device_total_bytes = 0  # device tier + saved + workspace
+        self.step_peak_device_total_bytes = 0
+        self.step_peak_activation_bytes = 0  # boundary + saved + workspace on the device
 
     def tier_bytes(self, tier: Tier) -> int:
         return sum(v for (t, _), v in self.current_bytes.items() if t == tier)
@@ -36,6 +50,8 @@ class Ledger:
             self.step_peak_tier_bytes[tier] = max(self.step_peak_tier_bytes[tier], total)
             key = (tier, cls)
             self.peak_class_bytes[key] = max(self.peak_class_bytes[key], self.current_bytes[key])
+            if tier == Tier.DEVICE:
+                self._observe_device(total)
 
     def release(self, tier: Tier, cls: TensorClass, nbytes: int) -> None:
         with self._lock:
@@ -57,6 +73,54 @@ class Ledger:
             self.step_peak_tier_bytes = defaultdict(int)
             for tier in Tier:
                 self.step_peak_tier_bytes[tier] = self.tier_bytes(tier)
+            self.step_activation_peak = defaultdict(int, self.activation_bytes)
+            self.step_kind_peak = defaultdict(int, self.kind_bytes)
+            self.step_peak_device_total_bytes = 0
+            self.step_peak_activation_bytes = 0
+            self._observe_device(self.tier_bytes(Tier.DEVICE))
+
+    # -- activations ----
+
+    _DEVICE_EXTRA = ("saved", "workspace")  # device activation kinds outside the tier totals
+
+    def hold_activation(self, segment: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            key = (segment, kind)
+            self.activation_bytes[key] += nbytes
+            self.step_activation_peak[key] = max(
+                self.step_activation_peak[key], self.activation_bytes[key]
+            )
+            self.kind_bytes[kind] += nbytes
+            self.step_kind_peak[kind] = max(self.step_kind_peak[kind], self.kind_bytes[kind])
+            if kind in self._DEVICE_EXTRA:
+                self.device_activation_bytes += nbytes
+                self._observe_device(self.tier_bytes(Tier.DEVICE))
+
+    def release_activation(self, segment: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self.activation_bytes[(segment, kind)] -= nbytes
+            if self.activation_bytes[(segment, kind)] < 0:
+                raise AssertionError(f"ledger underflow for {segment}/{kind} activations")
+            self.kind_bytes[kind] -= nbytes
+            if kind in self._DEVICE_EXTRA:
+                self.device_activation_bytes -= nbytes
+
+    def _observe_device(self, device_tier_bytes: int) -> None:
+        total = device_tier_bytes + self.device_activation_bytes
+        self.peak_device_total_bytes = max(self.peak_device_total_bytes, total)
+        self.step_peak_device_total_bytes = max(self.step_peak_device_total_bytes, total)
+        acts = self.current_bytes.get((Tier.DEVICE, TensorClass.ACTIVATION), 0)
+        self.step_peak_activation_bytes = max(
+            self.step_peak_activation_bytes, acts + self.device_activation_bytes
+        )
+
+    def segment_activations(self) -> dict[str, dict[str, int]]:
+        """This step's peak activation bytes per segment and kind (the planner's input)."""
+        with self._lock:
+            out: dict[str, dict[str, int]] = {}
+            for (segment, kind), nbytes in self.step_activation_peak.items():
+                out.setdefault(segment, {})[kind] = nbytes
+            return out
 
     def snapshot(self) -> dict[str, Any]:
         """Flat, JSON-ready view for metrics.jsonl."""
@@ -71,4 +135,8 @@ class Ledger:
                 seconds = self.moved_s[link]
                 out[f"{link}_bytes"] = nbytes
                 out[f"{link}_Bps"] = nbytes / seconds if seconds > 0 else None
+            out["device_total_step_peak_bytes"] = self.step_peak_device_total_bytes
+            out["activation_step_peak_bytes"] = self.step_peak_activation_bytes
+            for kind in ("saved", "offloaded", "workspace"):
+                out[f"{kind}_activation_step_peak_bytes"] = self.step_kind_peak[kind]
             return out

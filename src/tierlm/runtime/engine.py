@@ -26,7 +26,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tierlm.config import OptimConfig
+from tierlm.activations import (
+    PolicyFactory,
+    RunScope,
+    SavedTensorScope,
+    chunked_cross_entropy,
+    default_chunk_tokens,
+    dynamic_reserve_bytes,
+    head_workspace_bytes,
+    probe_costs,
+    resolve_policies,
+    storages_of,
+)
+from tierlm.config import ActivationConfig, OptimConfig
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     COMPUTE_B,
@@ -82,9 +94,10 @@ class EngineOptions:
     seq_len: int = 1
     micro_batches: int = 1
     """Shape of the step, for the activation reserve in the placement."""
+    activations: ActivationConfig | None = None
+    """Activation policy per segment (tierlm.activations); None: `none` (resident segments keep
+    their graph, streamed ones recompute), or `full` when keep_resident_activations is False."""
     keep_resident_activations: bool = True
-    """Resident segments keep their forward graph (no recompute); streamed segments are always
-    recomputed from their boundary input, since their weights leave the device."""
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     check_placement: Callable[[PlacementReport], None] = lambda report: None
     """Called with the placement before anything is allocated or written (the trainer's
@@ -105,8 +118,7 @@ class _MicroBatch:
     ctx: StepContext | None = None
     h: dict[int, torch.Tensor] = field(default_factory=dict)  # input of segment s
     gout: dict[int, torch.Tensor] = field(default_factory=dict)  # grad wrt input of segment s
-    graph: dict[int, tuple] = field(default_factory=dict)  # kept forward graphs
-    rng: dict[int, torch.Tensor] = field(default_factory=dict)
+    saved: dict[int, object] = field(default_factory=dict)  # activation policy handles
 
 
 class Engine:
@@ -143,6 +155,29 @@ class Engine:
             )
             + in_flight * tied_bytes
         )
+        # Activation policies: `dynamic` measures one block's activation bytes per policy (while
+        # the parameters still hold the weights), reserves its minimum in the placement, and
+        # spends what the placement leaves of the device budget.
+        acts = options.activations or ActivationConfig(
+            policy="none" if options.keep_resident_activations else "full"
+        )
+        vocab = model.config.vocab_size
+        head_bytes = head_workspace_bytes(
+            self._chunk_tokens(vocab), vocab, options.batch_size * options.seq_len,
+            model.config.hidden_size,
+        )
+        costs = None
+        if acts.policy == "dynamic":
+            costs = probe_costs(
+                segs[:-1], layouts[:-1], self.adapter.context, device=device,
+                batch_size=options.batch_size, seq_len=options.seq_len,
+                hidden_size=model.config.hidden_size, vocab_size=vocab,
+                autocast=options.autocast,
+            )
+        self.activation_reserve_bytes = reserve = dynamic_reserve_bytes(
+            acts.policy, costs, fallback=acts.dynamic_fallback, in_flight=in_flight,
+            head_bytes=head_bytes,
+        )
         self.report: PlacementReport = place(
             [s.name for s in segs],
             [lay.numel for lay in layouts],
@@ -150,18 +185,27 @@ class Engine:
             resident=options.resident,
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
-            activation_bytes=self.activation_bytes,
+            activation_bytes=self.activation_bytes + reserve,
             placements=options.placements,
         )
         options.check_placement(self.report)
+        budget = options.device_budget_bytes
+        self.activation_policies: list[str] = resolve_policies(
+            acts.policy, acts.overrides, [s.name for s in segs[:-1]],
+            [p.resident for p in self.report.placements[:-1]],
+            fallback=acts.dynamic_fallback, costs=costs, in_flight=in_flight,
+            budget_bytes=None if budget is None else budget - self.report.device_bytes + reserve,
+            head_bytes=head_bytes,
+        )
+        self.activation_costs = costs  # measured per-segment bytes (dynamic only)
+        self.activation_head_bytes = head_bytes  # the head's predicted activation peak
+        self._make_policy = PolicyFactory(device, dropout=self.has_dropout)
+        self.set_activation_policies(self.activation_policies)
         self.states: list[SegmentState] = []
         for i, (seg, lay, plc) in enumerate(
             zip(segs, layouts, self.report.placements, strict=True)
         ):
-            st = SegmentState(
-                index=i, seg=seg, layout=lay, placement=plc,
-                keep_graph=plc.resident and options.keep_resident_activations,
-            )
+            st = SegmentState(index=i, seg=seg, layout=lay, placement=plc)
             initial = lay.pack(
                 {n: p.detach() for n, p, _ in seg.params},
                 torch.empty(lay.numel, dtype=torch.float32),
@@ -239,8 +283,6 @@ class Engine:
         segs = [a.seg]
         if a.kind == "head":
             segs += [owner for owner, _, _ in self.borrowed.values()]
-        if a.kind == "bwd" and self.states[a.seg].keep_graph:
-            segs = []  # the kept graph holds the weights it needs
         return [s for s in segs if not self.states[s].placement.resident]
 
     # -- weights ----
@@ -287,7 +329,16 @@ class Engine:
     def _slot_shape(self, owner: int, name: str) -> tuple[int, ...]:
         return next(s.shape for s in self.states[owner].layout.slots if s.name == name)
 
-    # -- activations ledger ----
+    # -- activations ----
+
+    def set_activation_policies(self, names: list[str]) -> None:
+        """Policy per segment before the head (keep, selective, full, offload), from the next
+        step on; any of them reproduces the others' math."""
+        n = len(self.adapter.segments) - 1
+        if len(names) != n:
+            raise ValueError(f"expected {n} policies (every segment but the head), got {names}")
+        self.activation_policies = list(names)
+        self.policies = [self._make_policy(name) for name in names]
 
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
         self.ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
@@ -297,6 +348,37 @@ class Engine:
         t = store.pop(s, None)
         if t is not None:
             self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
+
+    def _hold_input(self, mb: _MicroBatch, s: int, t: torch.Tensor) -> None:
+        """Segment `s`'s boundary input, held until its backward."""
+        mb.h[s] = self._hold(t)
+        self.ledger.hold_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
+
+    def _drop_input(self, mb: _MicroBatch, s: int) -> None:
+        t = mb.h.get(s)
+        if t is not None:
+            self.ledger.release_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
+        self._drop(mb.h, s)
+
+    def _run(self, st: SegmentState, mb: _MicroBatch):
+        """Segment `st` on micro-batch `mb`: (flat weights, boundary input) -> output."""
+
+        def run(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            with self.opts.autocast():
+                return st.seg.forward(st.layout.views(flat), x, mb.ctx)
+
+        return run
+
+    def _scope(self, st: SegmentState, mb: _MicroBatch, x: torch.Tensor) -> RunScope:
+        return RunScope(st.seg.name, self.ledger, storages_of(x, mb.ctx))
+
+    def _bring_back(self, upcoming: list[Action], mbs: list[_MicroBatch]) -> None:
+        """The next backward's offloaded activations start back to the device now, so their
+        copy overlaps the current action (a no-op for the other policies)."""
+        for a in upcoming:
+            if a.kind == "bwd":
+                for i in a.mbs:
+                    self.policies[a.seg].bring_back(mbs[i].saved[a.seg])
 
     # -- the step ----
 
@@ -316,6 +398,7 @@ class Engine:
         self.param_norms = {}
         loss_sum = 0.0
         for k, a in enumerate(actions):
+            self._bring_back(actions[k + 1 : k + 2], mbs)
             if a.kind == "fwd":
                 self._forward(k, a, mbs)
             elif a.kind == "head":
@@ -341,24 +424,16 @@ class Engine:
         for i in a.mbs:
             mb = mbs[i]
             x = mb.ids if a.seg == 0 else mb.h[a.seg]
-            if st.keep_graph:
-                leaf = w.detach().requires_grad_()
-                xin = x if a.seg == 0 else x.detach().requires_grad_()
-                with torch.enable_grad(), self.opts.autocast():
-                    out = st.seg.forward(st.layout.views(leaf), xin, mb.ctx)
-                mb.graph[a.seg] = (out, leaf, xin)
-            else:
-                if self.has_dropout:
-                    mb.rng[a.seg] = self._rng_state()
-                with torch.no_grad(), self.opts.autocast():
-                    out = st.seg.forward(st.layout.views(w), x, mb.ctx)
+            out, mb.saved[a.seg] = self.policies[a.seg].forward(
+                self._run(st, mb), w, x, self._scope(st, mb, x)
+            )
             if a.seg == 0:
                 with torch.no_grad(), self.opts.autocast():
                     mb.ctx = self.adapter.context(mb.ids, out)
-            mb.h[a.seg + 1] = self._hold(out.detach())
+            self._hold_input(mb, a.seg + 1, out)
 
     def _chunk_tokens(self, vocab: int) -> int:
-        return self.opts.loss_chunk_tokens or max(1, (1 << 24) // vocab)
+        return self.opts.loss_chunk_tokens or default_chunk_tokens(vocab)
 
     def _head(self, k: int, a: Action, mbs: list[_MicroBatch], m: int) -> float:
         """Loss and its gradient at the head's input, chunk by chunk over tokens, so the full
@@ -375,29 +450,35 @@ class Engine:
             leaf.grad = grad
             views = self._views(k, s, leaf)
             x = mb.h[s].detach().requires_grad_()
-            with torch.enable_grad(), self.opts.autocast():
+            # The ledger counts what autograd saves here: the norm's tensors and the normed input
+            # for the whole action, each chunk's log-softmax during that chunk.
+            shared = storages_of(x, mb.ctx, list(self._borrowed_leaf.values()))
+            norm = SavedTensorScope(leaf, shared)
+            with torch.enable_grad(), self.opts.autocast(), norm.hooks():
                 hn = seg.forward(views, x, mb.ctx)
             hn_leaf = hn.detach().requires_grad_()
-            flat_h = hn_leaf.flatten(0, 1)  # (B*T, D)
-            targets = mb.targets.flatten()
-            n_tokens = targets.numel()
-            step = self._chunk_tokens(self.adapter.model.config.vocab_size)
-            for c0 in range(0, n_tokens, step):
-                with torch.enable_grad():
-                    with self.opts.autocast():
-                        logits = seg.project(views, flat_h[c0 : c0 + step])
-                    loss = F.cross_entropy(
-                        logits.float(), targets[c0 : c0 + step], reduction="sum"
-                    ) / n_tokens
-                    (loss / m).backward()
-                loss_total += loss.item()
+            held = norm.bytes + nbytes_of(hn_leaf)
+            self.ledger.hold_activation(seg.name, "saved", held)
+            shared |= storages_of(hn_leaf)
+            loss_total += chunked_cross_entropy(
+                lambda h, views=views: seg.project(views, h),
+                hn_leaf.flatten(0, 1),  # (B*T, D)
+                mb.targets.flatten(),
+                chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
+                grad_divisor=m,
+                autocast=self.opts.autocast,
+                saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared),
+                ledger=self.ledger,
+                segment=seg.name,
+            )
             hn.backward(hn_leaf.grad)
+            self.ledger.release_activation(seg.name, "saved", held)
             if self._borrowed_leaf:
                 self._borrowed_grad[i] = {
                     n: self._hold_grad(b.grad) for n, b in self._borrowed_leaf.items()
                 }
             mb.gout[s] = self._hold(x.grad)
-            self._drop(mb.h, s)
+            self._drop_input(mb, s)
         self._land_grad(st, grad, final=a.mbs[-1] == m - 1)
         return loss_total
 
@@ -406,7 +487,7 @@ class Engine:
         st = self.states[s]
         owns_borrowed = s == 0 and bool(self._borrowed_grad)
         grad = self._grad_target(st)
-        w = None if st.keep_graph else self._weights(k, s)
+        w = self._weights(k, s)  # every policy's backward reads the weights on the device
         for i in a.mbs:
             mb = mbs[i]
             # The owner of tied weights first sums its own and the head's contribution for this
@@ -414,20 +495,15 @@ class Engine:
             target = (
                 self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel) if owns_borrowed else grad
             )
-            if st.keep_graph:
-                out, leaf, xin = mb.graph.pop(s)
-            else:
-                leaf = w.detach().requires_grad_()
-                xin = mb.ids if s == 0 else mb.h[s].detach().requires_grad_()
-                with torch.enable_grad(), self._replay_rng(mb.rng.pop(s, None)):
-                    with self.opts.autocast():
-                        out = st.seg.forward(st.layout.views(leaf), xin, mb.ctx)
-            leaf.grad = target
-            torch.autograd.backward(out, mb.gout[s + 1])
+            x = mb.ids if s == 0 else mb.h[s]
+            dx = self.policies[s].backward(
+                mb.saved.pop(s), self._run(st, mb), w, x, mb.gout[s + 1], target,
+                self._scope(st, mb, x),
+            )
             self._drop(mb.gout, s + 1)
             if s > 0:
-                mb.gout[s] = self._hold(xin.grad)
-                self._drop(mb.h, s)
+                mb.gout[s] = self._hold(dx)
+                self._drop_input(mb, s)
             if owns_borrowed:
                 for name, g in self._borrowed_grad.pop(i).items():
                     _, off, n = self.borrowed[name]
@@ -540,24 +616,6 @@ class Engine:
             free_copies(self.store, st, bufs)
         else:
             bufs["grad"].zero_()
-
-    # -- RNG replay for recomputed segments with dropout ----
-
-    def _rng_state(self) -> torch.Tensor:
-        return torch.get_rng_state() if self.device.type == "cpu" else torch.cuda.get_rng_state()
-
-    @contextlib.contextmanager
-    def _replay_rng(self, state: torch.Tensor | None):
-        if state is None:
-            yield
-            return
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if self.device.type == "cpu":
-                torch.set_rng_state(state)
-            else:
-                torch.cuda.set_rng_state(state)
-            yield
 
     # -- evaluation and state ----
 

@@ -31,7 +31,6 @@ class SegmentState:
     device_weights: torch.Tensor | None = None  # resident compute copy (or the master itself)
     device_stale: bool = False  # the resident copy predates the last update
     grad_written: bool = False  # disk: this step's gradient file holds a partial sum
-    keep_graph: bool = False  # keep the forward's autograd graph instead of recomputing
 
     @property
     def numel(self) -> int:

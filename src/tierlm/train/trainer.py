@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from tierlm.config import Config, ConfigError, check_supported, parse_bytes, to_dict
+from tierlm.config import (
+    Config,
+    ConfigError,
+    check_supported,
+    parse_bytes,
+    to_dict,
+    uses_tiered_runtime,
+)
 from tierlm.data import (
     BatchSampler,
     PackedSequences,
@@ -94,13 +101,15 @@ def build_stepper(
     preflight: Preflight | None = None,
 ):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
-    runtime when `--offload-policy` is not `none`. Both answer the same calls."""
+    runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
+    offload, dynamic, per-segment overrides: the runtime with everything resident). Both answer
+    the same calls."""
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
         if cfg.precision.mode == "bf16"
         else contextlib.nullcontext
     )
-    if cfg.memory.offload_policy == "none":
+    if not uses_tiered_runtime(cfg):
         if preflight is not None:
             preflight(None)  # disk space for checkpoints; RAM when the device is the CPU
         model.to(device)
@@ -130,7 +139,7 @@ def build_stepper(
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len,
         micro_batches=cfg.train.grad_accum_steps,
-        keep_resident_activations=cfg.activations.policy != "full",
+        activations=cfg.activations,
         autocast=autocast,
         check_placement=preflight or (lambda report: None),
     )

@@ -1,0 +1,66 @@
+"""Cross-entropy over a large vocabulary without the (tokens x vocab) logits.
+
+The full logits of a step are tokens x vocab x 4 bytes (4 x 1024 tokens at vocab 32000: 0.5 GiB),
+and autograd keeps their log-softmax and builds their gradient as well. Here the tokens are cut
+into chunks: each chunk's logits, loss and gradient are computed and released before the next
+chunk starts, so at most one chunk's worth exists at any time. The gradient reaches the hidden
+states and the output projection's weights through autograd, accumulated over chunks, and the
+loss is the same mean over all tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tierlm.activations.saved import SavedTensorScope
+from tierlm.memory.ledger import Ledger
+
+
+def default_chunk_tokens(vocab: int, logits_per_chunk: int = 1 << 24) -> int:
+    """Tokens per chunk: ~16M logits (64 MiB in fp32) whatever the vocabulary."""
+    return max(1, logits_per_chunk // vocab)
+
+
+def chunked_cross_entropy(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    grad_divisor: int = 1,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    saved: Callable[[], SavedTensorScope] | None = None,
+    ledger: Ledger | None = None,
+    segment: str = "head",
+) -> float:
+    """Mean cross-entropy of `project(h)` (logits) against `targets`; backpropagates its
+    gradient divided by `grad_divisor` (the micro-batch count) into whatever `h` and `project`
+    depend on.
+
+    `h`: (N, D) hidden states, a tensor requiring grad; `targets`: (N,) token ids.
+    `saved`/`ledger`: count each chunk's saved tensors in the ledger while the chunk lives.
+    """
+    n_tokens = targets.numel()
+    total = 0.0
+    for c0 in range(0, n_tokens, chunk_tokens):
+        scope = saved() if saved is not None else None
+        with torch.enable_grad():
+            with scope.hooks() if scope is not None else contextlib.nullcontext():
+                with autocast():
+                    logits = project(h[c0 : c0 + chunk_tokens])  # (chunk, V)
+                loss = F.cross_entropy(
+                    logits.float(), targets[c0 : c0 + chunk_tokens], reduction="sum"
+                ) / n_tokens
+                del logits  # the loss saved its log-softmax; the logits can go now
+            held = scope.bytes if scope is not None and ledger is not None else 0
+            if held:
+                ledger.hold_activation(segment, "saved", held)
+            (loss / grad_divisor).backward()
+        if held:
+            ledger.release_activation(segment, "saved", held)
+        total += loss.item()
+    return total

@@ -1,0 +1,180 @@
+"""Saved tensors to host RAM after the forward, back to the device ahead of the backward.
+
+Each activation storage is copied once (several saved views of one buffer share the copy) into a
+host buffer from a pool that lives across steps, so pinned memory is allocated once, not every
+step. Under CUDA the copies run on a side stream: the device-to-host copy starts when the tensor
+is produced and overlaps the rest of the forward; the engine asks for the host-to-device copy one
+segment ahead of the backward, so it overlaps the backward of the segment before. On a CPU-only
+machine the "device" is the CPU and the copies are plain memcpys, still counted as D2H/H2D so the
+ledger shows what a GPU run would move.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from tierlm.activations.saved import SavedTensorScope
+from tierlm.memory.disk import aligned_empty
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.tiers import Link
+
+
+class HostPool:
+    """Host byte buffers by size, reused across steps (pinned where CUDA exists)."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = self._free[nbytes]
+        return free.pop() if free else aligned_empty(nbytes, torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free[buf.numel()].append(buf)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `t` as a flat uint8 tensor."""
+    s = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
+class Copier:
+    """Synchronous copies (the CPU "device")."""
+
+    asynchronous = False
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def to_device(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return src.to(device, copy=True)
+
+    def ready(self, t: torch.Tensor) -> None:
+        pass
+
+
+class CudaCopier(Copier):
+    """Copies on a side stream. Device memory crossing streams is marked with `record_stream`, so
+    the caching allocator does not hand it out again while the other stream still uses it."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # src is written
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)
+
+    def to_device(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):  # allocated and filled on the side stream
+            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._events[id(dst)] = event
+        return dst
+
+    def ready(self, t: torch.Tensor) -> None:
+        event = self._events.pop(id(t), None)
+        if event is not None:
+            current = torch.cuda.current_stream(t.device)
+            current.wait_event(event)
+            t.record_stream(current)
+
+
+class _HostCopy:
+    """One activation storage on the host, and its device copy once brought back."""
+
+    __slots__ = ("host", "device_copy", "waited")
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.device_copy: torch.Tensor | None = None
+        self.waited = False
+
+
+class _Offloaded:
+    """What autograd holds for one saved tensor: its host copy and how to view it."""
+
+    __slots__ = ("copy", "dtype", "size", "stride", "offset")
+
+    def __init__(self, copy: _HostCopy, t: torch.Tensor) -> None:
+        self.copy = copy
+        self.dtype = t.dtype
+        self.size = tuple(t.size())
+        self.stride = tuple(t.stride())
+        self.offset = t.storage_offset()
+
+
+class OffloadScope(SavedTensorScope):
+    """Saved-tensor hooks of one segment run that keep activations on the host."""
+
+    def __init__(
+        self,
+        weights: torch.Tensor,
+        shared: set[int],
+        *,
+        pool: HostPool,
+        copier: Copier,
+        ledger: Ledger,
+        segment: str,
+    ) -> None:
+        super().__init__(weights, shared)
+        self.pool, self.copier, self.ledger, self.segment = pool, copier, ledger, segment
+        self.device = weights.device
+        self._copies: dict[int, _HostCopy] = {}  # storage key -> its copy (the latest)
+        self._all: list[_HostCopy] = []
+        self.device_bytes = 0  # brought back and not yet released
+
+    def pack_activation(self, t: torch.Tensor, key: int, first: bool) -> object:
+        if first:
+            src = _bytes_view(t)
+            host = self.pool.take(src.numel())
+            self.copier.to_host(host, src)
+            self.ledger.record_move(Link.D2H, src.numel())
+            self._copies[key] = _HostCopy(host)
+            self._all.append(self._copies[key])
+        return _Offloaded(self._copies[key], t)
+
+    def bring_back(self) -> None:
+        """Start copying every activation back to the device (before the backward needs it)."""
+        for c in self._all:
+            self._to_device(c)
+
+    def _to_device(self, c: _HostCopy) -> torch.Tensor:
+        if c.device_copy is None:
+            c.device_copy = self.copier.to_device(c.host, self.device)
+            n = c.host.numel()
+            self.ledger.record_move(Link.H2D, n)
+            self.ledger.hold_activation(self.segment, "workspace", n)
+            self.device_bytes += n
+        return c.device_copy
+
+    def unpack_activation(self, packed: object) -> torch.Tensor:
+        assert isinstance(packed, _Offloaded)
+        c = packed.copy
+        dev = self._to_device(c)
+        if not c.waited:
+            self.copier.ready(dev)
+            c.waited = True
+        return torch.empty(0, dtype=packed.dtype, device=self.device).set_(
+            dev.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
+
+    def release(self) -> None:
+        """After the backward: host buffers back to the pool, device copies dropped."""
+        for c in self._all:
+            self.pool.give(c.host)
+            c.device_copy = None
+        self._copies.clear()
+        self._all.clear()
+        if self.device_bytes:
+            self.ledger.release_activation(self.segment, "workspace", self.device_bytes)
+            self.device_bytes = 0

@@ -1,0 +1,113 @@
+"""What autograd saves for a segment's backward, seen through `saved_tensors_hooks`.
+
+A saved tensor is one of three things:
+
+- a view of the segment's **weights**: packed as a `WeightRef` (shape, strides, offset) and
+  rebuilt in the backward from whatever buffer then holds the weights, so a kept graph never pins
+  the device copy of a streamed segment;
+- a view of a **shared** tensor the step holds anyway (the segment's boundary input, the
+  micro-batch context: rotary tables, masks, positions): kept as is and not counted;
+- an **activation**: what the activation policy keeps, offloads or counts.
+
+Bytes are counted per storage, not per saved tensor: autograd often saves several views of one
+buffer (the normed hidden state feeds the q, k and v projections), which hold its memory once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of the memory a tensor views (shared by all views of one buffer)."""
+    return t.untyped_storage().data_ptr()
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def storages_of(*objs: object) -> set[int]:
+    """Storage keys of every tensor inside `objs` (tensors, tuples, lists, dicts, dataclasses)."""
+    keys: set[int] = set()
+    stack = list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.numel():
+                keys.add(storage_key(o))
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, list | tuple):
+            stack.extend(o)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
+    return keys
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A saved view of the segment's flat weights, by position instead of by memory."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements from the start of the flat weights
+
+    @classmethod
+    def of(cls, t: torch.Tensor, flat: torch.Tensor) -> WeightRef:
+        return cls(tuple(t.size()), tuple(t.stride()), t.storage_offset() - flat.storage_offset())
+
+    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.detach().as_strided(self.size, self.stride, flat.storage_offset() + self.offset)
+
+
+class SavedTensorScope:
+    """Sorts saved tensors of one segment run into weights, shared tensors and activations, and
+    counts the activations' bytes per storage. Subclasses decide where activations go."""
+
+    def __init__(self, weights: torch.Tensor, shared: Iterable[int]) -> None:
+        self.weights = weights  # the flat leaf the segment's parameter views come from
+        self.weight_key = storage_key(weights)
+        self.shared = set(shared)
+        self.count = 0  # saved tensors that are activations
+        self.bytes = 0  # their memory, each storage once
+        # storage key -> weak reference to the storage: a key whose storage died may come back
+        # for a new buffer at the same address (offloaded tensors are not held on the device)
+        self._seen: dict[int, weakref.ref] = {}
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> object:
+        key = storage_key(t)
+        if key == self.weight_key:
+            return WeightRef.of(t, self.weights)
+        if key in self.shared or t.numel() == 0:
+            return t
+        self.count += 1
+        seen = self._seen.get(key)
+        first = seen is None or seen() is None
+        if first:
+            self._seen[key] = weakref.ref(t.untyped_storage())
+            self.bytes += storage_bytes(t)
+        return self.pack_activation(t, key, first)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, WeightRef):
+            return packed.rebuild(self.weights)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        return self.unpack_activation(packed)
+
+    # -- where activations go: kept as they are here ----
+
+    def pack_activation(self, t: torch.Tensor, key: int, first: bool) -> object:
+        return t
+
+    def unpack_activation(self, packed: object) -> torch.Tensor:
+        raise TypeError(f"unexpected saved object {type(packed).__name__}")
