@@ -34,16 +34,19 @@ E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-17, 57344.0 + 4096.0)
 
 
 def cast_counting(
-    x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format
+    x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, *, overflow: bool = True,
+    mag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x * scale) as `fmt`, saturating at +-max, with the number of values flushed to zero
-    (underflow) and of values clamped beyond rounding (overflow), as device tensors (no sync).
+    (underflow) and of values clamped beyond rounding (overflow; counted only when `overflow`:
+    a scale from the tensor's own amax cannot saturate), as device tensors (no sync).
 
     The clamp is explicit because the casts differ by device: the CPU saturates e4m3 but turns
     large e5m2 values into inf; clamping makes every backend saturate the same way.
     """
-    y = x.float() * scale
-    mag = y.abs()
-    underflow = ((mag > 0) & (mag <= fmt.flush_at)).sum()
-    overflow = (mag > fmt.saturate_above).sum()
-    return y.clamp_(-fmt.max, fmt.max).to(fmt.dtype), underflow, overflow
+    xf = x.float()
+    mag = xf.abs() if mag is None else mag  # |x|, when the caller has it already
+    flush = fmt.flush_at / scale
+    underflow = (mag <= flush).sum() - (mag == 0).sum()
+    over = (mag > fmt.saturate_above / scale).sum() if overflow else torch.zeros_like(underflow)
+    return (xf * scale).clamp_(-fmt.max, fmt.max).to(fmt.dtype), underflow, over

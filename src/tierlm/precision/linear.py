@@ -54,13 +54,15 @@ class Fp8LayerScalers:
 
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x @ w.T + b with both operands in E4M3; backward with the output gradient in E5M2.
-    Saves the fp8 operands (1 byte per value) rather than the inputs."""
+    Saves the quantised operands (1 byte per value with the fp8 kernel) rather than the
+    inputs."""
 
     @staticmethod
     def forward(ctx, x, w, b, scalers: Fp8LayerScalers, mm: Fp8Matmul, out_dtype):
         x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
         x8, x_inv = scalers.input.quantize(x2)
         w8, w_inv = scalers.weight.quantize(w)  # (out, in)
+        x8, w8 = mm.prepare(x8), mm.prepare(w8)
         out = mm(x8, w8.t(), x_inv, w_inv, out_dtype)  # (tokens, out)
         if b is not None:
             out = out + b.to(out_dtype)
@@ -75,6 +77,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         x8, w8, x_inv, w_inv = ctx.saved_tensors
         g2 = gout.reshape(-1, gout.shape[-1])  # (tokens, out)
         g8, g_inv = ctx.scalers.grad.quantize(g2)
+        g8 = ctx.mm.prepare(g8)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = ctx.mm(g8, w8, g_inv, w_inv, ctx.x_dtype).reshape(ctx.x_shape)

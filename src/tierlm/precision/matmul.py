@@ -3,7 +3,13 @@ dequantises both operands to fp32 and multiplies (the same result up to fp32 rou
 the speed). Which one a run uses is decided once, at setup, by trying the kernel on the device.
 
 Both compute `(a8 / sa) @ (b8 / sb)` with fp32 accumulation for a (M, K) and b (K, N); `a_inv`,
-`b_inv` are the reciprocal scales (0-dim fp32 tensors).
+`b_inv` are the reciprocal scales (0-dim fp32 tensors). Operands pass through `prepare` once
+when quantised (the emulation decodes each fp8 tensor to fp32 once, not per matmul; the
+forward's operands are saved for the backward in that form).
+
+On the CPU, torch's own `_scaled_mm` decodes both operands on every call and runs an fp32
+GEMM, so the emulation computes the same numbers faster there (bench/fp8_matmul.py); the
+kernel is used where fp8 units exist (CUDA sm_89+).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ KERNEL_MULTIPLE = 16  # CUDA's fp8 GEMMs need every dimension divisible by 16
 
 class Fp8Matmul(Protocol):
     name: str
+
+    def prepare(self, t8: torch.Tensor) -> torch.Tensor: ...
 
     def __call__(
         self, a8: torch.Tensor, b8: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
@@ -41,6 +49,9 @@ class ScaledMM:
 
     name = "scaled_mm"
 
+    def prepare(self, t8: torch.Tensor) -> torch.Tensor:
+        return t8
+
     def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
         k = a8.shape[1]
         pad = -k % KERNEL_MULTIPLE
@@ -55,12 +66,17 @@ class ScaledMM:
 
 
 class Emulated:
-    """Dequantise to fp32 and multiply: for devices without fp8 kernels."""
+    """Dequantise to fp32 and multiply: for devices without fp8 kernels. Every fp8 value and
+    every product of two is exact in fp32, and the power-of-two scales (scaling.py) are applied
+    to the product exactly, so this differs from an fp8 GEMM only in summation order."""
 
     name = "emulated"
 
+    def prepare(self, t8: torch.Tensor) -> torch.Tensor:
+        return t8.float()
+
     def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
-        return ((a8.float() * a_inv) @ (b8.float() * b_inv)).to(out_dtype)
+        return (a8 @ b8).mul_(a_inv * b_inv).to(out_dtype)
 
 
 def scaled_mm_works(device: torch.device) -> bool:
@@ -77,6 +93,7 @@ def scaled_mm_works(device: torch.device) -> bool:
 
 
 def select_matmul(device: torch.device, emulate: bool) -> Fp8Matmul:
-    if emulate or not scaled_mm_works(device):
+    """The kernel where the device has fp8 units and the build runs it, else the emulation."""
+    if emulate or device.type != "cuda" or not scaled_mm_works(device):
         return Emulated()
     return ScaledMM()

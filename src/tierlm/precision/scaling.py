@@ -5,11 +5,12 @@ A scale multiplies the tensor before the cast (fp8 value = x * scale); the matmu
 by 1 / scale again. The amax (largest magnitude) of every tensor is measured in every mode: it
 is what the dynamic rule needs, what the delayed rule records, and what the monitoring reports.
 
-- dynamic: scale = fmt.max / amax of the tensor itself. Nothing saturates; the default.
-- delayed: scale = fmt.max / the largest amax of the last N optimizer steps (the scale is fixed
-  within a step, so a recomputed forward quantises exactly as the first one did). A tensor that
-  grows beyond its history saturates until the history catches up; a step with no history yet
-  uses the dynamic scale.
+- dynamic: scale = fmt.max / amax of the tensor itself (rounded down to a power of two).
+  Nothing saturates; the default.
+- delayed: scale = fmt.max / the largest amax of the last N optimizer steps (power of two; the
+  scale is fixed within a step, so a recomputed forward quantises exactly as the first one did).
+  A tensor that grows beyond its history saturates until the history catches up; a step with no
+  history yet uses the dynamic scale.
 - fixed: a scale given in the config for activations and one for gradients, the
   troubleshooting switch when measured scales misbehave.
 
@@ -32,6 +33,7 @@ TINY_AMAX = 1e-12  # an all-zero tensor gets a large finite scale, not inf
 
 class ScalingRule(Protocol):
     name: str
+    saturates: bool  # whether a tensor can exceed the range its scale leaves (else not counted)
 
     def scale(self, s: TensorScaler, amax: torch.Tensor) -> torch.Tensor: ...
 
@@ -39,12 +41,16 @@ class ScalingRule(Protocol):
 
 
 def dynamic_scale(fmt: Fp8Format, amax: torch.Tensor) -> torch.Tensor:
-    return fmt.max / amax.clamp_min(TINY_AMAX)
+    """The largest power of two that keeps amax within the format. A power of two makes the
+    scaling exact (it only shifts exponents), so a tensor quantised, dequantised and quantised
+    again (the tiered runtime's streamed fp8 weights) gets the same scale and the same values."""
+    return torch.exp2(torch.floor(torch.log2(fmt.max / amax.clamp_min(TINY_AMAX))))
 
 
 @dataclass(frozen=True)
 class DynamicScaling:
     name: str = "dynamic"
+    saturates: bool = False
 
     def scale(self, s: TensorScaler, amax: torch.Tensor) -> torch.Tensor:
         return dynamic_scale(s.fmt, amax)
@@ -58,6 +64,7 @@ class DelayedScaling:
     history: int = 16
     """Optimizer steps of amax the scale is taken from."""
     name: str = "delayed"
+    saturates: bool = True
 
     def scale(self, s: TensorScaler, amax: torch.Tensor) -> torch.Tensor:
         if s.history is None:
@@ -77,6 +84,7 @@ class FixedScaling:
     value: float
     """The scale, as given (fp8 value = x * value)."""
     name: str = "fixed"
+    saturates: bool = True
 
     def scale(self, s: TensorScaler, amax: torch.Tensor) -> torch.Tensor:
         return torch.full((), self.value, dtype=torch.float32, device=amax.device)
@@ -108,9 +116,12 @@ class TensorScaler:
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x in fp8, 1 / scale): what the scaled matmul takes."""
-        amax = x.detach().abs().amax().float()
+        xf = x.detach().float()
+        mag = xf.abs()
+        amax = mag.amax()
         scale = self.rule.scale(self, amax)
-        x8, under, over = cast_counting(x.detach(), scale, self.fmt)
+        x8, under, over = cast_counting(xf, scale, self.fmt, overflow=self.rule.saturates,
+                                        mag=mag)
         if self.recording:
             if self.step_amax is None:
                 self.step_amax, self.underflow, self.overflow = amax, under, over

@@ -97,7 +97,7 @@ class Fp8Watch:
         for (layer, s, (_, count)), (amax, scale, under, over) in zip(done, values, strict=True):
             if not (math.isfinite(amax) and math.isfinite(scale) and scale > 0):
                 raise Fp8ScaleError(self._non_finite(step, s.name, amax, scale))
-            tensors[s.name] = {"amax": _round(amax), "scale": _round(scale),
+            tensors[s.name] = {"amax": _round(amax), "scale": scale,  # exact
                                "underflow": _round(under / count), "overflow": _round(over / count)}
             acc = per_layer.setdefault(layer, [0.0, 0.0, 0, 0.0])
             acc[0] += under

@@ -51,6 +51,7 @@ from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
 from tierlm.optim.flat_adamw import FlatAdamW
+from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.state import (
     STATE_COPIES,
@@ -136,6 +137,8 @@ class Engine:
         self.store = store or Store(device, offload_dir=options.offload_dir)
         self.ledger = self.store.ledger
         self.adapter = ModelAdapter(model)
+        # host-resident weights stream in the precision they compute in (tierlm.precision)
+        self.compute_copies = ComputeCopies(model)
         self.optimizer = FlatAdamW(optim)
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
@@ -212,6 +215,7 @@ class Engine:
             )
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
             init_state(self.store, st, initial, optim_device)
+            self.compute_copies.attach(self.store, st)
             # Modules never own live storage: drop the parameters' memory, the runtime supplies
             # views of its flat buffers on every call.
             for _, p, _ in seg.params:
@@ -607,6 +611,7 @@ class Engine:
             st.layout.groups(), bufs["master"], bufs["grad"], bufs["exp_avg"],
             bufs["exp_avg_sq"], st.steps, lr,
         )
+        self.compute_copies.refresh(self.store, st, bufs["master"])  # quantised once per step
         if st.tier == Tier.DISK:
             futures = [
                 self.store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]) for c in STATE_COPIES
@@ -685,6 +690,7 @@ class Engine:
         for st in self.states:
             bufs = read_copies(self.store, st, STATE_COPIES)
             st.layout.pack(weights, bufs["master"])
+            self.compute_copies.refresh(self.store, st, bufs["master"])
             if optim:
                 st.layout.pack({n: optim[f"{n}.exp_avg"] for n in _names(st)}, bufs["exp_avg"])
                 st.layout.pack(

@@ -12,6 +12,7 @@ from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import Segment
 from tierlm.optim.flat_adamw import new_step_counter
+from tierlm.precision.streaming import WireLoad
 
 STATE_COPIES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -31,6 +32,10 @@ class SegmentState:
     device_weights: torch.Tensor | None = None  # resident compute copy (or the master itself)
     device_stale: bool = False  # the resident copy predates the last update
     grad_written: bool = False  # disk: this step's gradient file holds a partial sum
+    # Host compute copy in the precision each weight computes in (tierlm.precision.streaming),
+    # streamed instead of the fp32 master; None: stream the master.
+    wire: torch.Tensor | None = None
+    compute_format: object | None = None
 
     @property
     def numel(self) -> int:
@@ -100,7 +105,9 @@ class DiskLoad:
 
 
 def start_load(store: Store, st: SegmentState):
-    return DiskLoad(store, st) if st.tier == Tier.DISK else HostLoad(store, st)
+    if st.tier == Tier.DISK:
+        return DiskLoad(store, st)
+    return WireLoad(store, st) if st.wire is not None else HostLoad(store, st)
 
 
 def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
