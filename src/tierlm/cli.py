@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from tierlm.data import DataError
     from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
+    from tierlm.precision import Fp8ScaleError
     from tierlm.train.checkpoint import CheckpointError
     from tierlm.train.safety import ReliabilityError
 
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (
         ConfigError, DataError, ModelLoadError, CheckpointError, PlacementError, ReliabilityError,
+        Fp8ScaleError,
     ) as exc:
         print(f"tierlm: error: {exc}", file=sys.stderr)
         return 2
