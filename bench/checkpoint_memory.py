@@ -5,7 +5,8 @@ A model whose master weights and AdamW moments live on the disk tier is checkpoi
 in a fresh subprocess so the peaks do not mix:
 
 - baseline: the whole state gathered in RAM first (`weights()` + `optimizer_state()`, as the
-  checkpoint code did before streaming) and written with `safetensors.torch.save_file`;
+  checkpoint code did before streaming), written with `safetensors.torch.save_file`, fsynced
+  and checksummed by reading the files back (as that code did);
 - streamed: `save_checkpoint(shards=engine.state_shards())`, one segment staged at a time.
 
 Both are measured as the rise of the process's peak RSS (VmHWM, reset before the save) over its
@@ -62,6 +63,13 @@ if mode == "baseline":
     save_file({k: v.contiguous() for k, v in eng.weights().items()}, str(out / "model.safetensors"))
     save_file({k: v.contiguous() for k, v in eng.optimizer_state().items()},
               str(out / "optimizer.safetensors"))
+    import hashlib, os
+    for f in out.iterdir():  # fsync and checksum, as a checkpoint must
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+            h = hashlib.sha256()
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
 else:
     out = save_checkpoint(work / "run", shards=eng.state_shards(), model_config=model.config,
                           tokenizer=None, state=state)

@@ -219,22 +219,27 @@ class Preflight:
         self.offload_dir = resolve_offload_dir(cfg.memory.offload_dir, run_dir)
 
     def host_budget_bytes(self) -> int:
-        """The runtime's share of --host-budget (default: 70% of the available RAM).
+        """The host tier's budget for the runtime's placement.
 
-        The budget caps the process beyond the program itself (`start_rss_bytes`: Python, torch,
-        transformers, tierlm): what it already holds besides the model as built (data, tokenizer;
-        the model's own bytes are freed as the runtime packs them) and a fixed reserve for what
-        no ledger counts are taken off before the placement fills the rest.
+        An explicit --host-budget is that budget as the ledger counts it (ARCHITECTURE.md
+        invariant 2). Unset, the run takes 70% of the RAM available at start, and since nobody
+        chose that number for the ledger it is made a cap for the whole process beyond the
+        program itself (`start_rss_bytes`: Python, torch, transformers, tierlm): what the process
+        already holds besides the model as built (data, tokenizer; the model's own bytes are
+        freed as the runtime packs them) and a fixed reserve for what no ledger counts are
+        taken off before the placement fills the rest.
         """
-        flag = self.cfg.memory.host_budget
-        budget = parse_bytes(flag, "--host-budget") if flag else default_host_budget_bytes()
+        if self.cfg.memory.host_budget:
+            return parse_bytes(self.cfg.memory.host_budget, "--host-budget")
+        budget = default_host_budget_bytes()
         held = max(0, rss_bytes() - self.start_rss_bytes - self.n_params * 4)
         share = budget - held - RUNTIME_RESERVE_BYTES
         if share <= 0:
             raise HostMemoryError(
-                f"--host-budget {gib(budget)} leaves nothing for model state: the process "
-                f"already holds {gib(held)} of data and tokenizer and keeps "
-                f"{gib(RUNTIME_RESERVE_BYTES)} for torch's own buffers; raise --host-budget"
+                f"host memory: {gib(budget)} ({DEFAULT_HOST_FRACTION:.0%} of the RAM available) "
+                f"leaves nothing for model state once the {gib(held)} of data and tokenizer and "
+                f"a {gib(RUNTIME_RESERVE_BYTES)} reserve for torch's own buffers are counted; "
+                "free RAM, or set --host-budget"
             )
         return share
 
