@@ -109,6 +109,10 @@ EXAMPLE_VALUES = {
     "--bf16-layers": "down_proj",
     "--fp32-layers": "q_proj",
     "--fp8-emulate": "True",
+    "--hardware": "rtx4090",
+    "--gpu-memory": "24GiB",
+    "--host-memory": "64GiB",
+    "--disk-budget": "200GiB",
 }
 # fp8 flags only make sense with --precision fp8.
 NEEDS_FP8 = {
@@ -152,7 +156,6 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--offload-policy", "auto"], "--offload-policy auto"),
         (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
         (["--opt", "Lion"], "--opt Lion"),
         (["--sparse-grad-ratio", "0.1"], "--sparse-grad-ratio"),

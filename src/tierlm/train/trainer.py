@@ -276,7 +276,9 @@ class Trainer:
             total_nll += self.stepper.eval_loss(batch) * n
             total_tokens += n
         eval_loss = total_nll / total_tokens
-        return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": math.exp(eval_loss)}
+        # exp overflows past ~709: a diverged run reports an infinite perplexity, not a crash
+        ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
+        return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl}
 
     def export_model(self) -> torch.nn.Module:
         """The model with the current weights (for export and sampling). The tiered runtime's
