@@ -235,10 +235,9 @@ def _shard_file(kind: str, shard: str) -> str:
 
 
 def _write_contents(
-    tmp: Path, shards: Iterable[Shard], model_config: Any, tokenizer: Any, state: TrainState
+    tmp: Path, shards: Iterable[Shard], model_config: Any, tokenizer: Any, state: TrainState,
+    manifest: dict[str, dict[str, Any]],
 ) -> None:
-    manifest: dict[str, dict[str, Any]] = {}
-
     def record(name: str, sha_size: tuple[str, int]) -> None:
         manifest[name] = {"sha256": sha_size[0], "size_bytes": sha_size[1]}
         crash_point("checkpoint-file")
@@ -286,20 +285,24 @@ def checkpoint_bytes(path: Path) -> int:
         return 0
 
 
-def _write_failed(exc: OSError, final: Path, run_dir: Path) -> CheckpointWriteError:
+def _write_failed(
+    exc: OSError, final: Path, run_dir: Path, written_bytes: int
+) -> CheckpointWriteError:
     previous = list_checkpoints(run_dir)
     kept = f"the previous checkpoint {previous[-1]} is untouched" if previous else (
         "no earlier checkpoint exists")
     if exc.errno in _NO_SPACE:
-        root = checkpoint_dir(run_dir)
-        free = shutil.disk_usage(root).free
+        try:
+            free = f"{shutil.disk_usage(checkpoint_dir(run_dir)).free / 2**20:.1f} MiB are"
+        except OSError:
+            free = "an unknown amount is"
         size = checkpoint_bytes(previous[-1]) if previous else 0
-        need = f"a checkpoint of this run takes about {size / 2**20:.1f} MiB" if size else (
-            "see the size of the model state")
+        need = f"; a checkpoint of this run takes about {size / 2**20:.1f} MiB" if size else ""
         return CheckpointWriteError(
-            f"disk full while writing checkpoint {final}: {need}, {free / 2**20:.1f} MiB are "
-            f"free on that filesystem; {kept}. Free space there, lower --keep-checkpoints or "
-            "point --out at a disk with room", exc.errno,
+            f"disk full while writing checkpoint {final}: the disk filled after "
+            f"{written_bytes / 2**20:.1f} MiB of it{need}, {free} free on that filesystem; "
+            f"{kept}. Free space there, lower --keep-checkpoints or point --out at a disk "
+            "with room", exc.errno,
         )
     return CheckpointWriteError(
         f"I/O error while writing checkpoint {final}: {exc}; {kept}", exc.errno
@@ -334,13 +337,15 @@ def save_checkpoint(
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    written: dict[str, dict[str, Any]] = {}
     try:
         tmp.mkdir()
-        _write_contents(tmp, shards, model_config, tokenizer, state)
+        _write_contents(tmp, shards, model_config, tokenizer, state, written)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
-            raise _write_failed(exc, final, run_dir) from exc
+            done = sum(e["size_bytes"] for e in written.values())
+            raise _write_failed(exc, final, run_dir, done) from exc
         raise
 
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
