@@ -221,6 +221,20 @@ def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
         e.close()
 
 
+def test_checkpoint_of_another_shape_is_refused(tmp_path):
+    from tierlm.train.checkpoint import check_weight_names
+
+    model, eng = _engine(tmp_path, policy="host", layers=1)
+    path = _save(tmp_path / "run", eng, model, step=1)
+    weights, _, _ = load_checkpoint(path)
+    shapes = {n: tuple(t.shape) for n, t in eng.weights().items()}
+    check_weight_names(shapes, weights, path)
+    name = next(iter(shapes))
+    with pytest.raises(CheckpointError, match=f"shapes .'{name}"):
+        check_weight_names({**shapes, name: (3, 3)}, weights, path)
+    eng.close()
+
+
 def test_keep_last_k_checkpoints_and_recover_after_crash(tmp_path):
     model, eng = _engine(tmp_path, policy="host", layers=1)
     run = tmp_path / "run"

@@ -126,7 +126,7 @@ def _export(checkpoint: str, out_dir: str) -> Path:
     model = build_model(AutoConfig.from_pretrained(str(path)), device="cpu")
     weights, _, _ = load_checkpoint(path)
     params = dict(model.named_parameters())
-    check_weight_names(set(params), weights, path)
+    check_weight_names({n: tuple(p.shape) for n, p in params.items()}, weights, path)
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name])

@@ -196,6 +196,10 @@ class TensorFiles(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].read(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from its file's header, without reading it."""
+        return self._where[name].entries[name][1]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -525,11 +529,15 @@ def load_checkpoint(path: Path) -> tuple[TensorFiles, TensorFiles, dict[str, Any
 
     weights, optim = TensorFiles(files("model")), TensorFiles(files("optimizer"))
     rng = TensorFiles([path / "rng.safetensors"])
-    torch.set_rng_state(rng["cpu"])
-    if torch.cuda.is_available():
-        cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
+    try:
+        torch.set_rng_state(rng["cpu"])
+        if torch.cuda.is_available():
+            cuda_states = [rng[k] for k in sorted(rng) if k.startswith("cuda")]
+            if len(cuda_states) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda_states)
+    except (KeyError, RuntimeError, TypeError) as exc:  # torch refuses a malformed state
+        raise CheckpointError(f"checkpoint {path}: rng.safetensors holds no valid RNG state "
+                              f"({exc})") from None
     return weights, optim, state
 
 
@@ -611,12 +619,25 @@ def export_hf_from_checkpoint(path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def check_weight_names(expected: set[str], weights: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Refuse a checkpoint whose tensors are not this model's parameters."""
-    missing = sorted(expected - set(weights))
-    unexpected = sorted(set(weights) - expected)
-    if missing or unexpected:
+def check_weight_names(
+    expected: set[str] | Mapping[str, tuple[int, ...]],
+    weights: Mapping[str, torch.Tensor],
+    path: Path,
+) -> None:
+    """Refuse a checkpoint whose tensors are not this model's parameters: by name, and by
+    shape when `expected` maps names to shapes (a model of another size has the same names)."""
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = []
+    if isinstance(expected, Mapping) and not missing:
+        for name, shape in expected.items():
+            got = weights.shape(name) if isinstance(weights, TensorFiles) else tuple(
+                weights[name].shape)
+            if tuple(got) != tuple(shape):
+                wrong.append(f"{name} {tuple(got)} vs {tuple(shape)}")
+    if missing or unexpected or wrong:
         raise CheckpointError(
             f"checkpoint {path}: weights do not fit this model (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}); resume with the same --model/--model-size"
+            f"unexpected {unexpected[:5]}, shapes {wrong[:3]}); resume with the same "
+            "--model/--model-size"
         )

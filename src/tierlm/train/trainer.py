@@ -197,7 +197,8 @@ class Trainer:
         check_token_stream(eval_ids, vocab, corpus.eval, eos, "held-out data")
         self.model.train()
         self.n_params = count_params(self.model)
-        self.param_names = {n for n, _ in self.model.named_parameters()}
+        # names and shapes: a checkpoint of another model size has the same names
+        self.param_names = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
 
         train_seqs = PackedSequences(train_ids, cfg.data.seq_len, "training data")
         eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
