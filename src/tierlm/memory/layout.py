@@ -36,10 +36,13 @@ class FlatLayout:
         self.decay_numel: int = sum(s.numel for s in slots if s.decay)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Name -> view of `flat` with the parameter's shape (autograd flows back into `flat`)."""
-        return {
-            s.name: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots
-        }
+        """Name -> view of `flat` with the parameter's shape (autograd flows back into `flat`).
+
+        One split rather than a narrow per parameter: the backward of a split concatenates the
+        parameters' gradients once, where each narrow's backward would fill and add a zeroed
+        flat-sized buffer (a quarter of a block's backward time on CPU)."""
+        parts = flat.split_with_sizes([s.numel for s in self.slots])  # slots tile `flat`
+        return {s.name: part.view(s.shape) for s, part in zip(self.slots, parts, strict=True)}
 
     def pack(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
         for s in self.slots:
