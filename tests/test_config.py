@@ -84,6 +84,11 @@ EXAMPLE_VALUES = {
     "--batch-size": "3",
     "--grad-accum-steps": "5",
     "--sparse-grad-ratio": "0.05",
+    "--sparse-grad-ratio-overrides": "mlp=0.1",
+    "--nproc": "2",
+    "--backend": "fsdp",
+    "--grad-sync": "dense",
+    "--sync-every": "4",
     "--lr": "0.0003",
     "--max-steps": "7",
     "--seq-len": "99",
@@ -158,7 +163,6 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
     [
         (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
         (["--opt", "Lion"], "--opt Lion"),
-        (["--sparse-grad-ratio", "0.1"], "--sparse-grad-ratio"),
     ],
 )
 def test_unbuilt_features_fail_loudly(argv, flag, capsys):

@@ -205,8 +205,44 @@ class MemoryConfig:
 
 @dataclass(kw_only=True)
 class DistributedConfig:
+    nproc: int = 1
+    """Processes to train with on this machine: `tierlm train --nproc N` re-runs itself under
+    torchrun (gloo on CPU, NCCL on CUDA, one GPU per process); under torchrun the world comes
+    from torchrun (--nproc)."""
+    backend: Literal["engine", "fsdp"] = "engine"
+    """engine: data parallel, every rank runs the tiered runtime on its slice of each batch and
+    gradients are synced per segment by --grad-sync; fsdp: PyTorch FSDP2 shards weights,
+    gradients and optimizer state over the ranks (--backend)."""
+    grad_sync: Literal["dense", "topk", "delayed"] | None = None
+    """Gradient sync between ranks: dense all-reduce; topk sends the largest
+    --sparse-grad-ratio of each gradient, with error feedback; delayed steps locally and
+    averages weights every --sync-every steps; empty: topk when --sparse-grad-ratio is given,
+    delayed when --sync-every > 1, else dense (--grad-sync)."""
+    grad_sync_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Precision of dense gradient reduction (all-reduce, or FSDP's reduce-scatter): bf16
+    halves the bytes and sums in bf16."""
     sparse_grad_ratio: float | None = None
-    """Fraction of each gradient sent by top-k gradient sync (--sparse-grad-ratio)."""
+    """Fraction of each gradient's entries that top-k sync sends, as values + indices, e.g.
+    0.05 (--sparse-grad-ratio)."""
+    sparse_grad_ratio_overrides: str = "embed|wte|wpe|lm_head|norm|ln_=1.0"
+    """Top-k ratios per parameter: PATTERN=RATIO pairs separated by commas, the first regex
+    found in a parameter's name wins, 1.0 means dense; the default keeps embeddings, the output
+    head and norms dense; '' sends every parameter at --sparse-grad-ratio
+    (--sparse-grad-ratio-overrides)."""
+    error_feedback: bool = True
+    """Top-k: keep what was not sent in a per-rank residual that joins the next step's gradient
+    (saved in checkpoints)."""
+    sparse_warmup_steps: int = 0
+    """Top-k: steps over which the ratio falls geometrically from 1.0 (dense) to its target."""
+    sync_every: int = 1
+    """Delayed sync: average the ranks' weights every k steps and at the last step; optimizer
+    state stays per rank (--sync-every)."""
+    fsdp_cpu_offload: bool = False
+    """--backend fsdp: keep the shards of weights, gradients and optimizer state in host RAM
+    and update them there (FSDP2 CPUOffloadPolicy)."""
+    timeout_s: float = 1800.0
+    """Seconds a collective waits for the other ranks before the run fails (a rank that died
+    leaves the others waiting this long)."""
 
 
 @dataclass(kw_only=True)
@@ -277,6 +313,11 @@ SEED_FLAGS: dict[str, str] = {
     "--batch-size": "train.batch_size",
     "--grad-accum-steps": "train.grad_accum_steps",
     "--sparse-grad-ratio": "distributed.sparse_grad_ratio",
+    "--sparse-grad-ratio-overrides": "distributed.sparse_grad_ratio_overrides",
+    "--nproc": "distributed.nproc",
+    "--backend": "distributed.backend",
+    "--grad-sync": "distributed.grad_sync",
+    "--sync-every": "distributed.sync_every",
     "--lr": "optim.lr",
     "--max-steps": "train.max_steps",
     "--seq-len": "data.seq_len",
@@ -293,10 +334,10 @@ SEED_FLAGS: dict[str, str] = {
     "--device-budget": "memory.device_budget",
     "--host-budget": "memory.host_budget",
     "--offload-dir": "memory.offload_dir",
+    "--tensorboard": "monitor.tensorboard",
     "--keep-checkpoints": "run.keep_checkpoints",
     "--max-skipped-in-a-row": "train.max_skipped_in_a_row",
     "--trust-remote-code": "model.trust_remote_code",
-    "--tensorboard": "monitor.tensorboard",
     "--hardware": "memory.hardware",
     "--gpu-memory": "memory.gpu_memory",
     "--host-memory": "memory.host_memory",
@@ -618,6 +659,9 @@ def validate(cfg: Config) -> None:
     ratio = cfg.distributed.sparse_grad_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError(f"--sparse-grad-ratio: must be in (0, 1], got {ratio}")
+    from tierlm.distributed.checks import validate_distributed
+
+    validate_distributed(cfg)
     _validate_precision(cfg.precision)
 
 
@@ -648,7 +692,8 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.optim.name == "Lion":
         raise NotSupportedYet("--opt Lion", "use AdamW or Adafactor")
-    if cfg.distributed.sparse_grad_ratio is not None:
+    if cfg.distributed.backend == "fsdp" and cfg.activations.policy != "none":
         raise NotSupportedYet(
-            "--sparse-grad-ratio", "top-k gradient sync needs the distributed runtime"
+            f"--grad-checkpointing {cfg.activations.policy} with --backend fsdp",
+            "use --grad-checkpointing none, or --backend engine",
         )

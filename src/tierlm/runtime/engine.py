@@ -39,6 +39,7 @@ from tierlm.activations import (
     storages_of,
 )
 from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     COMPUTE_B,
@@ -103,6 +104,9 @@ class EngineOptions:
     check_placement: Callable[[PlacementReport], None] = lambda report: None
     """Called with the placement before anything is allocated or written (the trainer's
     free-space and host-memory checks refuse an impossible run here)."""
+    grad_sync: GradSync = NO_SYNC
+    """Data parallelism (tierlm.distributed): started on each segment's complete gradient,
+    overlapping the rest of the backward, and waited for before the norm is taken."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,7 @@ class Engine:
         self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
         self.skipped_steps = 0
         self.param_norms: dict[str, torch.Tensor] = {}
+        self._syncing: list = []  # (segment, gradient, pending sync) until the norms are taken
         # The reference optimizer's order: decaying parameters, then the rest, in model order.
         slots = [slot for st in self.states for slot in st.layout.slots]
         model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
@@ -535,13 +540,13 @@ class Engine:
         contribution, record the segment's norm."""
         if st.tier == Tier.DEVICE:
             if final:
-                self._record_norms(st, grad)
+                self._grad_complete(st, grad)
             return
         if st.tier == Tier.HOST:
             self._d2h_add(st.grad, grad)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
-                self._record_norms(st, st.grad)
+                self._grad_complete(st, st.grad)
             return
         staging = self.store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
         if st.grad_written:  # earlier micro-batches of this step: read, add, write back
@@ -552,10 +557,23 @@ class Engine:
             self._sync_device()
         self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
         if final:
-            self._record_norms(st, staging)
+            self._grad_complete(st, staging)
+            self._finish_syncs()  # the staging buffer is written next
         self.store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
         self.store.free(Tier.HOST, TensorClass.STAGING, staging)
         st.grad_written = not final
+
+    def _grad_complete(self, st: SegmentState, grad: torch.Tensor) -> None:
+        """The segment's gradient for this step is all in: start its sync across ranks (a no-op
+        in one process); `_finish_syncs` waits for it and takes the norms."""
+        self._syncing.append((st, grad, self.opts.grad_sync.start(st.seg.name, grad,
+                                                                   st.layout.slots)))
+
+    def _finish_syncs(self) -> None:
+        for st, grad, pending in self._syncing:
+            pending.wait()
+            self._record_norms(st, grad)
+        self._syncing.clear()
 
     def _record_norms(self, st: SegmentState, grad: torch.Tensor) -> None:
         """Per-parameter gradient norms. The global norm is the norm of these, stacked in the
@@ -581,6 +599,7 @@ class Engine:
     # -- update ----
 
     def _finish_step(self, lr: float) -> tuple[float, bool]:
+        self._finish_syncs()
         total = torch.linalg.vector_norm(
             torch.stack([self.param_norms[n] for n in self.norm_order])
         )

@@ -1,0 +1,46 @@
+"""Config checks for the `distributed` section (called from `tierlm.config.validate`): each error
+names the flag to change. Checks that need the world size live in `setup.join_world`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierlm.config import ConfigError, NotSupportedYet
+
+
+def validate_distributed(cfg: Any) -> None:
+    from tierlm.distributed.sync import parse_ratio_overrides, resolved_mode
+
+    d = cfg.distributed
+    for flag, value, low in (
+        ("--nproc", d.nproc, 1),
+        ("--sync-every", d.sync_every, 1),
+        ("--distributed.sparse_warmup_steps", d.sparse_warmup_steps, 0),
+    ):
+        if value < low:
+            raise ConfigError(f"{flag}: must be >= {low}, got {value}")
+    if d.timeout_s <= 0:
+        raise ConfigError(f"--distributed.timeout_s: must be > 0, got {d.timeout_s}")
+    parse_ratio_overrides(d.sparse_grad_ratio_overrides)
+    mode = resolved_mode(d)
+    if mode == "topk" and d.sparse_grad_ratio is None:
+        raise ConfigError("--grad-sync topk needs --sparse-grad-ratio, e.g. 0.05")
+    if mode != "topk" and d.sparse_grad_ratio is not None:
+        raise ConfigError(f"--sparse-grad-ratio is for --grad-sync topk, not {mode}")
+    if mode != "delayed" and d.sync_every > 1:
+        raise ConfigError(f"--sync-every is for --grad-sync delayed, not {mode}")
+    if d.backend == "fsdp":
+        if mode != "dense":
+            raise ConfigError(
+                f"--grad-sync {mode} runs on --backend engine; FSDP reduces gradients densely"
+            )
+        if cfg.precision.mode == "fp8":
+            raise NotSupportedYet("--precision fp8 with --backend fsdp",
+                                  "use fp32 or bf16, or --backend engine")
+        if cfg.memory.offload_policy != "none":
+            raise ConfigError(
+                f"--offload-policy {cfg.memory.offload_policy} is the tiered runtime's; with "
+                "--backend fsdp use --distributed.fsdp_cpu_offload to keep shards in RAM"
+            )
+    elif d.fsdp_cpu_offload:
+        raise ConfigError("--distributed.fsdp_cpu_offload needs --backend fsdp")

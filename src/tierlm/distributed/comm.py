@@ -1,0 +1,65 @@
+"""Collectives that count their bytes in the ledger.
+
+Every byte the gradient sync, the parameter averaging or a checkpoint gather puts on the
+network goes through `Comm`, which records it as `Link.NET_SEND` / `Link.NET_RECV`. The counts
+follow the bandwidth-optimal (ring) algorithms the backends use, per rank, for a payload of n
+bytes over W ranks:
+
+    all-reduce        sends and receives 2 (W-1)/W n   (reduce-scatter, then all-gather)
+    all-gather        sends and receives (W-1) n      (each rank contributes n)
+    send / recv       n
+
+so dense and sparse strategies are compared on the same footing. Collectives may run
+asynchronously (`async_op=True`): the caller gets a `Work` to wait on, and can keep computing
+(the rest of the backward) while the bytes move.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.tiers import Link
+
+# all_gather_single is the newer name of all_gather_into_tensor (which now warns)
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    def __init__(self, size: int, ledger: Ledger) -> None:
+        self.size = size
+        self.ledger = ledger
+
+    def _count(self, sent_bytes: float, received_bytes: float) -> None:
+        self.ledger.record_move(Link.NET_SEND, int(sent_bytes))
+        self.ledger.record_move(Link.NET_RECV, int(received_bytes))
+
+    def all_reduce_sum(self, t: torch.Tensor, *, async_op: bool = False):
+        w = self.size
+        self._count(2 * (w - 1) / w * _nbytes(t), 2 * (w - 1) / w * _nbytes(t))
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, *, async_op: bool = False):
+        """`out` (W * mine.numel(), rank-major) receives every rank's `mine`."""
+        n = (self.size - 1) * _nbytes(mine)
+        self._count(n, n)
+        return _all_gather_single(out, mine, async_op=async_op)
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self._count(_nbytes(t), 0)
+        dist.send(t, dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self._count(0, _nbytes(t))
+        dist.recv(t, src)
+
+    def mean_of(self, values: list[float]) -> list[float]:
+        """Element-wise mean over ranks of a few scalars (losses for the log)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce_sum(t)
+        return (t / self.size).tolist()

@@ -1,0 +1,193 @@
+"""Gradient sync strategies for data parallelism (ARCHITECTURE.md section 7).
+
+A strategy is chosen by the type of its config (`DenseSync`, `TopKSync`, `DelayedSync`; none in
+a single process) and built once at setup; the runtime then calls it unconditionally:
+
+- `start(segment, grad, slots)`: the engine calls this the moment a segment's gradient for the
+  step is complete (all micro-batches in). It starts the exchange (asynchronously, so the rest
+  of the backward overlaps it) and returns a `Pending` whose `wait()` leaves the synced gradient
+  in `grad`; the engine waits before it takes the gradient norm.
+- `after_step(engine, skipped)`: the data-parallel stepper calls this after every step (local
+  SGD averages parameters here; top-k clears its residual after a skipped step).
+- `local_state()` / `load_local_state(...)`: tensors that differ between ranks (error-feedback
+  residuals, counters), gathered into rank 0's checkpoint and handed back on resume.
+
+Every byte on the wire goes through `Comm`, which counts it in the ledger.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from tierlm.config import ConfigError, DistributedConfig
+from tierlm.distributed.comm import Comm
+from tierlm.memory.layout import ParamSlot
+
+# Parameters kept dense under top-k by default (the config's default): embeddings (a batch
+# touches few rows, and error feedback would hold stale rows for long), the output head and
+# the norms (tiny, and the loss is most sensitive to them).
+DEFAULT_RATIO_OVERRIDES = DistributedConfig().sparse_grad_ratio_overrides
+
+
+class Pending:
+    """An exchange in flight: `wait()` blocks until the bytes are in and the gradient is final."""
+
+    def __init__(self, works: list[Any] = (), then: Callable[[], None] | None = None) -> None:
+        self._works = list(works)
+        self._then = then
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        if self._then is not None:
+            self._then()
+
+
+DONE = Pending()
+
+
+class GradSync(Protocol):
+    def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending: ...
+
+
+class NoSync:
+    """A single process, or a strategy that never touches gradients: nothing to exchange."""
+
+    engine_state_per_rank = False
+
+    def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
+        return DONE
+
+    def after_step(self, engine: Any, skipped: bool) -> None:
+        pass
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_local_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+
+NO_SYNC = NoSync()
+
+
+# -- configs: the type picks the implementation ----
+
+@dataclass(frozen=True, kw_only=True)
+class DenseSync:
+    """All-reduce every segment's gradient and average it over ranks."""
+
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+    def build(self, comm: Comm) -> DenseAllReduce:
+        return DenseAllReduce(comm, torch.bfloat16 if self.dtype == "bf16" else torch.float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopKSync:
+    """Send the largest-magnitude `ratio` of each parameter's gradient (values + indices);
+    `overrides` are (regex, ratio) pairs matched against parameter names, first match wins,
+    ratio 1.0 meaning dense; the rest stays in a local residual added to the next step's
+    gradient (error feedback) unless `error_feedback` is off. Over the first `warmup_steps`
+    the ratio falls geometrically from 1.0 (dense) to its target."""
+
+    ratio: float
+    overrides: tuple[tuple[str, float], ...] = field(
+        default_factory=lambda: parse_ratio_overrides(DEFAULT_RATIO_OVERRIDES)
+    )
+    error_feedback: bool = True
+    warmup_steps: int = 0
+
+    def build(self, comm: Comm):
+        from tierlm.distributed.topk import TopK
+
+        return TopK(comm, self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedSync:
+    """Local SGD: no gradient exchange; every `every` steps (and at `final_step`) the ranks'
+    weights are averaged. Optimizer state stays local (see tierlm.distributed.delayed)."""
+
+    every: int
+    final_step: int | None = None
+
+    def build(self, comm: Comm):
+        from tierlm.distributed.delayed import Delayed
+
+        return Delayed(comm, self)
+
+
+SyncConfig = DenseSync | TopKSync | DelayedSync
+
+
+def parse_ratio_overrides(text: str, flag: str = "--sparse-grad-ratio-overrides"):
+    """'embed|lm_head|norm=1.0,mlp=0.1' -> (('embed|lm_head|norm', 1.0), ('mlp', 0.1))."""
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        pattern, sep, value = item.rpartition("=")
+        try:
+            ratio = float(value)
+        except ValueError:
+            ratio = None
+        if not sep or not pattern or ratio is None or not 0 < ratio <= 1:
+            raise ConfigError(
+                f"{flag}: {item!r} is not PATTERN=RATIO with RATIO in (0, 1], e.g. "
+                "'embed|lm_head|norm=1.0,mlp=0.1'"
+            )
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"{flag}: {pattern!r} is not a regex: {exc}") from None
+        out.append((pattern, ratio))
+    return tuple(out)
+
+
+def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
+    """The typed strategy config for the `distributed` section (already validated)."""
+    mode = resolved_mode(dist_cfg)
+    if mode == "topk":
+        return TopKSync(
+            ratio=dist_cfg.sparse_grad_ratio,
+            overrides=parse_ratio_overrides(dist_cfg.sparse_grad_ratio_overrides),
+            error_feedback=dist_cfg.error_feedback,
+            warmup_steps=dist_cfg.sparse_warmup_steps,
+        )
+    if mode == "delayed":
+        return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps)
+    return DenseSync(dtype=dist_cfg.grad_sync_dtype)
+
+
+def resolved_mode(dist_cfg: Any) -> str:
+    """--grad-sync, or what the other flags imply when it is not given."""
+    if dist_cfg.grad_sync is not None:
+        return dist_cfg.grad_sync
+    if dist_cfg.sparse_grad_ratio is not None:
+        return "topk"
+    if dist_cfg.sync_every > 1:
+        return "delayed"
+    return "dense"
+
+
+# -- dense ----
+
+class DenseAllReduce(NoSync):
+    def __init__(self, comm: Comm, wire_dtype: torch.dtype) -> None:
+        self.comm = comm
+        self.wire_dtype = wire_dtype
+
+    def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
+        w = self.comm.size
+        if self.wire_dtype == grad.dtype:
+            work = self.comm.all_reduce_sum(grad, async_op=True)
+            return Pending([work], lambda: grad.div_(w))
+        wire = grad.to(self.wire_dtype)  # bf16 on the wire: half the bytes, summed in bf16
+        work = self.comm.all_reduce_sum(wire, async_op=True)
+        return Pending([work], lambda: grad.copy_(wire).div_(w))

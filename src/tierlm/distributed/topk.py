@@ -1,0 +1,155 @@
+"""Top-k gradient sparsification with error feedback.
+
+For each parameter of a segment whose ratio r < 1, a rank sends the k = round(r * numel)
+entries of largest magnitude of (gradient + residual) as values (fp32) and flat indices (int32);
+the ranks all-gather them and each sums everything it received with `index_add_` (entries two
+ranks both sent add up), then divides by the world size. Parameters at ratio 1.0 (the sensitive
+ones by default) are packed into one buffer and all-reduced densely. What a rank did not send
+stays in its residual and joins the next step's gradient (error feedback), so no gradient is
+lost, only delayed.
+
+k depends only on the parameter's size and the step, so every rank contributes equally sized
+buffers and a plain all-gather suffices. Non-finite entries are ranked first, so a bad gradient
+always reaches every rank, the step is skipped everywhere, and `after_step` then clears the
+residuals that hold it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.distributed.comm import Comm
+from tierlm.distributed.sync import NoSync, Pending, TopKSync
+from tierlm.memory.layout import ParamSlot
+
+
+@dataclass(frozen=True)
+class _Plan:
+    dense: list[tuple[int, int]]  # (offset, numel) ranges all-reduced as they are
+    sparse: list[tuple[int, int, int]]  # (offset, numel, k)
+
+    @property
+    def k_total(self) -> int:
+        return sum(k for _, _, k in self.sparse)
+
+
+class TopK(NoSync):
+    def __init__(self, comm: Comm, cfg: TopKSync) -> None:
+        self.comm = comm
+        self.cfg = cfg
+        self.patterns = [(re.compile(p), r) for p, r in cfg.overrides]
+        self.steps = 0  # completed steps (the warm-up position)
+        self.residual: dict[str, torch.Tensor] = {}  # segment -> flat residual
+        self.slots: dict[str, list[ParamSlot]] = {}
+        self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, by parameter
+        self._plans: dict[tuple[str, float], _Plan] = {}
+
+    # -- which parameters go dense, and how many entries the others send ----
+
+    def ratio_of(self, name: str) -> float:
+        target = next((r for p, r in self.patterns if p.search(name)), self.cfg.ratio)
+        n = self.cfg.warmup_steps
+        if self.steps < n:  # geometric from 1.0 at step 0 to the target at step n
+            return target ** (self.steps / n)
+        return target
+
+    def plan(self, segment: str, slots: list[ParamSlot]) -> _Plan:
+        warm = min(self.steps, self.cfg.warmup_steps)
+        key = (segment, warm)
+        if key not in self._plans:
+            dense, sparse = [], []
+            for s in slots:
+                k = max(1, round(self.ratio_of(s.name) * s.numel))
+                if k >= s.numel:
+                    if dense and dense[-1][0] + dense[-1][1] == s.offset:  # merge neighbours
+                        dense[-1] = (dense[-1][0], dense[-1][1] + s.numel)
+                    else:
+                        dense.append((s.offset, s.numel))
+                else:
+                    sparse.append((s.offset, s.numel, k))
+            self._plans[key] = _Plan(dense, sparse)
+        return self._plans[key]
+
+    # -- the exchange ----
+
+    def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
+        plan = self.plan(segment, slots)
+        self.slots[segment] = slots
+        if self.cfg.error_feedback and plan.sparse:
+            grad.add_(self._residual_for(segment, grad))
+        works = []
+        dense_buf = None
+        if plan.dense:
+            dense_buf = torch.cat([grad.narrow(0, o, n) for o, n in plan.dense])
+            works.append(self.comm.all_reduce_sum(dense_buf, async_op=True))
+        if plan.sparse:
+            index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
+            idx = torch.cat([
+                # NaN ranks above everything, so a non-finite gradient is always sent
+                torch.topk(grad.narrow(0, o, n).abs().nan_to_num_(nan=torch.inf), k,
+                           sorted=False).indices.add_(o)
+                for o, n, k in plan.sparse
+            ]).to(index_dtype)
+            vals = grad[idx]
+            w = self.comm.size
+            all_idx = torch.empty(w * idx.numel(), dtype=index_dtype, device=grad.device)
+            all_vals = torch.empty(w * vals.numel(), dtype=vals.dtype, device=grad.device)
+            works.append(self.comm.all_gather(all_idx, idx, async_op=True))
+            works.append(self.comm.all_gather(all_vals, vals, async_op=True))
+            if self.cfg.error_feedback:  # what is not sent now is sent later
+                res = self.residual[segment]
+                res.copy_(grad)
+                res[idx] = 0
+                for o, n in plan.dense:
+                    res.narrow(0, o, n).zero_()
+
+        def finish() -> None:
+            if plan.sparse:
+                grad.zero_()
+                grad.index_add_(0, all_idx.long(), all_vals)
+            start = 0
+            for o, n in plan.dense:
+                grad.narrow(0, o, n).copy_(dense_buf.narrow(0, start, n))
+                start += n
+            grad.div_(self.comm.size)
+
+        return Pending(works, finish)
+
+    def _residual_for(self, segment: str, grad: torch.Tensor) -> torch.Tensor:
+        res = self.residual.get(segment)
+        if res is None:
+            res = torch.zeros_like(grad)
+            for s in self.slots[segment]:  # a resumed run starts from the saved residuals
+                saved = self._loaded.pop(s.name, None)
+                if saved is not None:
+                    res.narrow(0, s.offset, s.numel).copy_(saved.reshape(-1))
+            self.residual[segment] = res
+        return res
+
+    # -- step boundary and checkpoints ----
+
+    def after_step(self, engine, skipped: bool) -> None:
+        self.steps += 1
+        if skipped:  # the residuals hold part of the non-finite gradient that was skipped
+            for res in self.residual.values():
+                res.zero_()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        out = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
+        for segment, res in self.residual.items():
+            for s in self.slots[segment]:
+                out[f"residual.{s.name}"] = res.narrow(0, s.offset, s.numel).view(s.shape)
+        for name, t in self._loaded.items():  # not used yet since the resume: keep them
+            out[f"residual.{name}"] = t
+        return out
+
+    def load_local_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        if "steps" in state:
+            self.steps = int(state["steps"])
+        prefix = "residual."
+        self._loaded = {k[len(prefix):]: state[k] for k in state if k.startswith(prefix)}
+        self.residual = {}

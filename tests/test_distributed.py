@@ -1,0 +1,418 @@
+"""Data parallel and FSDP2 on gloo with 2 processes (forked from pytest: no re-import cost).
+
+Each test runs a function on two ranks and compares what they return with each other and with
+the single-process reference trainer (tests/runtime_helpers.py) on the same global batches:
+2 ranks x micro-batch b against 1 process x micro-batch 2b.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+import torch
+from runtime_helpers import OPTIM, assert_close_run, batches, tiny_model
+
+from tierlm.config import ConfigError
+from tierlm.distributed.comm import Comm
+from tierlm.distributed.data_parallel import DataParallelStep
+from tierlm.distributed.setup import RankSlice
+from tierlm.distributed.sync import DelayedSync, DenseSync, TopKSync
+from tierlm.distributed.world import World
+from tierlm.memory.layout import FlatLayout
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.tiers import Link
+from tierlm.runtime import Engine, EngineOptions
+
+MODEL = "llama_tied_gqa"  # tied embeddings: the head's gradient joins the owner's before sync
+STEPS, M, B_GLOBAL, T = 4, 2, 4, 16
+LR = 1e-2
+# Two ranks sum their halves of the batch in another order than one process sums all of it, so
+# gradients agree to fp32 rounding, not bitwise. AdamW's first steps move each weight by about
+# lr * g / (|g| + eps): with the usual eps an entry whose gradient is itself at rounding level
+# (cancelling contributions) moves by up to lr either way. A larger eps keeps the optimizer
+# from amplifying rounding, so the comparison sees what the sync computes.
+OPTIM = dataclasses.replace(OPTIM, eps=1e-3)
+
+
+# -- running a function on 2 ranks ----
+
+def _rank_main(fn, rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    w = None
+    try:
+        w = World.from_env(timeout_s=60)  # short: a rank that fails must not hang the other
+        queue.put((rank, True, fn(w)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if w is not None:
+            w.close()
+
+
+def run_ranks(fn, world: int = 2, timeout_s: float = 150.0) -> list:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, ok, value = queue.get(timeout=timeout_s)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+# -- pieces the ranks use ----
+
+def _global_batches(steps: int = STEPS):
+    return batches(steps, M, b=B_GLOBAL, t=T)
+
+
+def _mine(world: World, step_batches):
+    return [b.tensor_split(world.size)[world.rank] for b in step_batches]
+
+
+def _digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(weights):
+        h.update(weights[k].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _numpy(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {k: v.numpy().copy() for k, v in weights.items()}
+
+
+def _dp(world: World, sync, policy: str = "none", tmp: str | None = None) -> DataParallelStep:
+    comm = Comm(world.size, Ledger())
+    strategy = sync.build(comm)
+    engine = Engine(
+        tiny_model(MODEL), OPTIM,
+        EngineOptions(policy=policy, grad_sync=strategy, batch_size=B_GLOBAL // world.size,
+                      seq_len=T, micro_batches=M,
+                      offload_dir=f"{tmp}/rank{world.rank}" if tmp else None),
+        device=torch.device("cpu"),
+    )
+    comm.ledger = engine.ledger
+    return DataParallelStep(engine, strategy, world, comm)
+
+
+def _train(world: World, sync, policy: str = "none", steps: int = STEPS, tmp=None) -> dict:
+    dp = _dp(world, sync, policy, tmp)
+    losses, digests, sent = [], [], []
+    for step_batches in _global_batches(steps):
+        out = dp.step(_mine(world, step_batches), LR)
+        losses.append(out["loss"])
+        digests.append(_digest(dp.weights()))
+        sent.append(dp.ledger.moved_bytes[Link.NET_SEND])
+    result = {"losses": losses, "digests": digests, "sent": sent,
+              "weights": _numpy(dp.weights())}
+    dp.close()
+    return result
+
+
+def reference_run(model, steps, lrs, clip: float):
+    from tierlm.train.reference import ReferenceStep
+
+    ref = ReferenceStep(model, OPTIM, grad_clip=clip, device=torch.device("cpu"))
+    out = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    return out, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    out, weights = reference_run(tiny_model(MODEL), _global_batches(), [LR] * STEPS, clip=1.0)
+    return [o["loss"] for o in out], weights
+
+
+def _as_torch(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v) for k, v in weights.items()}
+
+
+# -- data: each rank its slice of the global batch ----
+
+def test_rank_slices_make_up_the_single_process_batch():
+    from tierlm.data import BatchSampler, PackedSequences
+
+    seqs = PackedSequences(torch.arange(2000), 16, "test")
+    one = BatchSampler(seqs, 8, seed=3)
+    ranks = [RankSlice(BatchSampler(seqs, 8, seed=3), World(rank=r, size=2)) for r in range(2)]
+    for _ in range(5):
+        parts = [r.next_batch() for r in ranks]
+        assert all(p.shape == (4, 17) for p in parts)
+        assert torch.equal(torch.cat(parts), one.next_batch())
+    assert ranks[1].state_dict() == one.state_dict()
+
+
+# -- dense ----
+
+def _dense_runs(world: World, tmp: str) -> dict:
+    return {
+        "none": _train(world, DenseSync()),
+        "host": _train(world, DenseSync(), policy="host", tmp=tmp),
+    }
+
+
+def test_dense_two_ranks_equal_one_process_with_twice_the_batch(reference, tmp_path):
+    ref_losses, ref_weights = reference
+    ranks = run_ranks(lambda w: _dense_runs(w, str(tmp_path)))
+    for policy in ("none", "host"):  # everything resident; state (and the sync) in host RAM
+        r0, r1 = ranks[0][policy], ranks[1][policy]
+        assert r0["digests"] == r1["digests"], f"{policy}: ranks differ after a sync"
+        assert r0["losses"] == r1["losses"]
+        assert_close_run(r0["losses"], ref_losses, _as_torch(r0["weights"]), ref_weights,
+                         rel=1e-6, atol=1e-6)
+        assert all(s > 0 for s in r0["sent"])
+
+
+# -- top-k ----
+
+def _topk_runs(world: World) -> dict:
+    steps = 2
+    return {
+        "dense": _train(world, DenseSync(), steps=steps),
+        "topk_1": _train(world, TopKSync(ratio=1.0, overrides=()), steps=steps),
+        "topk_005": _train(world, TopKSync(ratio=0.05, overrides=()), steps=steps),
+    }
+
+
+def test_topk_ratio_one_is_dense_and_005_sends_a_tenth(reference):
+    ranks = run_ranks(_topk_runs)
+    r0 = ranks[0]
+    assert r0["topk_1"]["digests"] == r0["dense"]["digests"]  # bit for bit
+    assert r0["topk_1"]["sent"] == r0["dense"]["sent"]
+    for r in ranks:
+        assert r["topk_005"]["digests"] == ranks[0]["topk_005"]["digests"]
+    ratio = [s / d for s, d in zip(r0["topk_005"]["sent"], r0["dense"]["sent"], strict=True)]
+    assert all(0.05 < x <= 0.11 for x in ratio), ratio  # 4 B value + 4 B index per entry
+
+
+def _residual_exchange(world: World) -> dict:
+    """Two steps of top-k on one two-parameter segment, with known gradients per rank."""
+    layout = FlatLayout([("a.weight", (40, 10), True), ("b.weight", (100,), False)])
+    out = {}
+    for feedback in (True, False):
+        sync = TopKSync(ratio=0.1, overrides=(("b", 1.0),), error_feedback=feedback)
+        topk = sync.build(Comm(world.size, Ledger()))
+        gen = torch.Generator().manual_seed(world.rank)
+        steps = []
+        for _ in range(2):
+            g = torch.randn(layout.numel, generator=gen)
+            residual_before = topk.residual.get("seg", torch.zeros(layout.numel)).clone()
+            grad = g.clone()
+            topk.start("seg", grad, layout.slots).wait()
+            topk.after_step(None, skipped=False)
+            residual = topk.residual.get("seg", torch.zeros(layout.numel)).clone()
+            steps.append({k: v.numpy() for k, v in dict(
+                g=g, residual_before=residual_before, synced=grad, residual=residual).items()})
+        out[feedback] = steps
+    return out
+
+
+def test_topk_residual_is_what_was_not_sent():
+    ranks = run_ranks(_residual_exchange)
+    n_a = 400  # parameter a: sparse at 0.1 -> 40 entries; b (100 entries) dense by override
+    for step in range(2):
+        sent, full = [], []
+        for r in ranks:
+            s = r[True][step]
+            acc = s["g"] + s["residual_before"]  # error feedback: the residual joins the grad
+            sent_r = acc - s["residual"]
+            a_sent, a_acc = sent_r[:n_a], acc[:n_a]
+            nz = np.flatnonzero(a_sent)
+            assert len(nz) == 40
+            assert np.array_equal(a_sent[nz], a_acc[nz])  # sent entries are sent whole
+            assert np.abs(a_acc[nz]).min() >= np.abs(np.delete(a_acc, nz)).max()  # the top-k
+            assert np.all(s["residual"][n_a:] == 0)  # the dense part leaves no residual
+            sent.append(sent_r)
+            full.append(acc)
+        expected_a = (sent[0][:n_a] + sent[1][:n_a]) / 2
+        expected_b = (full[0][n_a:] + full[1][n_a:]) / 2
+        for r in ranks:
+            np.testing.assert_allclose(r[True][step]["synced"][:n_a], expected_a, atol=1e-6)
+            np.testing.assert_allclose(r[True][step]["synced"][n_a:], expected_b, atol=1e-6)
+    assert np.any(ranks[0][True][1]["residual_before"] != 0)  # the second step used it
+    for r in ranks:  # without error feedback nothing is kept
+        assert not np.any(r[False][1]["residual"])
+
+
+# -- delayed ----
+
+def test_delayed_ranks_agree_exactly_at_multiples_of_k():
+    ranks = run_ranks(lambda w: _train(w, DelayedSync(every=2)))
+    d0, d1 = ranks[0]["digests"], ranks[1]["digests"]
+    for step, (a, b) in enumerate(zip(d0, d1, strict=True), start=1):
+        assert (a == b) == (step % 2 == 0), f"step {step}"
+    assert ranks[0]["sent"][0] < ranks[0]["sent"][1]  # bytes only when weights are averaged
+
+
+# -- checkpoints: rank-local state (residuals, per-rank weights and moments) round-trips ----
+
+def _resume(world: World, path: str, sync) -> dict:
+    from pathlib import Path
+
+    from tierlm.distributed.setup import drain
+    from tierlm.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+
+    plain = _train(world, sync)
+    dp = _dp(world, sync)
+    all_batches = _global_batches()
+    for step_batches in all_batches[:2]:
+        dp.step(_mine(world, step_batches), LR)
+    if world.is_main:
+        ckpt = save_checkpoint(Path(path), shards=dp.state_shards(),
+                               model_config=dp.adapter.model.config, tokenizer=None,
+                               state=TrainState(step=2, sampler={}, run_config={}))
+    else:
+        drain(dp.state_shards())
+    dp.close()
+    world.barrier()
+    ckpt = world.from_main(ckpt if world.is_main else None)
+    weights, optim, _ = load_checkpoint(ckpt)
+    resumed = _dp(world, sync)
+    resumed.load(weights, optim)
+    losses = [resumed.step(_mine(world, b), LR)["loss"] for b in all_batches[2:]]
+    return {"plain": plain["losses"][2:], "plain_digest": plain["digests"][-1],
+            "resumed": losses, "resumed_digest": _digest(resumed.weights())}
+
+
+@pytest.mark.parametrize("sync", [TopKSync(ratio=0.05, overrides=()), DelayedSync(every=3)],
+                         ids=["topk", "delayed"])
+def test_resume_continues_exactly(tmp_path, sync):
+    ranks = run_ranks(lambda w: _resume(w, str(tmp_path), sync))
+    for r in ranks:  # delayed: saved at step 2, between syncs, so per-rank weights matter
+        assert r["resumed"] == r["plain"]
+        assert r["resumed_digest"] == r["plain_digest"]
+
+
+def test_resume_refuses_another_world_size(tmp_path):
+    dp = _dp(World.single(), TopKSync(ratio=0.05, overrides=()))
+    try:
+        with pytest.raises(ConfigError, match="written by 2 processes"):
+            dp.load(dp.weights(), {"dp.world_size": torch.tensor(2)})
+    finally:
+        dp.close()
+
+
+# -- FSDP2 ----
+
+def _fsdp(world: World, path: str) -> dict:
+    from pathlib import Path
+
+    from tierlm.distributed.fsdp import FSDPStep
+    from tierlm.distributed.setup import drain
+    from tierlm.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+
+    def build():
+        return FSDPStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"),
+                        world=world, comm=Comm(world.size, Ledger()), precision="fp32",
+                        cpu_offload=True)
+
+    step = build()
+    all_batches = _global_batches(5)
+    losses = []
+    for i, b in enumerate(all_batches):
+        losses.append(step.step(_mine(world, b), LR)["loss"])
+        if i == 2:  # checkpoint after step 3
+            if world.is_main:
+                ckpt = save_checkpoint(Path(path), shards=step.state_shards(),
+                                       model_config=step.model.config, tokenizer=None,
+                                       state=TrainState(step=3, sampler={}, run_config={}))
+            else:
+                drain(step.state_shards())
+    final = _numpy(step.weights())
+    ckpt = world.from_main(ckpt if world.is_main else None)
+    weights, optim, _ = load_checkpoint(ckpt)
+    resumed = build()
+    resumed.load(weights, optim)
+    resumed_losses = [resumed.step(_mine(world, b), LR)["loss"] for b in all_batches[3:]]
+    return {"losses": losses, "weights": final, "resumed": resumed_losses,
+            "resumed_weights": _numpy(resumed.weights())}
+
+
+def test_fsdp_matches_one_process_and_resumes(tmp_path):
+    ref_out, ref_weights = reference_run(tiny_model(MODEL), _global_batches(5), [LR] * 5,
+                                         clip=1.0)
+    ranks = run_ranks(lambda w: _fsdp(w, str(tmp_path)))
+    for r in ranks:
+        assert_close_run(r["losses"], [o["loss"] for o in ref_out], _as_torch(r["weights"]),
+                         ref_weights, rel=1e-5, atol=1e-5)
+        assert r["resumed"] == r["losses"][3:]
+        for k, v in r["weights"].items():
+            assert np.array_equal(r["resumed_weights"][k], v), k
+
+
+# -- strategy configs ----
+
+def test_topk_ratios_by_pattern_and_warmup():
+    from tierlm.distributed.sync import parse_ratio_overrides
+
+    sync = TopKSync(ratio=0.01, warmup_steps=4,
+                    overrides=parse_ratio_overrides("embed|lm_head|norm=1.0,mlp=0.1"))
+    topk = sync.build(Comm(2, Ledger()))
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+             "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    seen = []
+    for _ in range(6):
+        seen.append([topk.ratio_of(n) for n in names])
+        topk.after_step(None, skipped=False)
+    assert seen[0] == [1.0, 1.0, 1.0, 1.0]  # warm-up starts dense
+    assert seen[2] == pytest.approx([1.0, 0.1**0.5, 0.01**0.5, 1.0])
+    assert seen[4] == seen[5] == [1.0, 0.1, 0.01, 1.0]
+    layout = FlatLayout([("a.mlp.w", (10, 10), True), ("a.norm.w", (10,), False),
+                         ("a.q.w", (10, 10), True)])
+    plan = topk.plan("seg", layout.slots)
+    assert plan.sparse == [(0, 100, 10), (100, 100, 1)] and plan.dense == [(200, 10)]
+
+
+def test_distributed_flags_resolve_to_typed_strategies():
+    from tierlm.config import resolve
+    from tierlm.distributed.sync import sync_config
+
+    def strategy(**flags):
+        cfg = resolve(None, {f"distributed.{k}": v for k, v in flags.items()})
+        return sync_config(cfg.distributed, max_steps=10)
+
+    assert strategy() == DenseSync()
+    assert strategy(grad_sync_dtype="bf16") == DenseSync(dtype="bf16")
+    topk = strategy(sparse_grad_ratio=0.05, sparse_grad_ratio_overrides="")
+    assert isinstance(topk, TopKSync) and topk.ratio == 0.05 and topk.overrides == ()
+    assert strategy(sparse_grad_ratio=0.05).overrides[0][1] == 1.0  # sensitive layers dense
+    assert strategy(sync_every=4) == DelayedSync(every=4, final_step=10)
+    for bad, flag in (({"grad_sync": "topk"}, "--sparse-grad-ratio"),
+                      ({"sync_every": 2, "grad_sync": "dense"}, "--sync-every"),
+                      ({"backend": "fsdp", "sparse_grad_ratio": 0.1}, "--grad-sync topk"),
+                      ({"sparse_grad_ratio_overrides": "mlp"}, "PATTERN=RATIO")):
+        with pytest.raises(ConfigError, match=flag):
+            strategy(**bad)
+
+
+def test_sync_strategies_need_several_processes():
+    from tierlm.config import resolve
+    from tierlm.distributed.setup import join_world
+
+    assert join_world(resolve(None, {})).size == 1  # no torchrun: one process, dense is a no-op
+    for flags in ({"distributed.sparse_grad_ratio": 0.05}, {"distributed.sync_every": 2}):
+        with pytest.raises(ConfigError, match="--nproc N"):
+            join_world(resolve(None, flags))
