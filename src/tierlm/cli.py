@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             return 0
         check_supported(cfg)
+        from tierlm.distributed.world import launch_if_asked
+
+        launch_if_asked(cfg.distributed.nproc, sys.argv[1:] if argv is None else argv)
         from tierlm.train import run_training
 
         run_training(cfg)

@@ -5,18 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tierlm.config import Config
+from tierlm.distributed.setup import quiet
 from tierlm.train.checkpoint import export_hf_from_checkpoint
 from tierlm.train.trainer import Trainer, TrainResult
 
 
 def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainResult:
     trainer = Trainer(cfg, log=log)
+    if not trainer.world.is_main:
+        log = quiet  # rank 0 reports and exports for the whole run
     result = trainer.train()
     # from the final checkpoint, file by file: the weights never have to fit in RAM at once
-    hf_dir = export_hf_from_checkpoint(result.final_checkpoint, trainer.run_dir / "hf")
-    if cfg.train.sample_tokens:
+    hf_dir = (
+        export_hf_from_checkpoint(result.final_checkpoint, trainer.run_dir / "hf")
+        if trainer.world.is_main else None
+    )
+    if cfg.train.sample_tokens:  # on every rank: FSDP gathers the weights collectively
         log("sample: " + trainer.sample(cfg.train.sample_tokens).replace("\n", "\n        "))
     trainer.stepper.close()
+    trainer.world.close()
     log(f"run directory: {result.run_dir}")
     log(f"checkpoint:    {result.final_checkpoint}")
     log(f"HF export:     {hf_dir}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import math
 import os
 import time
@@ -35,6 +36,15 @@ from tierlm.data import (
     load_corpus,
     load_model_tokenizer,
     load_or_train_tokenizer,
+)
+from tierlm.distributed.setup import (
+    NullMetrics,
+    NullMonitor,
+    build_parallel_stepper,
+    drain,
+    join_world,
+    quiet,
+    shard_batches,
 )
 from tierlm.models import build_model, count_params, load_hf_model, preset_config
 from tierlm.train.checkpoint import (
@@ -99,17 +109,20 @@ def build_stepper(
     device: torch.device,
     run_dir: Path,
     preflight: Preflight | None = None,
+    grad_sync: object | None = None,
+    offload_subdir: str = "",
 ):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
-    offload, dynamic, per-segment overrides: the runtime with everything resident). Both answer
-    the same calls."""
+    offload, dynamic, per-segment overrides: the runtime with everything resident), or always
+    when data parallel (`grad_sync`, see tierlm.distributed; each rank's disk tier under
+    `offload_subdir`). Both answer the same calls."""
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
         if cfg.precision.mode == "bf16"
         else contextlib.nullcontext
     )
-    if not uses_tiered_runtime(cfg):
+    if not uses_tiered_runtime(cfg) and grad_sync is None:
         if preflight is not None:
             preflight(None)  # disk space for checkpoints; RAM when the device is the CPU
         model.to(device)
@@ -134,7 +147,7 @@ def build_stepper(
         host_budget_bytes=preflight.host_budget_bytes() if preflight is not None else (
             parse_bytes(mem.host_budget) if mem.host_budget else None
         ),
-        offload_dir=str(resolve_offload_dir(mem.offload_dir, run_dir)),
+        offload_dir=str(resolve_offload_dir(mem.offload_dir, run_dir) / offload_subdir),
         grad_clip=cfg.optim.grad_clip,
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len,
@@ -143,6 +156,8 @@ def build_stepper(
         autocast=autocast,
         check_placement=preflight or (lambda report: None),
     )
+    if grad_sync is not None:
+        options.grad_sync = grad_sync
     return Engine(model, cfg.optim, options, device=device)
 
 
@@ -151,15 +166,23 @@ class Trainer:
         check_supported(cfg)
         self.memory_watch = MemoryWatch(log)  # first: it measures what the run adds
         check_monitor_deps(cfg)  # a missing optional dependency fails before any work
+        self.world = join_world(cfg)  # torchrun's processes, or this one alone
+        if not self.world.is_main:
+            log = quiet  # rank 0 logs, writes metrics and checkpoints for the whole run
         self.cfg = cfg
         self.log = log
         self.device = resolve_device(cfg.run.device)
-        run_dir, resume_ckpt = resume_point(cfg.run.resume, cfg.run.out, log)
-        self.run_dir = run_dir or (Path(cfg.run.out) if cfg.run.out else default_run_dir(cfg))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(
-            yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
+        run_dir, resume_ckpt = self.world.main_first(
+            lambda: resume_point(cfg.run.resume, cfg.run.out, log)
         )
+        self.run_dir = self.world.from_main(
+            run_dir or (Path(cfg.run.out) if cfg.run.out else default_run_dir(cfg))
+        )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.world.is_main:
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
+            )
 
         corpus = load_corpus(
             cfg.data.train,
@@ -176,9 +199,9 @@ class Trainer:
         elif resume_ckpt is not None:
             self.tokenizer = load_model_tokenizer(resume_ckpt)
         else:
-            self.tokenizer = load_or_train_tokenizer(
+            self.tokenizer = self.world.main_first(lambda: load_or_train_tokenizer(
                 [d.text for d in corpus.train], cfg.data.vocab_size, cache_dir() / "tokenizers"
-            )
+            ))
         train_ids = encode_documents(self.tokenizer, corpus.train)
         eval_ids = encode_documents(self.tokenizer, corpus.eval)
 
@@ -202,12 +225,19 @@ class Trainer:
 
         train_seqs = PackedSequences(train_ids, cfg.data.seq_len, "training data")
         eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
-        self.sampler = BatchSampler(train_seqs, cfg.train.batch_size, cfg.run.seed)
+        # every rank draws the global batch of all ranks' rows and keeps its own slice
+        self.sampler = shard_batches(
+            BatchSampler(train_seqs, cfg.train.batch_size * self.world.size, cfg.run.seed),
+            self.world,
+        )
         self.eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
                               device_is_cpu=self.device.type == "cpu",
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
-        self.stepper = build_stepper(cfg, self.model, self.device, self.run_dir, preflight)
+        self.stepper = build_parallel_stepper(
+            cfg, self.world, self.model, self.device, cfg.precision.mode,
+            functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight),
+        )
         self.memory_watch.trim()  # the model as built went to the runtime
         self.nonfinite = NonFiniteGuard(
             cfg.train.max_skipped_in_a_row, precision=cfg.precision.mode,
@@ -227,10 +257,12 @@ class Trainer:
         self.metrics = MetricsLog(
             self.run_dir / "metrics.jsonl",
             resume_from_step=self.step if resume_ckpt is not None else None,
-        )
+        ) if self.world.is_main else NullMetrics()
         self.monitor = build_monitor(cfg, self.stepper, self.device, self.run_dir, self.metrics,
-                                     log=log)
-        self.tokens_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len
+                                     log=log) if self.world.is_main else NullMonitor()
+        self.tokens_per_step = (  # all ranks together
+            cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * self.world.size
+        )
         log(
             f"model: {self.model.config.model_type}, {self.n_params / 1e6:.1f}M params, "
             f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
@@ -307,7 +339,10 @@ class Trainer:
         model.train()
         return self.tokenizer.decode(ids[0].tolist())
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        if not self.world.is_main:  # the other ranks only take part in the gathers
+            drain(self.stepper.state_shards())
+            return None
         state = TrainState(
             step=self.step,
             sampler=self.sampler.state_dict(),
