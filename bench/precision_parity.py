@@ -92,8 +92,12 @@ def main() -> None:
     for mode, r in rows:
         gap = r["ppl"] / base - 1
         target = TARGET_GAP.get(mode)
+        # the target bounds a loss of quality; a gap below -target (better than fp32 by more
+        # than the target) is met but says the run is too short to resolve the target
         verdict = "-" if target is None else (
-            f"<= {target:.1%}: {'met' if abs(gap) <= target else 'MISSED'}")
+            f"<= {target:.1%}: {'met' if gap <= target else 'MISSED'}"
+            + (" (lower than fp32 beyond the target: noise at this length)"
+               if gap < -target else ""))
         note = f" (switched to bf16: {', '.join(r['switched'])})" if r["switched"] else ""
         print(f"| {mode}{note} | {args.steps} | {r['train_loss']:.4f} | {r['ppl0']:.1f} -> "
               f"{r['ppl']:.3f} | {gap:+.2%} | {verdict} | {r['wall_s']:.0f} |")

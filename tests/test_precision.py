@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tierlm.config import ConfigError, PrecisionConfig, from_dict
 from tierlm.precision import Fp8ScaleError, PrecisionLinear, classify, prepare_precision
-from tierlm.precision.formats import E4M3, E5M2, cast_counting
+from tierlm.precision.formats import E4M3, E5M2, cast_counting, to_fp8_grid
 from tierlm.precision.linear import Bf16Linear, Fp8LayerScalers, Fp8Linear
 from tierlm.precision.matmul import Emulated, ScaledMM, scaled_mm_works
 from tierlm.precision.scaling import DelayedScaling, DynamicScaling, FixedScaling, TensorScaler
@@ -175,11 +175,25 @@ def test_scaled_mm_and_emulation_agree():
     inv_a, inv_b = torch.tensor(0.02), torch.tensor(0.5)
     emu = Emulated()
     exact = ScaledMM()(a, b, inv_a, inv_b, torch.float32)
-    emulated = emu(emu.prepare(a), emu.prepare(b), inv_a, inv_b, torch.float32)
+    emulated = emu(a.float(), b.float(), inv_a, inv_b, torch.float32)
     torch.testing.assert_close(exact, emulated, rtol=1e-5, atol=1e-4)
     odd = ScaledMM()(a[:, :45], b[:45], inv_a, inv_b, torch.float32)  # 45 -> padded to 48
-    emulated = emu(emu.prepare(a[:, :45]), emu.prepare(b[:45]), inv_a, inv_b, torch.float32)
+    emulated = emu(a[:, :45].float(), b[:45].float(), inv_a, inv_b, torch.float32)
     torch.testing.assert_close(odd, emulated, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+def test_emulation_grid_equals_the_real_cast(fmt):
+    """The emulation's fp32 rounding gives exactly the values of the fp8 cast, over the whole
+    range: normals, subnormals, ties, zero and the saturation bound."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(1 << 16, generator=g) * torch.exp(torch.randn(1 << 16, generator=g) * 4)
+    every = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
+    every = every[torch.isfinite(every)]
+    ties = (every[1:] + every[:-1]) / 2  # halfway between neighbours (sorted by bits per sign)
+    y = torch.cat([y, every, ties, -ties, torch.tensor([0.0, -0.0, fmt.max])])
+    y = y.clamp(-fmt.max, fmt.max)
+    assert torch.equal(to_fp8_grid(y, fmt), y.to(fmt.dtype).float())
 
 
 # -- scaling rules ----

@@ -60,9 +60,8 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, scalers: Fp8LayerScalers, mm: Fp8Matmul, out_dtype):
         x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
-        x8, x_inv = scalers.input.quantize(x2)
-        w8, w_inv = scalers.weight.quantize(w)  # (out, in)
-        x8, w8 = mm.prepare(x8), mm.prepare(w8)
+        x8, x_inv = scalers.input.quantize(x2, mm.cast)
+        w8, w_inv = scalers.weight.quantize(w, mm.cast)  # (out, in)
         out = mm(x8, w8.t(), x_inv, w_inv, out_dtype)  # (tokens, out)
         if b is not None:
             out = out + b.to(out_dtype)
@@ -76,8 +75,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     def backward(ctx, gout):
         x8, w8, x_inv, w_inv = ctx.saved_tensors
         g2 = gout.reshape(-1, gout.shape[-1])  # (tokens, out)
-        g8, g_inv = ctx.scalers.grad.quantize(g2)
-        g8 = ctx.mm.prepare(g8)
+        g8, g_inv = ctx.scalers.grad.quantize(g2, ctx.mm.cast)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
             gx = ctx.mm(g8, w8, g_inv, w_inv, ctx.x_dtype).reshape(ctx.x_shape)

@@ -3,30 +3,31 @@ dequantises both operands to fp32 and multiplies (the same result up to fp32 rou
 the speed). Which one a run uses is decided once, at setup, by trying the kernel on the device.
 
 Both compute `(a8 / sa) @ (b8 / sb)` with fp32 accumulation for a (M, K) and b (K, N); `a_inv`,
-`b_inv` are the reciprocal scales (0-dim fp32 tensors). Operands pass through `prepare` once
-when quantised (the emulation decodes each fp8 tensor to fp32 once, not per matmul; the
-forward's operands are saved for the backward in that form).
+`b_inv` are the reciprocal scales (0-dim fp32 tensors). Each backend also says how a scaled
+tensor becomes its fp8 operand (`cast`): the kernel takes fp8 tensors; the emulation keeps the
+fp8 values in fp32 (the same numbers, computed without the fp8 dtype) so nothing is decoded
+per matmul; the forward's operands are saved for the backward in that form.
 
-On the CPU, torch's own `_scaled_mm` decodes both operands on every call and runs an fp32
-GEMM, so the emulation computes the same numbers faster there (bench/fp8_matmul.py); the
-kernel is used where fp8 units exist (CUDA sm_89+).
+On the CPU, torch's own `_scaled_mm` decodes both operands on every call (a slow scalar
+conversion) and runs an fp32 GEMM, so the emulation computes the same numbers faster there
+(bench/fp8_matmul.py); the kernel is used where fp8 units exist (CUDA sm_89+).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from tierlm.precision.formats import E4M3
+from tierlm.precision.formats import E4M3, Fp8Format, to_fp8, to_fp8_grid
 
 KERNEL_MULTIPLE = 16  # CUDA's fp8 GEMMs need every dimension divisible by 16
 
 
 class Fp8Matmul(Protocol):
     name: str
-
-    def prepare(self, t8: torch.Tensor) -> torch.Tensor: ...
+    cast: Callable[[torch.Tensor, Fp8Format], torch.Tensor]
 
     def __call__(
         self, a8: torch.Tensor, b8: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
@@ -48,9 +49,7 @@ class ScaledMM:
     inner dimension is the token count); zeros add nothing to the product."""
 
     name = "scaled_mm"
-
-    def prepare(self, t8: torch.Tensor) -> torch.Tensor:
-        return t8
+    cast = staticmethod(to_fp8)
 
     def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
         k = a8.shape[1]
@@ -66,14 +65,13 @@ class ScaledMM:
 
 
 class Emulated:
-    """Dequantise to fp32 and multiply: for devices without fp8 kernels. Every fp8 value and
-    every product of two is exact in fp32, and the power-of-two scales (scaling.py) are applied
-    to the product exactly, so this differs from an fp8 GEMM only in summation order."""
+    """fp8 values held in fp32, multiplied in fp32: for devices without fp8 kernels. Every fp8
+    value and every product of two is exact in fp32, and the power-of-two scales (scaling.py)
+    are applied to the product exactly, so this differs from an fp8 GEMM only in summation
+    order."""
 
     name = "emulated"
-
-    def prepare(self, t8: torch.Tensor) -> torch.Tensor:
-        return t8.float()
+    cast = staticmethod(to_fp8_grid)
 
     def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
         return (a8 @ b8).mul_(a_inv * b_inv).to(out_dtype)

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from tierlm.precision.formats import Fp8Format, cast_counting
+from tierlm.precision.formats import Fp8Format, cast_counting, to_fp8
 
 TINY_AMAX = 1e-12  # an all-zero tensor gets a large finite scale, not inf
 
@@ -114,14 +114,15 @@ class TensorScaler:
         self.overflow: torch.Tensor | None = None
         self.count = 0
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x in fp8, 1 / scale): what the scaled matmul takes."""
+    def quantize(self, x: torch.Tensor, cast=to_fp8) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x in fp8, 1 / scale): what the scaled matmul takes. `cast` makes the fp8 operand
+        (the matmul's: an fp8 tensor, or fp32 values on the fp8 grid for the emulation)."""
         xf = x.detach().float()
         mag = xf.abs()
         amax = mag.amax()
         scale = self.rule.scale(self, amax)
         x8, under, over = cast_counting(xf, scale, self.fmt, overflow=self.rule.saturates,
-                                        mag=mag)
+                                        mag=mag, cast=cast)
         if self.recording:
             if self.step_amax is None:
                 self.step_amax, self.underflow, self.overflow = amax, under, over
