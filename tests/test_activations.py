@@ -82,12 +82,12 @@ def block_and_input(name: str = "llama_untied", layers: int = 1):
     return run, flat, x, ctx, layout
 
 
-def run_policy(name, run, flat, x, ctx, layout, *, weights_for_backward=None):
+def run_policy(name, run, flat, x, ctx, layout, *, weights_for_backward=None, dropout=False):
     """Forward and backward of one block under one policy; the backward gets its own copy of
     the weights (as a streamed segment does after its weights were evicted)."""
     ledger = Ledger()
     scope = RunScope("block.0", ledger, storages_of(x, ctx))
-    policy = PolicyFactory(CPU, dropout=False)(name)
+    policy = PolicyFactory(CPU, dropout=dropout)(name)
     out, handle = policy.forward(run, flat, x, scope)
     after_forward = {k: v for k, v in ledger.activation_bytes.items() if v}
     policy.bring_back(handle)
@@ -178,6 +178,35 @@ def test_every_policy_gives_keeps_gradients_bitwise(name):
         assert torch.equal(out, ref_out), policy
         assert torch.equal(dx, ref_dx), policy
         assert torch.equal(grad, ref_grad), policy
+
+
+def test_recomputing_policies_replay_dropout_masks():
+    """With dropout, a recompute must draw the forward's masks again: full replays the RNG state
+    it captured, selective relies on torch.utils.checkpoint's own RNG stash."""
+    model = tiny_model("gpt2", layers=1)
+    model.config.resid_pdrop = model.config.attn_pdrop = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.3
+    model.train()
+    adapter = ModelAdapter(model)
+    seg = adapter.segments[1]
+    layout = FlatLayout([(n, tuple(p.shape), d) for n, p, d in seg.params])
+    flat = layout.pack({n: p.detach() for n, p, _ in seg.params}, torch.empty(layout.numel))
+    x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ctx = adapter.context(torch.zeros(B, T, dtype=torch.long), x)
+
+    def run(w, inp):
+        return seg.forward(layout.views(w), inp, ctx)
+
+    got = {}
+    for policy in POLICIES:
+        torch.manual_seed(5)
+        got[policy] = run_policy(policy, run, flat, x, ctx, layout, dropout=True)[:3]
+    torch.manual_seed(5)
+    assert not torch.equal(run(flat, x), run(flat, x))  # the masks really are random
+    for policy in POLICIES:
+        assert all(torch.equal(a, b) for a, b in zip(got[policy], got["keep"], strict=True))
 
 
 @pytest.mark.parametrize("policy", ["keep", "selective", "offload"])
