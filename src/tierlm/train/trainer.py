@@ -46,7 +46,9 @@ from tierlm.distributed.setup import (
     quiet,
     shard_batches,
 )
+from tierlm.memory.planner import Plan
 from tierlm.models import build_model, count_params, load_hf_model, preset_config
+from tierlm.runtime import Engine
 from tierlm.train.checkpoint import (
     TrainState,
     check_weight_names,
@@ -57,6 +59,12 @@ from tierlm.train.checkpoint import (
     state_shards,
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
+from tierlm.train.planning import (
+    plan_auto,
+    predict_for_engine,
+    prediction_record,
+    resolve_precision,
+)
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.safety import (
@@ -111,6 +119,8 @@ def build_stepper(
     preflight: Preflight | None = None,
     grad_sync: object | None = None,
     offload_subdir: str = "",
+    precision: str = "fp32",
+    plan: Plan | None = None,
 ):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
@@ -119,7 +129,7 @@ def build_stepper(
     `offload_subdir`). Both answer the same calls."""
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if cfg.precision.mode == "bf16"
+        if precision == "bf16"
         else contextlib.nullcontext
     )
     if not uses_tiered_runtime(cfg) and grad_sync is None:
@@ -135,7 +145,7 @@ def build_stepper(
         return ReferenceStep(
             model, cfg.optim, grad_clip=cfg.optim.grad_clip, device=device, autocast=autocast
         )
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions
 
     mem = cfg.memory
     options = EngineOptions(
@@ -158,6 +168,13 @@ def build_stepper(
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
+    if plan is not None:  # the planner checked the budgets with its own, finer model
+        options.placements = plan.placements
+        options.microbatch_order = plan.order
+        options.keep_resident_activations = plan.keep_resident_activations
+        if cfg.activations.policy == "none" and not cfg.activations.overrides:
+            options.activations = None  # keep or recompute resident segments as planned
+        options.device_budget_bytes = options.host_budget_bytes = None
     return Engine(model, cfg.optim, options, device=device)
 
 
@@ -234,10 +251,20 @@ class Trainer:
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
                               device_is_cpu=self.device.type == "cpu",
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
-        self.stepper = build_parallel_stepper(
-            cfg, self.world, self.model, self.device, cfg.precision.mode,
-            functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight),
+        self.precision = resolve_precision(cfg.precision.mode, self.device, None)
+        auto = (
+            plan_auto(cfg, self.model.config, self.precision)
+            if cfg.memory.offload_policy == "auto"
+            else None
         )
+        self.stepper = build_parallel_stepper(
+            cfg, self.world, self.model, self.device, self.precision,
+            functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight,
+                              precision=self.precision, plan=auto),
+        )
+        self.plan = auto
+        if self.plan is None and isinstance(self.stepper, Engine):
+            self.plan = predict_for_engine(cfg, self.model.config, self.stepper, self.precision)
         self.memory_watch.trim()  # the model as built went to the runtime
         self.nonfinite = NonFiniteGuard(
             cfg.train.max_skipped_in_a_row, precision=cfg.precision.mode,
@@ -358,6 +385,18 @@ class Trainer:
             keep=self.cfg.run.keep_checkpoints,
         )
 
+    def _report_prediction(self) -> None:
+        """Predicted (planner) vs measured (ledger) peak bytes per tier, logged and recorded."""
+        engine = self.stepper if isinstance(self.stepper, Engine) else None
+        rec = prediction_record(self.plan, engine, self.step)
+        self.metrics.write(rec)
+        for tier in ("device", "host"):
+            measured = rec.get(f"measured_{tier}_peak_bytes")
+            predicted = rec[f"predicted_{tier}_peak_bytes"]
+            if measured is not None:
+                self.log(f"peak {tier} bytes: predicted {predicted / 2**20:.1f} MiB, measured "
+                         f"{measured / 2**20:.1f} MiB ({measured / max(predicted, 1):.2f}x)")
+
     # -- the loop ----
 
     def train(self, until_step: int | None = None) -> TrainResult:
@@ -403,6 +442,8 @@ class Trainer:
         if self.step == cfg.max_steps or cfg.eval_every and self.step % cfg.eval_every == 0:
             run_eval()
         progress.close()
+        if self.plan is not None:
+            self._report_prediction()
         result.final_checkpoint = self.save()
         result.skipped_steps = self.skipped_steps
         self.metrics.close()
