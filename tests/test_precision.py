@@ -437,3 +437,36 @@ def test_bf16_streaming_matches_the_reference_bit_for_bit(tmp_path):
         assert torch.equal(weights[k], v), k
     engine.close()
 
+
+# -- the trainer ----
+
+
+def test_trainer_logs_the_table_and_records_fp8_statistics(tmp_path):
+    """`--precision fp8 --fp8-scaling delayed` through the trainer: the layer table is logged,
+    every step record carries per-tensor statistics and the probe's rates, and evaluation
+    (at step 0, 2 and the end) does not enter the delayed-scaling history."""
+    from tierlm.train import Trainer
+    from tierlm.train.monitor import read_metrics
+
+    cfg = from_dict({
+        "model": {"size": "tiny"},
+        "data": {"seq_len": 32, "vocab_size": 512},
+        "train": {"max_steps": 3, "batch_size": 2, "eval_every": 2, "eval_batches": 1},
+        "precision": {"mode": "fp8", "fp8_scaling": "delayed", "fp8_history": 8},
+        "run": {"out": str(tmp_path), "device": "cpu"},
+    })
+    logged = []
+    trainer = Trainer(cfg, log=logged.append)
+    trainer.train()
+    assert any("| model.layers.*.mlp.down_proj (x2) | linear | large matmul |" in m
+               for m in logged)
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 3
+    for rec in steps:
+        stats = rec["fp8_tensors"]["model.layers.1.self_attn.o_proj.grad"]
+        assert set(stats) == {"amax", "scale", "underflow", "overflow"}
+        assert stats["amax"] > 0 and math.log2(stats["scale"]).is_integer()
+        assert 0 <= rec["fp8_underflow_rate"] < 0.5 and rec["fp8_overflow_rate"] is not None
+        assert len(rec["fp8_underflow_by_layer"]) == 14 and rec["fp8_switched"] == []
+    scaler = trainer.fp8.layers["model.layers.0.mlp.up_proj"].compute.scalers.input
+    assert scaler.history.numel() == 3  # one amax per training step, none from evaluation

@@ -48,6 +48,7 @@ from tierlm.distributed.setup import (
 )
 from tierlm.memory.planner import Plan
 from tierlm.models import build_model, count_params, load_hf_model, preset_config
+from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.train.checkpoint import (
     TrainState,
@@ -129,7 +130,7 @@ def build_stepper(
     `offload_subdir`). Both answer the same calls."""
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if precision == "bf16"
+        if precision in ("bf16", "fp8")  # fp8: bf16 activations around the fp8 matmuls
         else contextlib.nullcontext
     )
     if not uses_tiered_runtime(cfg) and grad_sync is None:
@@ -251,7 +252,12 @@ class Trainer:
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
                               device_is_cpu=self.device.type == "cpu",
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
-        self.precision = resolve_precision(cfg.precision.mode, self.device, None)
+        self.precision = resolve_precision(
+            cfg.precision.mode, self.device, None, fp8_emulate=cfg.precision.fp8_emulate
+        )
+        # before the runtime is built: the tiered runtime runs the swapped modules too
+        self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
+                                     log=log)
         auto = (
             plan_auto(cfg, self.model.config, self.precision)
             if cfg.memory.offload_policy == "auto"
@@ -265,6 +271,7 @@ class Trainer:
         self.plan = auto
         if self.plan is None and isinstance(self.stepper, Engine):
             self.plan = predict_for_engine(cfg, self.model.config, self.stepper, self.precision)
+        self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
         self.memory_watch.trim()  # the model as built went to the runtime
         self.nonfinite = NonFiniteGuard(
             cfg.train.max_skipped_in_a_row, precision=cfg.precision.mode,
@@ -326,15 +333,17 @@ class Trainer:
         ledger = getattr(self.stepper, "ledger", None)
         if ledger is not None:
             rec.update(ledger.snapshot())
+        rec.update(self.fp8.end_step(self.step))  # may switch layers to bf16, or stop the run
         rec.update(self.memory_watch.sample())
         return rec
 
     def evaluate(self) -> dict[str, float]:
         total_nll, total_tokens = 0.0, 0
-        for batch in self.eval_set:
-            n = batch[:, 1:].numel()
-            total_nll += self.stepper.eval_loss(batch) * n
-            total_tokens += n
+        with self.fp8.paused():  # held-out data must not move fp8 scales
+            for batch in self.eval_set:
+                n = batch[:, 1:].numel()
+                total_nll += self.stepper.eval_loss(batch) * n
+                total_tokens += n
         eval_loss = total_nll / total_tokens
         # exp overflows past ~709: a diverged run reports an infinite perplexity, not a crash
         ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
