@@ -447,15 +447,19 @@ def test_dynamic_recomputes_more_as_the_budget_shrinks_and_stays_inside_it():
     probe = dynamic_engine(copy.deepcopy(base), None)  # no budget: keep everything
     assert probe.activation_policies == ["keep"] * (layers + 1)
     state = probe.report.device_bytes - probe.activation_reserve_bytes  # weights + boundary
-    probe.close()
     step = batches(1, 1)[0]
+    ref_loss = probe.step(step, OPTIM.lr)["loss"]
+    ref_w = probe.weights()
+    probe.close()
     budgets = [state + x for x in (20 * KEEP_BYTES, 3 * KEEP_BYTES, int(1.6 * KEEP_BYTES))]
     kept_counts, recomputed = [], []
     head = head_workspace_bytes(default_chunk_tokens(300), 300, B * T, D)
     for budget in budgets:
         eng = dynamic_engine(copy.deepcopy(base), budget + head)
         chosen = eng.activation_policies
-        eng.step(step, OPTIM.lr)
+        assert eng.step(step, OPTIM.lr)["loss"] == ref_loss  # mixed policies, same math
+        w = eng.weights()
+        assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
         assert eng.ledger.step_peak_device_total_bytes <= budget + head, chosen
         assert eng.ledger.step_peak_tier_bytes[Tier.DEVICE] <= budget + head
         kept_counts.append(chosen.count("keep"))
@@ -470,6 +474,17 @@ def test_dynamic_recomputes_more_as_the_budget_shrinks_and_stays_inside_it():
     assert recomputed[0] < recomputed[1] < recomputed[2]
     with pytest.raises(PlacementError, match="--device-budget"):
         dynamic_engine(copy.deepcopy(base), state + KEEP_BYTES // 2)
+    # asked to, it offloads what does not fit instead of recomputing it
+    eng = Engine(
+        copy.deepcopy(base), OPTIM,
+        EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budgets[2] + head,
+                      activations=_acts("dynamic", dynamic_fallback="offload")),
+        device=CPU,
+    )
+    assert "offload" in eng.activation_policies and "full" not in eng.activation_policies
+    assert eng.step(step, OPTIM.lr)["loss"] == ref_loss
+    assert eng.ledger.moved_bytes[Link.D2H] > 0
+    eng.close()
 
 
 # -- configuration -------------------------------------------------------------------------------
