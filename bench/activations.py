@@ -5,12 +5,17 @@ Table 1: one engine, everything resident (`--offload-policy none`), each step ru
 policy, the policies interleaved round by round so machine noise hits them alike. Columns: the
 ledger's peak of activations on the device (boundary inputs + saved tensors + workspace), the
 bytes offloaded to the host, the peak resident memory the step adds over its start (real memory:
-on a CPU-only machine the "device" is RAM), and the median step time; ratios against `keep`.
+on a CPU-only machine the "device" is RAM), and the step's CPU time (all threads of this
+process: the work done, steady on a shared machine) and wall time, each the best of the timed
+steps (noise only adds); ratios against `keep`.
 
 Table 2: `--grad-checkpointing dynamic` with device budgets between its minimum (every block
-recomputed) and what keeping everything needs, one engine per budget. It keeps the last blocks
-first and recomputes more as the budget shrinks; the ledger's device peak (model state +
-boundary + saved + workspace) is checked against each budget.
+recomputed) and what keeping everything needs. Each budget's choice comes from an engine built
+with that budget (as `tierlm train --grad-checkpointing dynamic --device-budget ...` builds
+it); the choices then run interleaved with table 1's rows in the same engine, so their step
+times compare with `keep` under the same machine noise. It keeps the last blocks first and
+recomputes more as the budget shrinks; the ledger's device peak (model state + boundary +
+saved + workspace) is checked against each budget.
 
 With CUDA the same tables come from the GPU, and a `max_memory_allocated` column is added.
 
@@ -23,14 +28,12 @@ import argparse
 import copy
 import ctypes
 import gc
-import statistics
 import time
 
 import torch
 
 from tierlm.activations import activation_peak_bytes
 from tierlm.config import ActivationConfig, OptimConfig
-from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
 from tierlm.runtime import Engine, EngineOptions
 
@@ -73,20 +76,28 @@ class PeakMemory:
             self.peak = _status_bytes("VmHWM:") - self.base
 
 
-def measured_step(eng: Engine, batch, device) -> dict:
-    with PeakMemory(device) as mem:
-        t0 = time.perf_counter()
-        eng.step(batch, 1e-4)
-        eng.synchronize()
-        seconds = time.perf_counter() - t0
+def timed_step(eng: Engine, batch) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    eng.step(batch, 1e-4)
+    eng.synchronize()
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     snap = eng.ledger.snapshot()
     return {
         "s": seconds,
+        "cpu_s": cpu_seconds,
         "act": snap["activation_step_peak_bytes"],
         "offloaded": snap["offloaded_activation_step_peak_bytes"],
         "device_total": eng.ledger.step_peak_device_total_bytes,
-        "real": mem.peak,
     }
+
+
+def memory_step(eng: Engine, batch, device) -> int:
+    """A step of its own for real memory: trimming the allocator first would put page faults
+    into a timed step."""
+    with PeakMemory(device) as mem:
+        eng.step(batch, 1e-4)
+        eng.synchronize()
+    return mem.peak
 
 
 def options(args, **kw) -> EngineOptions:
@@ -99,7 +110,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per row")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--fractions", default="1.0,0.5,0.1",
                    help="dynamic budgets: share of keep's extra activation need granted")
@@ -118,80 +129,93 @@ def main() -> None:
     print(f"torch {torch.__version__} on {device}, threads {torch.get_num_threads()}; model "
           f"{args.model_size} ({n_params / 1e6:.0f}M params, vocab {args.vocab_size}); batch "
           f"{args.batch_size} x seq {args.seq_len}, fp32; {args.steps} timed steps after "
-          f"{args.warmup} per row; real memory = {memory} over the step's start")
+          f"{args.warmup} per row (time: best of them); real memory = {memory} over the "
+          "step's start")
 
-    # -- table 1: the fixed policies, interleaved in one engine ----
-    eng = Engine(copy.deepcopy(base), optim, options(args), device=device)
-    n = len(eng.states) - 1
-    rows: dict[str, list[dict]] = {name: [] for name in POLICIES}
-    for r in range(rounds):
-        for name in POLICIES:
-            eng.set_activation_policies([name] * n)
-            rec = measured_step(eng, batches[r], device)
-            if r >= args.warmup:
-                rows[name].append(rec)
-    state_bytes = eng.report.device_bytes - eng.activation_bytes  # model state on the device
-    eng.close()
-    del eng
-    gc.collect()
-
-    def med(name: str, key: str) -> float:
-        return statistics.median(rec[key] for rec in rows[name])
-
-    keep = {k: med("keep", k) for k in ("s", "act", "real")}
-    print()
-    print("| policy | peak activations on device (ledger) | vs keep | offloaded to host "
-          f"| {memory} | vs keep | step time (s) | vs keep |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in POLICIES:
-        act, real, s = med(name, "act"), med(name, "real"), med(name, "s")
-        print(f"| {name} | {act / MiB:,.1f} MiB | {act / keep['act']:.2f} | "
-              f"{med(name, 'offloaded') / MiB:,.1f} MiB | {real / MiB:,.1f} MiB | "
-              f"{real / keep['real']:.2f} | {s:.2f} | {s / keep['s']:.2f} |")
-
-    # -- table 2: dynamic under three budgets ----
+    # -- dynamic's choices: one engine per budget, built as `tierlm train` builds it ----
     dyn = ActivationConfig(policy="dynamic")
     probe = Engine(copy.deepcopy(base), optim, options(args, activations=dyn), device=device)
-    costs, reserve = probe.activation_costs, probe.activation_reserve_bytes
+    n = len(probe.states) - 1
+    reserve = probe.activation_reserve_bytes  # dynamic's minimum (every block recomputed)
     fixed = probe.report.device_bytes - reserve  # model state + boundary activations
     keep_need = activation_peak_bytes(
-        ["keep"] * n, costs, in_flight=1, head_bytes=probe.activation_head_bytes
+        ["keep"] * n, probe.activation_costs, in_flight=1, head_bytes=probe.activation_head_bytes
     )
     probe.close()
     del probe
-    gc.collect()
-    # budgets between dynamic's minimum (everything recomputed) and keeping everything
-    budgets = [
-        fixed + reserve + int(float(f) * (keep_need - reserve))
-        for f in args.fractions.split(",")
-    ]
-    print()
-    print(f"model state on the device {state_bytes / MiB:,.0f} MiB; dynamic's minimum "
-          f"activation reserve {reserve / MiB:,.0f} MiB; keeping every block needs "
-          f"{keep_need / MiB:,.0f} MiB (predicted)")
-    print()
-    print("| device budget | for activations | chosen per segment (embed, blocks) "
-          "| keep / selective / full | ledger device peak | inside budget "
-          f"| {memory} | step time (s) | vs keep |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    budgets = [fixed + reserve + int(float(f) * (keep_need - reserve))
+               for f in args.fractions.split(",")]
+    chosen = []
     for budget in budgets:
         eng = Engine(copy.deepcopy(base), optim,
                      options(args, activations=dyn, device_budget_bytes=budget), device=device)
-        chosen = eng.activation_policies
-        recs = [measured_step(eng, batches[r], device) for r in range(rounds)][args.warmup:]
-        peak = max(rec["device_total"] for rec in recs)
-        assert eng.ledger.step_peak_tier_bytes[Tier.DEVICE] <= budget
-        s = statistics.median(rec["s"] for rec in recs)
-        real = statistics.median(rec["real"] for rec in recs)
-        short = "".join({"keep": "K", "selective": "S", "full": "F", "offload": "O"}[c]
-                        for c in chosen)
-        counts = "/".join(str(chosen.count(c)) for c in ("keep", "selective", "full"))
-        print(f"| {budget / MiB:,.0f} MiB | {(budget - fixed) / MiB:,.0f} MiB | {short} | "
-              f"{counts} | {peak / MiB:,.0f} MiB | {'yes' if peak <= budget else 'NO'} | "
-              f"{real / MiB:,.0f} MiB | {s:.2f} | {s / keep['s']:.2f} |")
+        chosen.append(list(eng.activation_policies))
         eng.close()
         del eng
         gc.collect()
+
+    # -- every row in one engine, interleaved round by round ----
+    eng = Engine(copy.deepcopy(base), optim, options(args), device=device)
+    state_bytes = eng.report.device_bytes - eng.activation_bytes
+    rows = {name: [name] * n for name in POLICIES}
+    rows.update({f"dynamic {i}": c for i, c in enumerate(chosen)})
+    recs: dict[str, list[dict]] = {row: [] for row in rows}
+    real_bytes: dict[str, int] = {}
+    for r in range(rounds + 1):
+        for row, names in rows.items():
+            eng.set_activation_policies(names)
+            if r == rounds:
+                real_bytes[row] = memory_step(eng, batches[0], device)
+                continue
+            rec = timed_step(eng, batches[r])
+            if r >= args.warmup:
+                recs[row].append(rec)
+    eng.close()
+
+    def med(row: str, key: str) -> float:
+        """Times: the best of the timed steps (the machine is shared; noise only adds).
+        Memory: the largest peak."""
+        if key == "real":
+            return real_bytes[row]
+        pick = min if key in ("s", "cpu_s") else max
+        return pick(rec[key] for rec in recs[row])
+
+    keep = {k: med("keep", k) for k in ("s", "cpu_s", "act", "real")}
+
+    def times(row: str) -> str:
+        s, cpu = med(row, "s"), med(row, "cpu_s")
+        return f"{cpu:.2f} | {cpu / keep['cpu_s']:.2f} | {s:.2f} | {s / keep['s']:.2f}"
+
+    print()
+    print("| policy | peak activations on device (ledger) | vs keep | offloaded to host "
+          f"| {memory} | vs keep | step CPU time (s) | vs keep | step wall time (s) "
+          "| vs keep |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in POLICIES:
+        act, real = med(name, "act"), med(name, "real")
+        print(f"| {name} | {act / MiB:,.1f} MiB | {act / keep['act']:.2f} | "
+              f"{med(name, 'offloaded') / MiB:,.1f} MiB | {real / MiB:,.1f} MiB | "
+              f"{real / keep['real']:.2f} | {times(name)} |")
+
+    print()
+    print(f"model state on the device {state_bytes / MiB:,.0f} MiB, with the boundary "
+          f"activations' reserve {fixed / MiB:,.0f} MiB; dynamic's minimum activation reserve "
+          f"{reserve / MiB:,.0f} MiB; keeping every block needs {keep_need / MiB:,.0f} MiB "
+          "(predicted)")
+    print()
+    print("| device budget | for activations | chosen (embed, blocks: Keep/Selective/Full) "
+          "| keep / selective / full | ledger device peak | inside budget "
+          f"| {memory} | step CPU time (s) | vs keep | step wall time (s) | vs keep |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, budget in enumerate(budgets):
+        row, names = f"dynamic {i}", chosen[i]
+        peak = max(rec["device_total"] for rec in recs[row])
+        short = "".join({"keep": "K", "selective": "S", "full": "F", "offload": "O"}[c]
+                        for c in names)
+        counts = "/".join(str(names.count(c)) for c in ("keep", "selective", "full"))
+        print(f"| {budget / MiB:,.0f} MiB | {(budget - fixed) / MiB:,.0f} MiB | {short} | "
+              f"{counts} | {peak / MiB:,.0f} MiB | {'yes' if peak <= budget else 'NO'} | "
+              f"{med(row, 'real') / MiB:,.0f} MiB | {times(row)} |")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,11 @@ class Copier:
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def to_device(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return src.to(device, copy=True)
+    def to_device(self, src: torch.Tensor, device: torch.device):
+        """(device copy, event the compute stream waits for before using it; None: ready)."""
+        return src.to(device, copy=True), None
 
-    def ready(self, t: torch.Tensor) -> None:
+    def ready(self, t: torch.Tensor, event) -> None:
         pass
 
 
@@ -64,7 +65,6 @@ class CudaCopier(Copier):
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
-        self._events: dict[int, torch.cuda.Event] = {}
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(src.device))  # src is written
@@ -72,32 +72,29 @@ class CudaCopier(Copier):
             dst.copy_(src, non_blocking=True)
         src.record_stream(self.stream)
 
-    def to_device(self, src: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def to_device(self, src: torch.Tensor, device: torch.device):
         with torch.cuda.stream(self.stream):  # allocated and filled on the side stream
             dst = torch.empty(src.shape, dtype=src.dtype, device=device)
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self._events[id(dst)] = event
-        return dst
+        return dst, event
 
-    def ready(self, t: torch.Tensor) -> None:
-        event = self._events.pop(id(t), None)
-        if event is not None:
-            current = torch.cuda.current_stream(t.device)
-            current.wait_event(event)
-            t.record_stream(current)
+    def ready(self, t: torch.Tensor, event) -> None:
+        current = torch.cuda.current_stream(t.device)
+        current.wait_event(event)
+        t.record_stream(current)  # freed after the backward: not reused while it still reads
 
 
 class _HostCopy:
     """One activation storage on the host, and its device copy once brought back."""
 
-    __slots__ = ("host", "device_copy", "waited")
+    __slots__ = ("host", "device_copy", "event")
 
     def __init__(self, host: torch.Tensor) -> None:
         self.host = host
         self.device_copy: torch.Tensor | None = None
-        self.waited = False
+        self.event = None  # the copy back's completion, until the compute stream waited on it
 
 
 class _Offloaded:
@@ -150,7 +147,7 @@ class OffloadScope(SavedTensorScope):
 
     def _to_device(self, c: _HostCopy) -> torch.Tensor:
         if c.device_copy is None:
-            c.device_copy = self.copier.to_device(c.host, self.device)
+            c.device_copy, c.event = self.copier.to_device(c.host, self.device)
             n = c.host.numel()
             self.ledger.record_move(Link.H2D, n)
             self.ledger.hold_activation(self.segment, "workspace", n)
@@ -161,9 +158,9 @@ class OffloadScope(SavedTensorScope):
         assert isinstance(packed, _Offloaded)
         c = packed.copy
         dev = self._to_device(c)
-        if not c.waited:
-            self.copier.ready(dev)
-            c.waited = True
+        if c.event is not None:
+            self.copier.ready(dev, c.event)
+            c.event = None
         return torch.empty(0, dtype=packed.dtype, device=self.device).set_(
             dev.untyped_storage(), packed.offset, packed.size, packed.stride
         )
@@ -172,7 +169,7 @@ class OffloadScope(SavedTensorScope):
         """After the backward: host buffers back to the pool, device copies dropped."""
         for c in self._all:
             self.pool.give(c.host)
-            c.device_copy = None
+            c.device_copy = c.event = None
         self._copies.clear()
         self._all.clear()
         if self.device_bytes:

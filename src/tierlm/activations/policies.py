@@ -126,25 +126,22 @@ class Selective(ActivationPolicy):
 
     def forward(self, run, w, x, scope):
         leaf, xin = _leaves(w, x)
-        workspace = [0]
-
-        def on_workspace(nbytes: int) -> None:  # the backward's re-run has ended
-            workspace[0] = nbytes
-            scope.ledger.hold_activation(scope.segment, "workspace", nbytes)
-
-        sel = SelectiveRun(lambda: scope.shared | {storage_key(leaf)}, on_workspace)
+        sel = SelectiveRun(
+            lambda: scope.shared | {storage_key(leaf)},
+            lambda nbytes: scope.ledger.hold_activation(scope.segment, "workspace", nbytes),
+        )
         # Early stop would end the re-run by raising inside it once every needed tensor exists;
         # running it to the end costs only the cached matmuls' lookups and makes it measurable.
         with torch.enable_grad(), set_checkpoint_early_stop(False):
             out = checkpoint(run, leaf, xin, use_reentrant=False, context_fn=sel.contexts)
         _release_weights(leaf)
         scope.ledger.hold_activation(scope.segment, "saved", sel.held_bytes)
-        return out.detach(), _Graph(out, leaf, xin, sel.held_bytes, workspace)
+        return out.detach(), _Graph(out, leaf, xin, sel.held_bytes, sel)
 
     def backward(self, handle, run, w, x, gout, grad, scope):
         dx = handle.backward(w, gout, grad)
         scope.ledger.release_activation(scope.segment, "saved", handle.held_bytes)
-        scope.ledger.release_activation(scope.segment, "workspace", handle.extra[0])
+        scope.ledger.release_activation(scope.segment, "workspace", handle.extra.workspace_bytes)
         return dx
 
 

@@ -84,7 +84,8 @@ class SelectiveRun:
     """Selective-checkpoint contexts for one segment run, with the byte counts the ledger needs.
 
     `held_bytes`: the cached outputs, held from the forward to the backward.
-    `on_workspace(nbytes)`: called when the backward's re-run ends, with its live bytes.
+    `workspace_bytes`: what the backward's re-run left alive when it ended; `on_workspace` is
+    called with it then.
     """
 
     def __init__(self, excluded: Callable[[], set[int]], on_workspace: Callable[[int], None]):
@@ -92,6 +93,7 @@ class SelectiveRun:
         self.on_workspace = on_workspace
         self.held_bytes = 0
         self.held_count = 0
+        self.workspace_bytes = 0
         self._held: dict[int, weakref.ref] = {}
 
     def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -117,4 +119,5 @@ class SelectiveRun:
             with recompute_ctx, live:
                 yield
         finally:
-            self.on_workspace(live.live_bytes())
+            self.workspace_bytes = live.live_bytes()
+            self.on_workspace(self.workspace_bytes)
