@@ -274,7 +274,7 @@ class Trainer:
         self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
         self.memory_watch.trim()  # the model as built went to the runtime
         self.nonfinite = NonFiniteGuard(
-            cfg.train.max_skipped_in_a_row, precision=cfg.precision.mode,
+            cfg.train.max_skipped_in_a_row, precision=self.precision,
             grad_clip=cfg.optim.grad_clip, save=self.save,
             weights_finite=lambda: all_finite(state_shards(self.stepper)),
         )
