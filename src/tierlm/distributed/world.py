@@ -92,6 +92,15 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_to_main(self, obj: T) -> list[T] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere): e.g. the checksums of
+        the checkpoint files each rank wrote."""
+        if not self.distributed:
+            return [obj]
+        out: list[T] | None = [obj] * self.size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def ensure_group(self) -> None:
         """A process group even for one process (FSDP2 shards over one): a one-rank group
         over an in-memory store."""

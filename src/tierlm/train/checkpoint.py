@@ -18,11 +18,25 @@ saving never needs the whole model in RAM: a 7B run whose state lives on disk ch
 a few segments' worth of host memory. The reader likewise returns lazy mappings that read one
 tensor per access. Checksums are computed from the bytes as they are written.
 
+An FSDP run (`--backend fsdp`) holds no rank's worth of full state, so its checkpoints keep the
+tensors in `torch.distributed.checkpoint` (dcp) form instead of the two safetensors kinds:
+
+        __<rank>_<i>.distcp              each rank's own shards of weights ("model.<name>") and
+                                         AdamW state ("optim.<name>.<state>"), written by that rank
+        .metadata                        dcp's index of those shards (written by rank 0)
+
+with the same rng, config, tokenizer, state.json (format 3, `"tensors": "dcp"`, the world size)
+and manifest, all of which rank 0 writes (`save_sharded_checkpoint`). Such a checkpoint resumes
+an FSDP run of the same world size only; `DCPTensors` reads it without a process group, tensor
+by tensor, for export.
+
 A checkpoint is written into a temporary sibling, fsynced, then renamed into place, so a crash
 leaves either the old set of checkpoints or the new one, never a torn directory; leftovers of an
 interrupted write are cleaned up by `recover_checkpoints`. Only the last `keep` checkpoints are
-kept. Nothing is ever unpickled on load: tensors are read from safetensors files by our own
-strict reader, everything else is JSON.
+kept. Tensors are read from safetensors files by our own strict reader, everything else is
+JSON; the one pickle is dcp's `.metadata` index, unpickled by torch only after the manifest
+verified it (dcp reads its tensors with `torch.load(weights_only=True)`, and we store no
+non-tensor values in dcp, which it would unpickle freely).
 """
 
 from __future__ import annotations
@@ -35,17 +49,19 @@ import re
 import shutil
 import struct
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tierlm.crashpoints import crash_point
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: one model.safetensors and one optimizer.safetensors
+DCP_FORMAT_VERSION = 3  # tensors in torch.distributed.checkpoint files (FSDP runs)
+READABLE_VERSIONS = (1, 2, 3)  # 1: one model.safetensors and one optimizer.safetensors
 MANIFEST = "manifest.json"
 _PREFIX = "step_"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -76,6 +92,27 @@ class TrainState:
     sampler: dict[str, int]
     run_config: dict[str, Any]
     skipped_steps: int = 0
+
+
+class ShardedState(Protocol):
+    """State of which every rank writes its own part (FSDP, via torch.distributed.checkpoint)."""
+
+    def save_sharded(self, path: Path) -> None:
+        """Collective: write this rank's shards into the directory `path`."""
+
+
+class Ranks(Protocol):
+    """What a sharded save needs of `tierlm.distributed.world.World`."""
+
+    rank: int
+    size: int
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def from_main(self, obj: Any) -> Any: ...
+
+    def gather_to_main(self, obj: Any) -> list[Any] | None: ...
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -217,6 +254,67 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class DCPTensors(Mapping[str, torch.Tensor]):
+    """The full tensors under one key prefix ("model." or "optim.") of a checkpoint kept in
+    torch.distributed.checkpoint files, each assembled from every rank's shard when accessed.
+
+    Reading needs no process group (dcp's `no_dist` path), so rank 0 alone, or `tierlm export`,
+    can read an FSDP run's checkpoint; an FSDP run resumes from `path` through dcp instead,
+    each rank reading only its own shards.
+    """
+
+    def __init__(self, path: Path, prefix: str, world_size: int) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = path
+        self.prefix = prefix
+        self.world_size = world_size  # of the run that wrote it
+        try:
+            meta = FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - any failure to unpickle the index
+            raise CheckpointError(
+                f"checkpoint {path}: dcp .metadata is unreadable ({exc})") from None
+        self._meta = {
+            key[len(prefix):]: m for key, m in meta.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read([name])[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._meta[name].size)
+
+    def nbytes(self, name: str) -> int:
+        m = self._meta[name]
+        return m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Several full tensors in one pass over the shard files."""
+        import torch.distributed.checkpoint as dcp
+
+        out = {n: torch.empty(self._meta[n].size, dtype=self._meta[n].properties.dtype)
+               for n in names}
+        try:
+            with warnings.catch_warnings():  # "assuming ... a single process": as intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({self.prefix + n: t for n, t in out.items()},
+                         checkpoint_id=str(self.path), no_dist=True)
+        except BaseException as exc:  # dcp wraps I/O errors in CheckpointException
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            raise CheckpointError(f"checkpoint {self.path}: cannot read {sorted(out)[:3]} from "
+                                  f"its dcp shards ({type(exc).__name__})") from exc
+        return out
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -240,7 +338,7 @@ def _shard_file(kind: str, shard: str) -> str:
 
 def _write_contents(
     tmp: Path, shards: Iterable[Shard], model_config: Any, tokenizer: Any, state: TrainState,
-    manifest: dict[str, dict[str, Any]],
+    manifest: dict[str, dict[str, Any]], tensor_format: dict[str, Any] | None = None,
 ) -> None:
     def record(name: str, sha_size: tuple[str, int]) -> None:
         manifest[name] = {"sha256": sha_size[0], "size_bytes": sha_size[1]}
@@ -266,6 +364,7 @@ def _write_contents(
         "sampler": state.sampler,
         "skipped_steps": state.skipped_steps,
         "run_config": state.run_config,
+        **(tensor_format or {}),
     }
     (tmp / "state.json").write_text(json.dumps(state_json, indent=1), encoding="utf-8")
     for f in sorted(tmp.iterdir()):  # the small files written by other libraries
@@ -352,6 +451,13 @@ def save_checkpoint(
             raise _write_failed(exc, final, run_dir, done) from exc
         raise
 
+    _publish(tmp, final, run_dir, keep)
+    return final
+
+
+def _publish(tmp: Path, final: Path, run_dir: Path, keep: int) -> None:
+    """Rename a complete temporary checkpoint into place, then prune to the newest `keep`."""
+    root = final.parent
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         old = root / f".{final.name}.old-{os.getpid()}"
         os.replace(final, old)
@@ -362,7 +468,93 @@ def save_checkpoint(
     _fsync_dir(root)
     if keep > 0:
         prune_checkpoints(run_dir, keep)
-    return final
+
+
+def _own_dcp_files(tmp: Path, rank: int) -> dict[str, dict[str, Any]] | str:
+    """Manifest entries of the shard files rank `rank` wrote (an error text if it cannot read
+    them: every rank must reach the gather, or the others would wait for it forever)."""
+    try:
+        return {
+            f.name: {"sha256": _sha256(f), "size_bytes": f.stat().st_size}
+            for f in sorted(tmp.glob(f"__{rank}_*.distcp"))
+        }
+    except OSError as exc:
+        return f"rank {rank} could not read back its shards: {exc}"
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write, also when dcp wrapped it (per rank) in its
+    CheckpointException."""
+    if isinstance(exc, OSError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
+def save_sharded_checkpoint(
+    run_dir: Path,
+    sharded: ShardedState,
+    world: Ranks,
+    *,
+    model_config: Any,
+    tokenizer: Any,
+    state: TrainState,
+    keep: int = 0,
+) -> Path:
+    """Collective: the checkpoint of an FSDP run, each rank writing only its own shards.
+
+    Rank 0 names the temporary directory; every rank writes its shards into it with
+    torch.distributed.checkpoint and checksums the files it wrote; rank 0 gathers those
+    checksums (so every rank has finished before anything is published), adds the RNG, config,
+    tokenizer, state.json and manifest, and renames the directory into place as
+    `save_checkpoint` does. Returns the checkpoint on every rank; a failure on any rank raises
+    on every rank, and the temporary directory is removed.
+    """
+    root = checkpoint_dir(run_dir)
+    final = root / f"{_PREFIX}{state.step:08d}"
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    tmp = world.from_main(tmp)  # rank 0's name: every rank writes into the same directory
+    try:
+        sharded.save_sharded(tmp)
+    except BaseException as exc:  # dcp raises on every rank when one rank's write failed
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        os_error = _os_error(exc)
+        if os_error is not None:
+            raise _write_failed(os_error, final, run_dir, 0) from exc
+        raise
+    parts = world.gather_to_main(_own_dcp_files(tmp, world.rank))  # the barrier before publishing
+    outcome: Path | str = final
+    error: CheckpointError | None = None
+    if world.is_main:
+        written: dict[str, dict[str, Any]] = {}
+        try:
+            for part in parts or []:
+                if isinstance(part, str):
+                    raise CheckpointError(part)
+                written.update(part)
+            _write_contents(tmp, [], model_config, tokenizer, state, written, {
+                "format_version": DCP_FORMAT_VERSION, "tensors": "dcp",
+                "world_size": world.size,
+            })
+            _publish(tmp, final, run_dir, keep)
+        except (OSError, CheckpointError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = _write_failed(exc, final, run_dir, 0) if isinstance(exc, OSError) else exc
+            outcome = str(error)
+    outcome = world.from_main(outcome)  # the others return only once it is published
+    if error is not None:
+        raise error
+    if isinstance(outcome, str):
+        raise CheckpointWriteError(outcome)
+    return outcome
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
@@ -514,10 +706,13 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: Path) -> tuple[TensorFiles, TensorFiles, dict[str, Any]]:
+def load_checkpoint(
+    path: Path,
+) -> tuple[TensorFiles | DCPTensors, TensorFiles | DCPTensors, dict[str, Any]]:
     """Verify a checkpoint, restore the RNG, and return (weights, optimizer state, state.json).
 
-    Weights and optimizer state are lazy mappings: each tensor is read when accessed.
+    Weights and optimizer state are lazy mappings: each tensor is read when accessed
+    (`DCPTensors` for an FSDP run's checkpoint, which its stepper loads through dcp instead).
     """
     manifest = _manifest(path)
     verify_checkpoint(path)
@@ -527,7 +722,14 @@ def load_checkpoint(path: Path) -> tuple[TensorFiles, TensorFiles, dict[str, Any
         pattern = re.compile(rf"{kind}(-.+)?\.safetensors")
         return [path / n for n in sorted(manifest) if pattern.fullmatch(n)]
 
-    weights, optim = TensorFiles(files("model")), TensorFiles(files("optimizer"))
+    weights: TensorFiles | DCPTensors
+    optim: TensorFiles | DCPTensors
+    if state.get("tensors") == "dcp":
+        world_size = int(state.get("world_size", 0))
+        weights = DCPTensors(path, "model.", world_size)
+        optim = DCPTensors(path, "optim.", world_size)
+    else:
+        weights, optim = TensorFiles(files("model")), TensorFiles(files("optimizer"))
     rng = TensorFiles([path / "rng.safetensors"])
     try:
         torch.set_rng_state(rng["cpu"])
@@ -541,7 +743,36 @@ def load_checkpoint(path: Path) -> tuple[TensorFiles, TensorFiles, dict[str, Any
     return weights, optim, state
 
 
-_NOT_EXPORTED = re.compile(r"(optimizer(-.+)?|rng)\.safetensors|state\.json|" + re.escape(MANIFEST))
+def check_tensor_format(path: Path, state: Mapping[str, Any], fsdp_world_size: int | None) -> None:
+    """Refuse to resume a checkpoint of the other kind: an FSDP run (`fsdp_world_size`, its
+    number of ranks) resumes only dcp checkpoints of its own world size, other runs only
+    name-keyed safetensors."""
+    written = int(state.get("world_size", 0)) if state.get("tensors") == "dcp" else None
+    if written is not None and fsdp_world_size is None:
+        raise CheckpointError(
+            f"checkpoint {path} was written by an FSDP run (torch.distributed.checkpoint shards "
+            f"of {written} processes): resume it with --backend fsdp --nproc {written}, or "
+            "`tierlm export` it and start from the export with --model"
+        )
+    if written is None and fsdp_world_size is not None:
+        raise CheckpointError(
+            f"checkpoint {path} holds name-keyed safetensors from a run without --backend fsdp, "
+            "and --backend fsdp resumes only its own torch.distributed.checkpoint shards: resume "
+            "it with the backend that wrote it, or `tierlm export` it and start from the export "
+            "with --model"
+        )
+    if written is not None and written != fsdp_world_size:
+        raise CheckpointError(
+            f"checkpoint {path} holds FSDP shards of {written} processes, this run has "
+            f"{fsdp_world_size}: resume with --nproc {written}"
+        )
+
+
+_NOT_EXPORTED = re.compile(
+    r"(optimizer(-.+)?|rng)\.safetensors|state\.json|__\d+_\d+\.distcp|\.metadata|"
+    + re.escape(MANIFEST)
+)
+_EXPORT_GROUP_BYTES = 1 << 30  # tensors read from dcp shards at a time while exporting
 _MODEL_SHARD = re.compile(r"model(-.+)?\.safetensors")
 
 
@@ -580,14 +811,33 @@ def _concat_safetensors(sources: list[Path], dst: Path) -> None:
                     _copy_range(src.fileno(), out.fileno(), f.data_start + begin, end - begin)
 
 
+def _dcp_parts(weights: DCPTensors, tmp: Path) -> list[Path]:
+    """An FSDP checkpoint's weights as safetensors files in `tmp`, about a GiB of full tensors
+    read (from all ranks' shards) and written at a time, to be joined like the usual shards."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in weights:
+        if groups[-1] and size + weights.nbytes(name) > _EXPORT_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += weights.nbytes(name)
+    parts = []
+    for i, names in enumerate(groups):
+        parts.append(tmp / f".part-{i:05d}.safetensors")
+        write_safetensors(parts[-1], weights.read(names))
+    return parts
+
+
 def export_hf_from_checkpoint(path: Path, out_dir: Path) -> Path:
     """A Hugging Face model directory made from a verified checkpoint, file by file.
 
     The weight shards already are safetensors files keyed by the model's parameter names (tied
     tensors once, as `save_pretrained` writes them); they are joined into one model.safetensors
     by copying byte ranges, next to config.json and the tokenizer. No tensor is loaded:
-    exporting a 7B run needs no RAM for its weights. Written into a temporary sibling and
-    renamed into place, like the checkpoint itself.
+    exporting a 7B run needs no RAM for its weights. An FSDP run's dcp shards are first
+    assembled into full tensors, a GiB at a time. Written into a temporary sibling and renamed
+    into place, like the checkpoint itself.
     """
     verify_checkpoint(path)
     manifest = _manifest(path)
@@ -600,8 +850,14 @@ def export_hf_from_checkpoint(path: Path, out_dir: Path) -> Path:
         for name in manifest:
             if not (_NOT_EXPORTED.fullmatch(name) or _MODEL_SHARD.fullmatch(name)):
                 shutil.copyfile(path / name, tmp / name)  # a kernel-side copy, not via RAM
-        shards = sorted(n for n in manifest if _MODEL_SHARD.fullmatch(n))
-        _concat_safetensors([path / n for n in shards], tmp / "model.safetensors")
+        if read_state(path).get("tensors") == "dcp":
+            parts = _dcp_parts(DCPTensors(path, "model.", 0), tmp)
+        else:
+            parts = [path / n for n in sorted(n for n in manifest if _MODEL_SHARD.fullmatch(n))]
+        _concat_safetensors(parts, tmp / "model.safetensors")
+        for part in parts:
+            if part.parent == tmp:
+                part.unlink()
         for f in tmp.iterdir():
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
@@ -631,8 +887,8 @@ def check_weight_names(
     wrong = []
     if isinstance(expected, Mapping) and not missing:
         for name, shape in expected.items():
-            got = weights.shape(name) if isinstance(weights, TensorFiles) else tuple(
-                weights[name].shape)
+            got = weights.shape(name) if isinstance(weights, TensorFiles | DCPTensors) else (
+                tuple(weights[name].shape))
             if tuple(got) != tuple(shape):
                 wrong.append(f"{name} {tuple(got)} vs {tuple(shape)}")
     if missing or unexpected or wrong:
