@@ -10,17 +10,23 @@ in bf16 with `--distributed.grad_sync_dtype bf16`); `CPUOffloadPolicy`
 (pinned only where CUDA exists).
 
 The step itself is the reference trainer's (`ReferenceStep`) on the sharded module, so the
-math is plain PyTorch. State goes in and out through `torch.distributed.checkpoint.state_dict`,
-which converts between the sharded tensors and full tensors keyed by parameter name: the same
-checkpoint format as the other runtimes, so an FSDP run resumes from, and exports to, the
-usual files.
+math is plain PyTorch. Checkpoints never gather the state: `save_sharded` hands the sharded
+state dicts (`get_model_state_dict` / `get_optimizer_state_dict` without `full_state_dict`) to
+`torch.distributed.checkpoint`, so each rank writes only its own shards into the directory
+`tierlm.train.checkpoint.save_sharded_checkpoint` publishes, and `load` reads them back through
+dcp the same way (same world size). Those checkpoints resume FSDP runs only; they export to
+Hugging Face like any other (`DCPTensors` assembles full tensors one group at a time). Full
+weights are gathered only for the run's end-of-training sample (`weights`).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,11 +44,13 @@ from torch.distributed.fsdp import (
 from tierlm.config import ConfigError, OptimConfig
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
+from tierlm.train.checkpoint import CheckpointError, DCPTensors
 from tierlm.train.reference import ReferenceStep
 
 _FULL = StateDictOptions(full_state_dict=True)
+_SHARDED = StateDictOptions()
 # Loading: tied weights arrive once (under the name `named_parameters` keeps), not twice.
-_FULL_LOAD = StateDictOptions(full_state_dict=True, strict=False)
+_SHARDED_LOAD = StateDictOptions(strict=False)
 
 
 def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -122,41 +130,61 @@ class FSDPStep:
         nll, total = self.comm.mean_of([self.ref.eval_loss(mine) * tokens, tokens])
         return nll / total
 
-    # -- state, as full tensors keyed by parameter name (collective: every rank calls) ----
+    # -- state (collective: every rank calls) ----
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Full weights on every rank (CPU copies), tied tensors once, as the other runtimes
-        key them."""
+        key them: a whole model per rank, so only for the end-of-run sample."""
         full = get_model_state_dict(self.model, options=_FULL)
         return {n: full[n].detach().cpu() for n in self._param_names()}
 
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        osd = get_optimizer_state_dict(self.model, self.ref.optimizer, options=_FULL)
-        return {
-            f"{name}.{key}": v.detach().cpu()
-            for name, state in osd["state"].items() for key, v in state.items()
-        }
+    def state_shards(self) -> Iterator[tuple[str, dict[str, torch.Tensor], dict]]:
+        """This rank's part of the weights (no gather), for the non-finite check."""
+        local = {n: p.to_local() if hasattr(p, "to_local") else p
+                 for n, p in self.model.named_parameters()}
+        yield f"rank{self.world.rank}", local, {}
 
-    def state_shards(self):
-        weights, optim = self.weights(), self.optimizer_state()
-        if self.world.is_main:
-            yield "", weights, optim
-
-    def load(self, weights, optim) -> None:
+    def _sharded_state(self, with_optimizer: bool = True) -> dict[str, dict]:
+        """{"model": weights by name, "optim": AdamW state by name}, as this rank's shards
+        (DTensors): what dcp writes and reads. Tensors only, so loading unpickles nothing."""
         names = self._param_names()
-        set_model_state_dict(self.model, {n: weights[n] for n in names}, options=_FULL_LOAD)
-        if not optim:
-            return
-        current = get_optimizer_state_dict(self.model, self.ref.optimizer, options=_FULL)
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for key in optim:  # "<parameter>.<state>"; other entries (dp.*) are not ours
-            name, _, what = key.rpartition(".")
-            if name in names:
-                state.setdefault(name, {})[what] = optim[key]
-        set_optimizer_state_dict(
-            self.model, self.ref.optimizer,
-            {"state": state, "param_groups": current["param_groups"]}, options=_FULL,
-        )
+        model = get_model_state_dict(self.model, options=_SHARDED)
+        out: dict[str, dict] = {"model": {n: model[n] for n in names}}
+        if with_optimizer:
+            optim = get_optimizer_state_dict(self.model, self.ref.optimizer, options=_SHARDED)
+            out["optim"] = {n: optim["state"][n] for n in names if n in optim["state"]}
+        return out
+
+    def save_sharded(self, path: Path) -> None:
+        """Write this rank's shards into `path` (rank 0 also dcp's `.metadata` index)."""
+        dcp.save(self._sharded_state(), checkpoint_id=str(path))
+
+    def load(self, weights: Mapping[str, torch.Tensor], optim: Mapping[str, torch.Tensor]) -> None:
+        """Resume from a checkpoint `save_sharded` wrote: each rank reads its own shards."""
+        if not isinstance(weights, DCPTensors):
+            raise CheckpointError(
+                "--backend fsdp resumes only its own torch.distributed.checkpoint shards, and "
+                "this checkpoint holds name-keyed safetensors: resume with the backend that "
+                "wrote it"
+            )
+        if weights.world_size != self.world.size:
+            raise CheckpointError(
+                f"checkpoint {weights.path} holds FSDP shards of {weights.world_size} "
+                f"processes, this run has {self.world.size}: resume with --nproc "
+                f"{weights.world_size}"
+            )
+        # A checkpoint from before the first step has no AdamW state to load.
+        with_optimizer = len(optim) > 0
+        state = self._sharded_state(with_optimizer)
+        dcp.load(state, checkpoint_id=str(weights.path))
+        set_model_state_dict(self.model, state["model"], options=_SHARDED_LOAD)
+        if with_optimizer:
+            groups = get_optimizer_state_dict(self.model, self.ref.optimizer,
+                                              options=_SHARDED)["param_groups"]
+            set_optimizer_state_dict(
+                self.model, self.ref.optimizer,
+                {"state": state["optim"], "param_groups": groups}, options=_SHARDED,
+            )
 
     def _param_names(self) -> list[str]:
         return [n for n, _ in self.model.named_parameters()]

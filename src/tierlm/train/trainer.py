@@ -52,11 +52,13 @@ from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.train.checkpoint import (
     TrainState,
+    check_tensor_format,
     check_weight_names,
     last_good_checkpoint,
     load_checkpoint,
     resume_point,
     save_checkpoint,
+    save_sharded_checkpoint,
     state_shards,
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
@@ -282,6 +284,8 @@ class Trainer:
         self.step = 0
         if resume_ckpt is not None:
             weights, optim, state = load_checkpoint(resume_ckpt)
+            check_tensor_format(resume_ckpt, state, self.world.size
+                                if cfg.distributed.backend == "fsdp" else None)
             check_weight_names(self.param_names, weights, resume_ckpt)
             self.stepper.load(weights, optim)
             self.step = state["step"]
@@ -376,7 +380,8 @@ class Trainer:
         return self.tokenizer.decode(ids[0].tolist())
 
     def save(self) -> Path | None:
-        if not self.world.is_main:  # the other ranks only take part in the gathers
+        sharded = getattr(self.stepper, "save_sharded", None) is not None  # FSDP
+        if not self.world.is_main and not sharded:  # the others only take part in the gathers
             drain(self.stepper.state_shards())
             return None
         state = TrainState(
@@ -385,6 +390,11 @@ class Trainer:
             run_config=to_dict(self.cfg),
             skipped_steps=self.skipped_steps,
         )
+        if sharded:  # every rank writes its own shards (torch.distributed.checkpoint)
+            return save_sharded_checkpoint(
+                self.run_dir, self.stepper, self.world, model_config=self.model.config,
+                tokenizer=self.tokenizer, state=state, keep=self.cfg.run.keep_checkpoints,
+            )
         return save_checkpoint(
             self.run_dir,
             shards=state_shards(self.stepper),  # one segment in RAM at a time
