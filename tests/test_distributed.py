@@ -321,46 +321,119 @@ def _fsdp(world: World, path: str) -> dict:
     from pathlib import Path
 
     from tierlm.distributed.fsdp import FSDPStep
-    from tierlm.distributed.setup import drain
-    from tierlm.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from tierlm.train.checkpoint import TrainState, load_checkpoint, save_sharded_checkpoint
 
     def build():
         return FSDPStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"),
                         world=world, comm=Comm(world.size, Ledger()), precision="fp32",
                         cpu_offload=True)
 
+    def save(at: int):  # collective: each rank writes its own shards; keep the newest only
+        return save_sharded_checkpoint(
+            Path(path), step, world, model_config=step.model.config, tokenizer=None,
+            state=TrainState(step=at, sampler={}, run_config={}), keep=1)
+
     step = build()
     all_batches = _global_batches(5)
     losses = []
     for i, b in enumerate(all_batches):
         losses.append(step.step(_mine(world, b), LR)["loss"])
+        if i == 1:
+            save(2)  # pruned by the next save
         if i == 2:  # checkpoint after step 3
-            if world.is_main:
-                ckpt = save_checkpoint(Path(path), shards=step.state_shards(),
-                                       model_config=step.model.config, tokenizer=None,
-                                       state=TrainState(step=3, sampler={}, run_config={}))
-            else:
-                drain(step.state_shards())
+            ckpt = save(3)
+            saved = _numpy(step.weights())
     final = _numpy(step.weights())
-    ckpt = world.from_main(ckpt if world.is_main else None)
     weights, optim, _ = load_checkpoint(ckpt)
     resumed = build()
     resumed.load(weights, optim)
     resumed_losses = [resumed.step(_mine(world, b), LR)["loss"] for b in all_batches[3:]]
     return {"losses": losses, "weights": final, "resumed": resumed_losses,
-            "resumed_weights": _numpy(resumed.weights())}
+            "resumed_weights": _numpy(resumed.weights()), "ckpt": str(ckpt), "saved": saved}
 
 
 def test_fsdp_matches_one_process_and_resumes(tmp_path):
+    from pathlib import Path
+
+    from tierlm.train.checkpoint import (
+        CheckpointError,
+        SafetensorsFile,
+        export_hf_from_checkpoint,
+        list_checkpoints,
+        verify_checkpoint,
+    )
+
     ref_out, ref_weights = reference_run(tiny_model(MODEL), _global_batches(5), [LR] * 5,
                                          clip=1.0)
     ranks = run_ranks(lambda w: _fsdp(w, str(tmp_path)))
     for r in ranks:
         assert_close_run(r["losses"], [o["loss"] for o in ref_out], _as_torch(r["weights"]),
                          ref_weights, rel=1e-5, atol=1e-5)
-        assert r["resumed"] == r["losses"][3:]
+        assert r["resumed"] == pytest.approx(r["losses"][3:], rel=0, abs=1e-6)
         for k, v in r["weights"].items():
-            assert np.array_equal(r["resumed_weights"][k], v), k
+            np.testing.assert_allclose(r["resumed_weights"][k], v, rtol=0, atol=1e-6, err_msg=k)
+
+    # torch.distributed.checkpoint files of both ranks, all under the manifest
+    ckpt = Path(ranks[0]["ckpt"])
+    assert ranks[1]["ckpt"] == str(ckpt) and list_checkpoints(tmp_path) == [ckpt]
+    manifest = (ckpt / "manifest.json").read_text()
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "state.json", "rng.safetensors"):
+        assert (ckpt / name).is_file() and f'"{name}"' in manifest, name
+    assert not list(ckpt.glob("*model*.safetensors"))  # nothing gathered
+    verify_checkpoint(ckpt)
+
+    # export assembles the full weights from the shards
+    hf = export_hf_from_checkpoint(ckpt, tmp_path / "hf")
+    exported = SafetensorsFile(hf / "model.safetensors")
+    assert sorted(exported.entries) == sorted(ranks[0]["saved"])
+    for k, v in ranks[0]["saved"].items():
+        assert np.array_equal(exported.read(k).numpy(), v), k
+
+    # a corrupted shard of rank 1 is caught
+    with (ckpt / "__1_0.distcp").open("r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="__1_0.distcp fails its checksum"):
+        verify_checkpoint(ckpt)
+
+
+def test_sharded_save_failure_leaves_no_checkpoint(tmp_path):
+    import errno
+
+    from tierlm.train.checkpoint import (
+        CheckpointWriteError,
+        TrainState,
+        list_checkpoints,
+        save_sharded_checkpoint,
+    )
+
+    class FullDisk:
+        def save_sharded(self, path):
+            (path / "__0_0.distcp").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointWriteError, match="disk full"):
+        save_sharded_checkpoint(tmp_path, FullDisk(), World.single(), model_config=None,
+                                tokenizer=None, state=TrainState(step=1, sampler={},
+                                                                 run_config={}))
+    assert list_checkpoints(tmp_path) == []
+    assert not list((tmp_path / "checkpoints").iterdir())  # the temporary directory is gone
+
+
+def test_fsdp_checkpoints_resume_only_fsdp_runs_of_their_world_size(tmp_path):
+    from tierlm.train.checkpoint import CheckpointError, check_tensor_format
+
+    dcp_state = {"tensors": "dcp", "world_size": 2}
+    check_tensor_format(tmp_path, dcp_state, 2)
+    check_tensor_format(tmp_path, {}, None)
+    with pytest.raises(CheckpointError, match="--backend fsdp --nproc 2"):
+        check_tensor_format(tmp_path, dcp_state, None)
+    with pytest.raises(CheckpointError, match="shards of 2 processes, this run has 4"):
+        check_tensor_format(tmp_path, dcp_state, 4)
+    with pytest.raises(CheckpointError, match="without --backend fsdp"):
+        check_tensor_format(tmp_path, {"format_version": 2}, 2)
 
 
 # -- strategy configs ----

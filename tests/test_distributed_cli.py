@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import torch
 import yaml
 
 from tierlm.train.checkpoint import load_checkpoint
@@ -70,24 +71,57 @@ def test_nproc_two_trains_with_topk_and_resumes_exactly(tmp_path):
 
 
 def test_fsdp_backend_trains_in_one_process_and_exports(tmp_path):
-    """FSDP2 over a one-rank group (CPU offload, gloo): the trainer's loop, checkpoint and
-    Hugging Face export work with the sharded model."""
+    """FSDP2 over a one-rank group (CPU offload, gloo): the trainer's loop, dcp checkpoints,
+    `--resume auto` from them and the Hugging Face export work with the sharded model."""
+    import pytest
+
     from tierlm.config import resolve
     from tierlm.train import run_training
+    from tierlm.train.checkpoint import CheckpointError
+    from tierlm.train.trainer import Trainer
 
-    cfg = resolve(None, {
+    run = tmp_path / "run"
+    flags = {
         "data.train": _text(tmp_path / "train.txt", 6000, 0),
         "data.eval": _text(tmp_path / "eval.txt", 1500, 1),
         "data.vocab_size": 300, "data.seq_len": 32, "model.size": "tiny",
         "train.batch_size": 2, "train.max_steps": 3, "train.eval_every": 0,
-        "train.eval_batches": 1, "train.sample_tokens": 4, "run.out": str(tmp_path / "run"),
-        "distributed.backend": "fsdp", "distributed.fsdp_cpu_offload": True,
-    })
+        "train.save_every": 2, "train.eval_batches": 1, "train.sample_tokens": 4,
+        "run.out": str(run), "distributed.backend": "fsdp",
+        "distributed.fsdp_cpu_offload": True,
+    }
     lines: list[str] = []
-    result = run_training(cfg, log=lines.append)
+    result = run_training(resolve(None, flags), log=lines.append)
     assert len(result.losses) == 3 and all(x == x for x in result.losses)
-    assert (tmp_path / "run" / "hf" / "config.json").is_file()
-    weights, optim, _ = load_checkpoint(result.final_checkpoint)
+    assert (run / "hf" / "config.json").is_file()
+    ckpt = result.final_checkpoint
+    assert (ckpt / "__0_0.distcp").is_file() and (ckpt / ".metadata").is_file()
+    assert not (ckpt / "model.safetensors").exists()  # shards, not gathered weights
+    weights, optim, state = load_checkpoint(ckpt)
+    assert state["tensors"] == "dcp" and state["world_size"] == 1
     assert any(k.endswith(".exp_avg") for k in optim)
     assert "lm_head.weight" in weights and "model.norm.weight" in weights  # full, by name
-    assert weights["lm_head.weight"].shape[0] == 300  # gathered, not a shard
+    assert weights["lm_head.weight"].shape[0] == 300  # assembled, not a shard
+
+    # --resume auto from step 2 (the dcp shards) repeats step 3 exactly
+    shutil.rmtree(ckpt)
+    lines.clear()
+    again = run_training(resolve(None, {**flags, "run.resume": "auto"}), log=lines.append)
+    assert any("resumed from" in line and "step_00000002" in line for line in lines)
+    assert again.losses == result.losses[2:]
+
+    # `tierlm export` of the dcp checkpoint: the weights the run exported at its end
+    from tierlm.cli import main
+    from tierlm.train.checkpoint import SafetensorsFile
+
+    assert main(["export", str(again.final_checkpoint), str(tmp_path / "cli_hf")]) == 0
+    ours = SafetensorsFile(run / "hf" / "model.safetensors")
+    theirs = SafetensorsFile(tmp_path / "cli_hf" / "model.safetensors")
+    assert set(ours.entries) <= set(theirs.entries)
+    for name in ours.entries:
+        assert torch.equal(ours.read(name), theirs.read(name)), name
+
+    # a run without --backend fsdp refuses the shards, naming the flag
+    plain = {k: v for k, v in flags.items() if not k.startswith("distributed.")}
+    with pytest.raises(CheckpointError, match="--backend fsdp"):
+        Trainer(resolve(None, {**plain, "run.resume": "auto"}), log=lambda _: None)
