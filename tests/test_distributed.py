@@ -152,6 +152,12 @@ def _as_torch(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 # -- data: each rank its slice of the global batch ----
 
+def test_a_verdict_from_one_rank_reaches_every_rank():
+    """A non-finite FSDP shard on one rank must stop the save on all (it is collective)."""
+    verdicts = run_ranks(lambda w: (w.all_agree(True), w.all_agree(w.rank == 0)))
+    assert verdicts == [(True, False), (True, False)]
+
+
 def test_rank_slices_make_up_the_single_process_batch():
     from tierlm.data import BatchSampler, PackedSequences
 

@@ -101,6 +101,12 @@ class World:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_agree(self, ok: bool) -> bool:
+        """True on every rank when `ok` holds on every rank: a verdict drawn from rank-local
+        state (an FSDP shard) that decides a collective step (a checkpoint every rank writes)."""
+        verdicts = self.gather_to_main(bool(ok))
+        return self.from_main(all(verdicts) if verdicts is not None else False)
+
     def ensure_group(self) -> None:
         """A process group even for one process (FSDP2 shards over one): a one-rank group
         over an in-memory store."""

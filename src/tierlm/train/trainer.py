@@ -278,7 +278,8 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(
             cfg.train.max_skipped_in_a_row, precision=self.precision,
             grad_clip=cfg.optim.grad_clip, save=self.save,
-            weights_finite=lambda: all_finite(state_shards(self.stepper)),
+            # each FSDP rank checks its own shard; the save that follows is collective
+            weights_finite=lambda: self.world.all_agree(all_finite(state_shards(self.stepper))),
         )
 
         self.step = 0
