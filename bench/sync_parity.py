@@ -32,6 +32,11 @@ ROWS = [
     ("topk 0.05, error feedback, dense warm-up 10 steps", [
         "--sparse-grad-ratio", "0.05", "--sparse-grad-ratio-overrides", "",
         "--distributed.sparse_warmup_steps", "10"]),
+    ("topk 0.05, ef21 feedback", ["--sparse-grad-ratio", "0.05",
+                                  "--sparse-grad-ratio-overrides", "",
+                                  "--distributed.topk_feedback", "ef21"]),
+    ("topk 0.05, ef21 feedback, sensitive layers dense", [
+        "--sparse-grad-ratio", "0.05", "--distributed.topk_feedback", "ef21"]),
     ("delayed k=2", ["--sync-every", "2"]),
     ("delayed k=4", ["--sync-every", "4"]),
 ]

@@ -225,11 +225,13 @@ def _residual_exchange(world: World) -> dict:
         steps = []
         for _ in range(2):
             g = torch.randn(layout.numel, generator=gen)
-            residual_before = topk.residual.get("seg", torch.zeros(layout.numel)).clone()
+            held = topk.state.get("residual", {})
+            residual_before = held.get("seg", torch.zeros(layout.numel)).clone()
             grad = g.clone()
             topk.start("seg", grad, layout.slots).wait()
             topk.after_step(None, skipped=False)
-            residual = topk.residual.get("seg", torch.zeros(layout.numel)).clone()
+            residual = topk.state.get("residual", {}).get("seg", torch.zeros(layout.numel))
+            residual = residual.clone()
             steps.append({k: v.numpy() for k, v in dict(
                 g=g, residual_before=residual_before, synced=grad, residual=residual).items()})
         out[feedback] = steps
@@ -261,6 +263,47 @@ def test_topk_residual_is_what_was_not_sent():
     assert np.any(ranks[0][True][1]["residual_before"] != 0)  # the second step used it
     for r in ranks:  # without error feedback nothing is kept
         assert not np.any(r[False][1]["residual"])
+
+
+def _ef21_exchange(world: World) -> dict:
+    """Top-k with ef21 feedback on one segment: 12 steps, the same gradient every step."""
+    layout = FlatLayout([("a.weight", (40, 10), True), ("b.weight", (100,), False)])
+    sync = TopKSync(ratio=0.1, overrides=(("b", 1.0),), feedback="ef21")
+    topk = sync.build(Comm(world.size, Ledger()))
+    g = torch.randn(layout.numel, generator=torch.Generator().manual_seed(world.rank))
+    steps = []
+    for _ in range(12):
+        before = topk.state.get("estimate", {}).get("seg", torch.zeros(layout.numel)).clone()
+        grad = g.clone()
+        topk.start("seg", grad, layout.slots).wait()
+        topk.after_step(None, skipped=False)
+        steps.append({"before": before.numpy(), "synced": grad.numpy(),
+                      "estimate": topk.state["estimate"]["seg"].clone().numpy()})
+    return {"g": g.numpy(), "steps": steps}
+
+
+def test_ef21_sends_the_change_and_steps_with_the_mean_estimate():
+    ranks = run_ranks(_ef21_exchange)
+    n_a = 400  # a: 40 of 400 entries per step; b: dense by override
+    mean_g = (ranks[0]["g"] + ranks[1]["g"]) / 2
+    for step in range(12):
+        for r in ranks:
+            s = r["steps"][step]
+            moved = np.flatnonzero(s["estimate"][:n_a] != s["before"][:n_a])
+            change = r["g"][:n_a] - s["before"][:n_a]
+            assert len(moved) <= 40  # only what was sent moves the estimate ...
+            assert np.array_equal(s["estimate"][moved], r["g"][moved])  # ... to the gradient
+            if len(moved) == 40:  # the top-k of the change
+                rest = np.delete(np.abs(change), moved)
+                assert np.abs(change[moved]).min() >= rest.max()
+            assert np.array_equal(s["estimate"][n_a:], r["g"][n_a:])  # dense: exact
+        # every rank steps with the same gradient: the mean of the ranks' estimates
+        assert np.array_equal(ranks[0]["steps"][step]["synced"], ranks[1]["steps"][step]["synced"])
+        mean_est = (ranks[0]["steps"][step]["estimate"] + ranks[1]["steps"][step]["estimate"]) / 2
+        np.testing.assert_allclose(ranks[0]["steps"][step]["synced"], mean_est, atol=1e-6)
+    # a gradient that holds still is fully sent after 1 / ratio steps: nothing is lost
+    np.testing.assert_allclose(ranks[0]["steps"][9]["synced"], mean_g, atol=1e-6)
+    assert not np.allclose(ranks[0]["steps"][8]["synced"][:n_a], mean_g[:n_a], atol=1e-6)
 
 
 # -- delayed ----
@@ -303,8 +346,10 @@ def _resume(world: World, path: str, sync) -> dict:
             "resumed": losses, "resumed_digest": _digest(resumed.weights())}
 
 
-@pytest.mark.parametrize("sync", [TopKSync(ratio=0.05, overrides=()), DelayedSync(every=3)],
-                         ids=["topk", "delayed"])
+@pytest.mark.parametrize("sync", [TopKSync(ratio=0.05, overrides=()),
+                                  TopKSync(ratio=0.05, overrides=(), feedback="ef21"),
+                                  DelayedSync(every=3)],
+                         ids=["topk", "topk-ef21", "delayed"])
 def test_resume_continues_exactly(tmp_path, sync):
     ranks = run_ranks(lambda w: _resume(w, str(tmp_path), sync))
     for r in ranks:  # delayed: saved at step 2, between syncs, so per-rank weights matter

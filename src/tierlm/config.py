@@ -232,6 +232,11 @@ class DistributedConfig:
     error_feedback: bool = True
     """Top-k: keep what was not sent in a per-rank residual that joins the next step's gradient
     (saved in checkpoints)."""
+    topk_feedback: Literal["residual", "ef21"] = "residual"
+    """Top-k with error feedback: `residual` adds what was not sent to the next step's gradient;
+    `ef21` keeps per rank a running estimate of its gradient and sends the top-k of the change,
+    and every rank steps with the average of the estimates (dense, so Adam never sees an entry
+    that was held back for many steps arrive at once)."""
     sparse_warmup_steps: int = 0
     """Top-k: steps over which the ratio falls geometrically from 1.0 (dense) to its target."""
     sync_every: int = 1

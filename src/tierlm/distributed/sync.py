@@ -93,14 +93,17 @@ class TopKSync:
     """Send the largest-magnitude `ratio` of each parameter's gradient (values + indices);
     `overrides` are (regex, ratio) pairs matched against parameter names, first match wins,
     ratio 1.0 meaning dense; the rest stays in a local residual added to the next step's
-    gradient (error feedback) unless `error_feedback` is off. Over the first `warmup_steps`
-    the ratio falls geometrically from 1.0 (dense) to its target."""
+    gradient (error feedback) unless `error_feedback` is off; with `feedback="ef21"` each rank
+    sends the top-k of the change in its gradient instead and every rank steps with the
+    average of the ranks' running estimates (see tierlm.distributed.topk). Over the first
+    `warmup_steps` the ratio falls geometrically from 1.0 (dense) to its target."""
 
     ratio: float
     overrides: tuple[tuple[str, float], ...] = field(
         default_factory=lambda: parse_ratio_overrides(DEFAULT_RATIO_OVERRIDES)
     )
     error_feedback: bool = True
+    feedback: Literal["residual", "ef21"] = "residual"
     warmup_steps: int = 0
 
     def build(self, comm: Comm):
@@ -158,6 +161,7 @@ def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
             ratio=dist_cfg.sparse_grad_ratio,
             overrides=parse_ratio_overrides(dist_cfg.sparse_grad_ratio_overrides),
             error_feedback=dist_cfg.error_feedback,
+            feedback=dist_cfg.topk_feedback,
             warmup_steps=dist_cfg.sparse_warmup_steps,
         )
     if mode == "delayed":

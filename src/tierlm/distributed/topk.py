@@ -8,10 +8,19 @@ ones by default) are packed into one buffer and all-reduced densely. What a rank
 stays in its residual and joins the next step's gradient (error feedback), so no gradient is
 lost, only delayed.
 
+With `feedback="ef21"` (Richtarik et al., "EF21", 2021) a rank keeps instead an estimate of its
+own gradient and sends the top-k of the change (gradient - estimate); sender and receivers move
+the estimates by exactly what was sent, so every rank also holds the mean of all the ranks'
+estimates ("shared"), and that dense mean is the gradient the optimizer sees. Residual
+feedback holds a small entry back for many steps and then delivers it at once, which AdamW
+turns into one large step; ef21's entries change a little every time they are sent and keep
+their last value in between. The start-up costs nothing extra with `warmup_steps` (a dense
+first step fills the estimates exactly).
+
 k depends only on the parameter's size and the step, so every rank contributes equally sized
 buffers and a plain all-gather suffices. Non-finite entries are ranked first, so a bad gradient
 always reaches every rank, the step is skipped everywhere, and `after_step` then clears the
-residuals that hold it.
+buffers that hold it.
 """
 
 from __future__ import annotations
@@ -43,9 +52,11 @@ class TopK(NoSync):
         self.cfg = cfg
         self.patterns = [(re.compile(p), r) for p, r in cfg.overrides]
         self.steps = 0  # completed steps (the warm-up position)
-        self.residual: dict[str, torch.Tensor] = {}  # segment -> flat residual
+        # kind -> segment -> flat buffer: "residual" (what was not sent), or for ef21
+        # "estimate" (this rank's running gradient estimate) and "shared" (their mean)
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
         self.slots: dict[str, list[ParamSlot]] = {}
-        self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, by parameter
+        self._loaded: dict[str, torch.Tensor] = {}  # "<kind>.<parameter>" from a checkpoint
         self._plans: dict[tuple[str, float], _Plan] = {}
 
     # -- which parameters go dense, and how many entries the others send ----
@@ -79,8 +90,15 @@ class TopK(NoSync):
     def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
         plan = self.plan(segment, slots)
         self.slots[segment] = slots
-        if self.cfg.error_feedback and plan.sparse:
-            grad.add_(self._residual_for(segment, grad))
+        ef21 = self.cfg.error_feedback and self.cfg.feedback == "ef21"
+        if ef21:  # send the change in this rank's gradient since its estimate
+            estimate = self._state_for("estimate", segment, grad)
+            shared = self._state_for("shared", segment, grad)
+            if plan.sparse:
+                delta = grad - estimate
+        elif self.cfg.error_feedback and plan.sparse:
+            grad.add_(self._state_for("residual", segment, grad))
+        source = delta if ef21 and plan.sparse else grad
         works = []
         dense_buf = None
         if plan.dense:
@@ -90,66 +108,84 @@ class TopK(NoSync):
             index_dtype = torch.int32 if grad.numel() < 2**31 else torch.int64
             idx = torch.cat([
                 # NaN ranks above everything, so a non-finite gradient is always sent
-                torch.topk(grad.narrow(0, o, n).abs().nan_to_num_(nan=torch.inf), k,
+                torch.topk(source.narrow(0, o, n).abs().nan_to_num_(nan=torch.inf), k,
                            sorted=False).indices.add_(o)
                 for o, n, k in plan.sparse
             ]).to(index_dtype)
-            vals = grad[idx]
+            vals = source[idx]
             w = self.comm.size
             all_idx = torch.empty(w * idx.numel(), dtype=index_dtype, device=grad.device)
             all_vals = torch.empty(w * vals.numel(), dtype=vals.dtype, device=grad.device)
             works.append(self.comm.all_gather(all_idx, idx, async_op=True))
             works.append(self.comm.all_gather(all_vals, vals, async_op=True))
-            if self.cfg.error_feedback:  # what is not sent now is sent later
-                res = self.residual[segment]
+            if ef21:  # the estimate moves by what was sent, on every rank alike
+                estimate.index_add_(0, idx.long(), vals)
+            elif self.cfg.error_feedback:  # what is not sent now is sent later
+                res = self.state["residual"][segment]
                 res.copy_(grad)
                 res[idx] = 0
                 for o, n in plan.dense:
                     res.narrow(0, o, n).zero_()
 
         def finish() -> None:
-            if plan.sparse:
+            if ef21:  # dense ranges: this rank's estimate is its exact gradient
+                for o, n in plan.dense:
+                    estimate.narrow(0, o, n).copy_(grad.narrow(0, o, n))
+            if plan.sparse and ef21:
+                # shared = mean of the ranks' estimates, moved by the mean of what they sent
+                shared.index_add_(0, all_idx.long(), all_vals.div_(self.comm.size))
+                grad.copy_(shared)
+            elif plan.sparse:
                 grad.zero_()
                 grad.index_add_(0, all_idx.long(), all_vals)
             start = 0
             for o, n in plan.dense:
                 grad.narrow(0, o, n).copy_(dense_buf.narrow(0, start, n))
                 start += n
-            grad.div_(self.comm.size)
+            if not ef21:
+                grad.div_(self.comm.size)
+                return
+            for o, n in plan.dense:
+                grad.narrow(0, o, n).div_(self.comm.size)
+                shared.narrow(0, o, n).copy_(grad.narrow(0, o, n))
 
         return Pending(works, finish)
 
-    def _residual_for(self, segment: str, grad: torch.Tensor) -> torch.Tensor:
-        res = self.residual.get(segment)
-        if res is None:
-            res = torch.zeros_like(grad)
-            for s in self.slots[segment]:  # a resumed run starts from the saved residuals
-                saved = self._loaded.pop(s.name, None)
+    def _state_for(self, kind: str, segment: str, like: torch.Tensor) -> torch.Tensor:
+        """This segment's `kind` buffer (residual, estimate or shared), zeros at first, or the
+        values a resumed run saved."""
+        held = self.state.setdefault(kind, {})
+        buf = held.get(segment)
+        if buf is None:
+            buf = torch.zeros_like(like)
+            for s in self.slots[segment]:
+                saved = self._loaded.pop(f"{kind}.{s.name}", None)
                 if saved is not None:
-                    res.narrow(0, s.offset, s.numel).copy_(saved.reshape(-1))
-            self.residual[segment] = res
-        return res
+                    buf.narrow(0, s.offset, s.numel).copy_(saved.reshape(-1))
+            held[segment] = buf
+        return buf
 
     # -- step boundary and checkpoints ----
 
     def after_step(self, engine, skipped: bool) -> None:
         self.steps += 1
-        if skipped:  # the residuals hold part of the non-finite gradient that was skipped
-            for res in self.residual.values():
-                res.zero_()
+        if skipped:  # the buffers hold part of the non-finite gradient that was skipped
+            for buffers in self.state.values():
+                for buf in buffers.values():
+                    buf.zero_()
 
     def local_state(self) -> dict[str, torch.Tensor]:
         out = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
-        for segment, res in self.residual.items():
-            for s in self.slots[segment]:
-                out[f"residual.{s.name}"] = res.narrow(0, s.offset, s.numel).view(s.shape)
-        for name, t in self._loaded.items():  # not used yet since the resume: keep them
-            out[f"residual.{name}"] = t
+        for kind, buffers in self.state.items():
+            for segment, buf in buffers.items():
+                for s in self.slots[segment]:
+                    out[f"{kind}.{s.name}"] = buf.narrow(0, s.offset, s.numel).view(s.shape)
+        out.update(self._loaded)  # not used yet since the resume: keep them
         return out
 
     def load_local_state(self, state: Mapping[str, torch.Tensor]) -> None:
         if "steps" in state:
             self.steps = int(state["steps"])
-        prefix = "residual."
-        self._loaded = {k[len(prefix):]: state[k] for k in state if k.startswith(prefix)}
-        self.residual = {}
+        kinds = ("residual.", "estimate.", "shared.")
+        self._loaded = {k: state[k] for k in state if k.startswith(kinds)}
+        self.state = {}
