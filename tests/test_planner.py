@@ -206,3 +206,24 @@ def test_precision_auto_takes_bf16_only_where_native():
     assert resolve_precision("auto", None, PROFILES["rtx4090"]) == "fp8"
     assert resolve_precision("auto", torch.device("cpu"), None, fp8_emulate=True) == "fp8"
     assert resolve_precision("bf16", torch.device("cpu"), None) == "bf16"
+
+
+def test_fp8_plans_count_fp8_matmul_rate_and_halved_weight_traffic():
+    """7B on a 24 GB card with blocks streamed from host RAM: fp8 moves about half the H2D
+    bytes of bf16 (1 byte per block weight instead of 2) and computes the blocks' matmuls at
+    the fp8 rate; fp32 sends the masters (4 bytes)."""
+    shape = ModelShape.from_config(preset_config("7b"))
+    hw = PROFILES["rtx4090"]
+    n = len(shape.names)
+    placements = ([SegmentPlacement(True, Tier.HOST)]
+                  + [SegmentPlacement(False, Tier.HOST)] * (n - 2)
+                  + [SegmentPlacement(True, Tier.HOST)])
+    plans = {m: evaluate(shape, TrainShape(1, 2048, 4, m), hw, placements, "layer-outer", False,
+                         usable_budgets(hw)) for m in ("fp32", "bf16", "fp8")}
+    h2d = {m: p.moved_bytes["h2d"] for m, p in plans.items()}
+    assert 0.49 < h2d["fp8"] / h2d["bf16"] < 0.55
+    assert 0.49 < h2d["bf16"] / h2d["fp32"] < 0.55
+    blocks = sum(shape.numels[1:-1])
+    assert plans["bf16"].host_by_class["compute"] == pytest.approx(2 * blocks, rel=0.01)
+    assert plans["fp8"].host_by_class["compute"] == pytest.approx(blocks, rel=0.01)
+    assert plans["fp8"].times_s["compute"] < 0.6 * plans["bf16"].times_s["compute"]

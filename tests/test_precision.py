@@ -470,3 +470,27 @@ def test_trainer_logs_the_table_and_records_fp8_statistics(tmp_path):
         assert len(rec["fp8_underflow_by_layer"]) == 14 and rec["fp8_switched"] == []
     scaler = trainer.fp8.layers["model.layers.0.mlp.up_proj"].compute.scalers.input
     assert scaler.history.numel() == 3  # one amax per training step, none from evaluation
+
+
+def test_planner_predicts_the_compute_copies_and_their_h2d_bytes(tmp_path):
+    """The planner's replay counts what `streamed` measures: the blocks' host compute copies
+    and the bytes that cross per step, per precision (fp8 scales and alignment aside)."""
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.memory.tiers import Link, TensorClass, Tier
+
+    hw = PROFILES["cpu"]
+    shape = ModelShape.from_config(copy.deepcopy(tiny_model("llama_untied", layers=2).config))
+    for mode in ("fp32", "bf16", "fp8"):
+        engine, _, _ = streamed(mode, tmp_path, steps=2)
+        before = engine.ledger.total_moved_bytes[Link.H2D]
+        engine.step(batches(1, 1)[0], 1e-2)
+        engine.synchronize()
+        per_step = engine.ledger.total_moved_bytes[Link.H2D] - before
+        copies = engine.ledger.current_bytes[(Tier.HOST, TensorClass.COMPUTE)]
+        placements = engine.report.placements
+        engine.close()
+        plan = evaluate(shape, TrainShape(2, 16, 1, mode), hw, placements, "layer-outer",
+                        True, usable_budgets(hw))
+        assert plan.moved_bytes[Link.H2D.value] == pytest.approx(per_step, rel=0.01), mode
+        assert plan.host_by_class.get("compute", 0) == pytest.approx(copies, rel=0.01), mode

@@ -52,6 +52,9 @@ class ModelShape:
     n_layers: int
     block_saved_bytes_per_token: float  # autograd-saved bytes inside one block, per token
     head_chunk_tokens: int
+    # per segment, the entries of its 2-D weights (the matmuls a precision policy lowers to
+    # bf16 or fp8; the rest, norms and biases, stays fp32); None: every entry
+    matrix_numels: list[int] | None = None
 
     @property
     def n_params(self) -> int:
@@ -80,7 +83,20 @@ class ModelShape:
             n_layers=len(segs) - 2,
             block_saved_bytes_per_token=saved,
             head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
+            matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
+                           for sg in segs],
         )
+
+    def wire_bytes(self, s: int, precision: str) -> int | None:
+        """Bytes of segment `s`'s compute copy, the form its weights cross to the device in
+        when its state is in host RAM (tierlm.precision.streaming): block matmul weights in
+        bf16 (2 bytes) or fp8 (1 byte + a scale), norms and biases in fp32. None where the fp32
+        master itself crosses: fp32 runs, and the embeddings and head (sensitive, fp32)."""
+        if precision not in ("bf16", "fp8") or s in (0, len(self.numels) - 1):
+            return None
+        n = self.numels[s]
+        mat = n if self.matrix_numels is None else self.matrix_numels[s]
+        return (2 if precision == "bf16" else 1) * mat + 4 * (n - mat)
 
 
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:
@@ -229,13 +245,20 @@ def _simulate(
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
     tied = shape.tied_numel
 
-    for n, p in zip(numels, placements, strict=True):  # persistent state
+    # bytes each segment's weights cross in: the compute copy for host state, else fp32
+    wire = [shape.wire_bytes(s, train.precision) if p.state_tier == Tier.HOST else None
+            for s, p in enumerate(placements)]
+    h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
+
+    for s, (n, p) in enumerate(zip(numels, placements, strict=True)):  # persistent state
         if p.state_tier == Tier.DEVICE:
             for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
                 ledger.allocate(Tier.DEVICE, cls, n * 4)
         elif p.state_tier == Tier.HOST:
             for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
                 ledger.allocate(Tier.HOST, cls, n * 4)
+            if wire[s] is not None:
+                ledger.allocate(Tier.HOST, TensorClass.COMPUTE, wire[s])
             if p.resident:
                 ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, n * 4)
         else:
@@ -253,7 +276,7 @@ def _simulate(
                 ledger.record_move(Link.DISK_READ, numels[s] * 4)
 
         def finish(self, dst) -> None:
-            ledger.record_move(Link.H2D, numels[self.s] * 4)
+            ledger.record_move(Link.H2D, h2d[self.s])
             if self.staging is not None:
                 store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
@@ -278,7 +301,7 @@ def _simulate(
     # resident segments with host/disk state are refreshed after each update: one copy per step
     for s, p in enumerate(placements):
         if p.resident and p.state_tier != Tier.DEVICE:
-            ledger.record_move(Link.H2D, numels[s] * 4)
+            ledger.record_move(Link.H2D, h2d[s])
             if p.state_tier == Tier.DISK:
                 ledger.record_move(Link.DISK_READ, numels[s] * 4)
 
@@ -393,13 +416,19 @@ def _times(
     # forward 2 FLOPs/param/token, backward 4; recomputed blocks run their forward twice;
     # attention scores add 2*2*T*D per token per layer forward (causal: half), x3 with backward
     attn = 6 * train.seq_len * shape.hidden_size * shape.n_layers
-    flops = tokens * (6 * (block_params + head_params) + 2 * recomputed + attn)
+    block_flops = tokens * (6 * block_params + 2 * recomputed)
+    flops = block_flops + tokens * (6 * head_params + attn)
     rate = hw.matmul_flops * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
     if not hw.device_is_cpu and train.precision == "fp32":
         rate /= 2  # fp32 matmuls run as TF32 on tensor cores: half the bf16 rate
     if hw.device_is_cpu and train.precision == "bf16":
         rate *= 1.5  # measured on the dev CPU: bf16 autocast ~1.5x fp32 (bench/step_time.py)
     compute = flops / rate
+    if train.precision == "fp8" and hw.fp8_matmul_flops and not hw.device_is_cpu:
+        # the blocks' matmuls (forward, input and weight gradients) run on the fp8 units;
+        # attention scores and the head stay bf16
+        fp8_rate = hw.fp8_matmul_flops * MATMUL_EFFICIENCY
+        compute = block_flops / fp8_rate + (flops - block_flops) / rate
     forward = compute * 2 * (block_params + head_params) / (flops / tokens)
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
@@ -557,7 +586,8 @@ def plan(
     fallback: Plan | None = None
     for order in orders if train.micro_batches > 1 else orders[:1]:
         for keep in (True, False):
-            placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets)
+            placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
+                                         train.precision)
             candidate = _evaluate(shape, train, hw, placements, order, keep, budgets)
             # grow the device share greedily while it fits and is not slower
             for upgrade in ("resident", "state"):
@@ -570,7 +600,7 @@ def plan(
                         trial[i] = SegmentPlacement(True, Tier.DEVICE)
                     else:
                         continue
-                    trial = _host_then_disk(shape, trial, budgets)
+                    trial = _host_then_disk(shape, trial, budgets, train.precision)
                     p = _evaluate(shape, train, hw, trial, order, keep, budgets)
                     if p.fits and p.step_s <= candidate.step_s * 1.0001:
                         candidate = p
@@ -591,17 +621,20 @@ def _overshoot(p: Plan) -> float:
             + max(0, p.disk_bytes - b["disk"]))
 
 
-def _host_then_disk(shape: ModelShape, placements, budgets) -> list[SegmentPlacement]:
-    """Give host RAM to non-device state while it fits; spill the last blocks first (their
-    update is needed last by the next forward, so disk latency hides best there)."""
+def _host_then_disk(
+    shape: ModelShape, placements, budgets, precision: str = "fp32"
+) -> list[SegmentPlacement]:
+    """Give host RAM to non-device state (and its compute copy, in bf16/fp8) while it fits;
+    spill the last blocks first (their update is needed last by the next forward, so disk
+    latency hides best there)."""
     placements = [
         p if p.state_tier == Tier.DEVICE else SegmentPlacement(p.resident, Tier.HOST)
         for p in placements
     ]
     order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
     order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
-    host_state = sum(16 * n for n, p in zip(shape.numels, placements, strict=True)
-                     if p.state_tier == Tier.HOST)
+    held = [16 * n + (shape.wire_bytes(i, precision) or 0) for i, n in enumerate(shape.numels)]
+    host_state = sum(h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
     spilled_max = 0
     for i in order:
         staging = 20 * spilled_max  # one disk update + one streamed read in flight
@@ -609,7 +642,7 @@ def _host_then_disk(shape: ModelShape, placements, budgets) -> list[SegmentPlace
             break
         if placements[i].state_tier == Tier.HOST:
             placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK)
-            host_state -= 16 * shape.numels[i]
+            host_state -= held[i]
             spilled_max = max(spilled_max, shape.numels[i])
     return placements
 
