@@ -238,12 +238,7 @@ class DistributedConfig:
     and every rank steps with the average of the estimates (dense, so Adam never sees an entry
     that was held back for many steps arrive at once)."""
     sparse_warmup_steps: int = 0
-    """Top-k: steps over which the ratio falls geometrically from 1.0 (dense) to its target
-    (with topk_freeze_variance: steps of dense sync, then the target ratio)."""
-    topk_freeze_variance: bool = False
-    """Top-k: freeze AdamW's second moment when the dense warm-up (sparse_warmup_steps) ends,
-    as 1-bit Adam does; AdamW is then linear in the gradient, so what error feedback delays
-    still moves the weights in full instead of inflating v and being damped."""
+    """Top-k: steps over which the ratio falls geometrically from 1.0 (dense) to its target."""
     sync_every: int = 1
     """Delayed sync: average the ranks' weights every k steps and at the last step; optimizer
     state stays per rank (--sync-every)."""

@@ -27,12 +27,6 @@ def validate_distributed(cfg: Any) -> None:
         raise ConfigError("--grad-sync topk needs --sparse-grad-ratio, e.g. 0.05")
     if mode != "topk" and d.sparse_grad_ratio is not None:
         raise ConfigError(f"--sparse-grad-ratio is for --grad-sync topk, not {mode}")
-    if d.topk_freeze_variance and (mode != "topk" or d.sparse_warmup_steps < 1):
-        raise ConfigError(
-            "--distributed.topk_freeze_variance freezes AdamW's second moment at the end of a "
-            "dense warm-up: it needs --grad-sync topk and --distributed.sparse_warmup_steps "
-            ">= 1 (e.g. 20% of --max-steps)"
-        )
     if mode != "delayed" and d.sync_every > 1:
         raise ConfigError(f"--sync-every is for --grad-sync delayed, not {mode}")
     if d.backend == "fsdp":

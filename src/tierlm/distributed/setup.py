@@ -68,8 +68,6 @@ def build_parallel_stepper(
         return build_single()
     strategy = sync_config(cfg.distributed, cfg.train.max_steps).build(comm)
     engine = build_single(grad_sync=strategy)
-    if cfg.distributed.topk_freeze_variance:  # checked: topk with a dense warm-up
-        engine.optimizer.freeze_variance_after = cfg.distributed.sparse_warmup_steps
     comm.ledger = engine.ledger  # network bytes land in the engine's ledger, with the rest
     return DataParallelStep(engine, strategy, world, comm)
 

@@ -105,7 +105,6 @@ class TopKSync:
     error_feedback: bool = True
     feedback: Literal["residual", "ef21"] = "residual"
     warmup_steps: int = 0
-    freeze_variance: bool = False  # dense warm-up, then AdamW's v frozen (1-bit Adam)
 
     def build(self, comm: Comm):
         from tierlm.distributed.topk import TopK
@@ -164,7 +163,6 @@ def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
             error_feedback=dist_cfg.error_feedback,
             feedback=dist_cfg.topk_feedback,
             warmup_steps=dist_cfg.sparse_warmup_steps,
-            freeze_variance=dist_cfg.topk_freeze_variance,
         )
     if mode == "delayed":
         return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps)

@@ -17,10 +17,6 @@ turns into one large step; ef21's entries change a little every time they are se
 their last value in between. The start-up costs nothing extra with `warmup_steps` (a dense
 first step fills the estimates exactly).
 
-With `freeze_variance` the warm-up is dense throughout, and the engine's AdamW freezes its
-second moment when it ends (tierlm.optim.flat_adamw): a burst that error feedback delivers
-late then moves the weights as much as the gradients it holds would have, one by one.
-
 k depends only on the parameter's size and the step, so every rank contributes equally sized
 buffers and a plain all-gather suffices. Non-finite entries are ranked first, so a bad gradient
 always reaches every rank, the step is skipped everywhere, and `after_step` then clears the
@@ -68,8 +64,6 @@ class TopK(NoSync):
     def ratio_of(self, name: str) -> float:
         target = next((r for p, r in self.patterns if p.search(name)), self.cfg.ratio)
         n = self.cfg.warmup_steps
-        if self.steps < n and self.cfg.freeze_variance:  # dense while AdamW's v settles
-            return 1.0
         if self.steps < n:  # geometric from 1.0 at step 0 to the target at step n
             return target ** (self.steps / n)
         return target
