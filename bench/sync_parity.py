@@ -6,7 +6,7 @@ with 2 ranks (`tierlm train --nproc 2`, gloo) for the same steps on the same bat
 reads the held-out perplexity at the end and the ledger's bytes sent per step from
 metrics.jsonl. Ratios are against the dense all-reduce row of the same run.
 
-    python bench/sync_parity.py --steps 40
+    python bench/sync_parity.py --steps 150
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ ROWS = [
                                       "--sparse-grad-ratio-overrides", "",
                                       "--distributed.error_feedback", "false"]),
     ("topk 0.05, sensitive layers dense", ["--sparse-grad-ratio", "0.05"]),
-    ("topk 0.05, error feedback, dense warm-up 10 steps", [
-        "--sparse-grad-ratio", "0.05", "--sparse-grad-ratio-overrides", "",
-        "--distributed.sparse_warmup_steps", "10"]),
     ("topk 0.05, ef21 feedback", ["--sparse-grad-ratio", "0.05",
                                   "--sparse-grad-ratio-overrides", "",
                                   "--distributed.topk_feedback", "ef21"]),
-    ("topk 0.05, ef21 feedback, sensitive layers dense", [
-        "--sparse-grad-ratio", "0.05", "--distributed.topk_feedback", "ef21"]),
+    # the warm-up's length is filled in from --steps (a fifth of them)
+    ("topk 0.05, error feedback, dense warm-up (20% of steps)", [
+        "--sparse-grad-ratio", "0.05", "--sparse-grad-ratio-overrides", "",
+        "--distributed.sparse_warmup_steps", "{warmup}"]),
     ("delayed k=2", ["--sync-every", "2"]),
     ("delayed k=4", ["--sync-every", "4"]),
 ]
 
 
 def run(name: str, extra: list[str], args, root: Path) -> dict:
-    out = root / name.replace(" ", "_").replace(",", "").replace("=", "")
+    out = root / "".join(c if c.isalnum() else "_" for c in name)
+    extra = [x.format(warmup=max(1, args.steps // 5)) for x in extra]
     cmd = [
         sys.executable, "-m", "tierlm", "train", "--nproc", str(args.nproc),
         "--model-size", args.model_size, "--max-steps", str(args.steps),
@@ -72,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-size", default="small")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
