@@ -166,6 +166,34 @@ def test_fp8_linear_error_against_fp64(mode, backend):
     assert errors["grad_b"] < 1e-5  # the bias gradient is summed in fp32 from the exact gradient
 
 
+def test_bf16_linear_rounds_operands_like_autocast_and_keeps_the_weight_gradient_fp32():
+    """Forward and input gradient are autocast's, bit for bit; the weight gradient is the fp32
+    sum of the bf16 products (fp64 agrees to fp32 rounding) where autocast rounds it to bf16."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, 96, generator=g, requires_grad=True)
+    w = (torch.randn(48, 96, generator=g) * 0.1).requires_grad_()
+    b = torch.randn(48, generator=g, requires_grad=True)
+    gy = torch.randn(4, 64, 48, generator=g)
+
+    def run(f):
+        x.grad = w.grad = b.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = f(x, w, b)
+        y.backward(gy.to(y.dtype))
+        return y.detach(), x.grad.clone(), w.grad.clone(), b.grad.clone()
+
+    y, gx, gw, gb = run(Bf16Linear())
+    y_ac, gx_ac, gw_ac, _ = run(F.linear)
+    assert y.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    assert torch.equal(y, y_ac) and torch.equal(gx, gx_ac)
+    bf = torch.bfloat16
+    exact = gy.to(bf).double().reshape(-1, 48).t() @ x.detach().to(bf).double().reshape(-1, 96)
+    err = ((gw.double() - exact).abs().max() / exact.abs().max()).item()
+    err_ac = ((gw_ac.double() - exact).abs().max() / exact.abs().max()).item()
+    assert err < 1e-6 < 1e-3 < err_ac, (err, err_ac)
+    torch.testing.assert_close(gb, gy.to(bf).float().sum((0, 1)), rtol=1e-6, atol=1e-5)
+
+
 def test_scaled_mm_and_emulation_agree():
     if not scaled_mm_works(CPU):
         pytest.skip("torch._scaled_mm does not run here")

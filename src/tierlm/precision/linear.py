@@ -7,7 +7,7 @@ the matmul differs. Its `compute` is one of:
 
 - `Fp32Linear`: autocast off, fp32 operands (sensitive layers, e.g. the output head).
 - `Bf16Linear`: bf16 operands, as autocast would cast them (regular layers, and fp8 layers that
-  fell back).
+  fell back); the weight gradient is summed and returned in fp32.
 - `Fp8Linear`: E4M3 input and weight, E5M2 output gradient, per-tensor scales, fp32
   accumulation; the weight gradient is returned in fp32.
 """
@@ -31,12 +31,54 @@ class Fp32Linear:
             return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16 operands with the products summed into an fp32 result, never rounded to
+    bf16: CUDA's mm with out_dtype where this torch has it, else the bf16 values widened to fp32
+    (exact) and multiplied there."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            pass
+    return torch.mm(a.float(), b.float())
+
+
+class _Bf16LinearFn(torch.autograd.Function):
+    """y = x @ w.T + b on bf16 operands (autocast's rounding), with the weight gradient summed
+    and returned in fp32: autocast would round it to bf16 (8 significant bits) before it reaches
+    the fp32 master gradient, which costs measurable quality on real text (bench/
+    precision_parity.py), while the fp32 result costs one fp32-output GEMM per step."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        bf16 = torch.bfloat16
+        xb, wb = x.to(bf16), w.to(bf16)
+        out = F.linear(xb, wb, None if b is None else b.to(bf16))
+        ctx.save_for_backward(xb, wb)
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, w.dtype, b is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        xb, wb = ctx.saved_tensors
+        g = gout.to(torch.bfloat16)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ wb).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            g2 = g.reshape(-1, g.shape[-1])
+            gw = _mm_fp32_out(g2.t(), xb.reshape(-1, xb.shape[-1])).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gout.reshape(-1, gout.shape[-1]).float().sum(0)
+        return gx, gw, gb
+
+
 class Bf16Linear:
     name = "bf16"
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        bf16 = torch.bfloat16
-        return F.linear(x.to(bf16), w.to(bf16), None if b is None else b.to(bf16))
+        with torch.autocast(x.device.type, enabled=False):
+            return _Bf16LinearFn.apply(x, w, b)
 
 
 class Fp8LayerScalers:
