@@ -522,3 +522,45 @@ def test_planner_predicts_the_compute_copies_and_their_h2d_bytes(tmp_path):
                         True, usable_budgets(hw))
         assert plan.moved_bytes[Link.H2D.value] == pytest.approx(per_step, rel=0.01), mode
         assert plan.host_by_class.get("compute", 0) == pytest.approx(copies, rel=0.01), mode
+
+
+@pytest.mark.parametrize("precision", [
+    {"fp8_scaling": "delayed", "fp8_history": 4},
+    {"fp8_scaling": "fixed", "fp8_input_scale": 1e6, "fp8_overflow_steps": 2,
+     "fp8_overflow_fraction": 0.01},
+], ids=["delayed-history", "switched-layers"])
+def test_fp8_scaling_state_survives_a_resume(tmp_path, precision):
+    """A run interrupted at step 3 and resumed repeats the uninterrupted run bit for bit: the
+    delayed-scaling amax histories, the overflow streaks and the layers switched to bf16 (here
+    at step 2, by an activation scale far too large) come back from the checkpoint."""
+    from tierlm.train import Trainer
+
+    def cfg(out):
+        return from_dict({
+            "model": {"size": "tiny"},
+            "data": {"seq_len": 32, "vocab_size": 512},
+            "train": {"max_steps": 6, "batch_size": 2, "eval_every": 0, "eval_batches": 1},
+            "precision": {"mode": "fp8", **precision},
+            "run": {"out": str(out), "device": "cpu", "seed": 1},
+        })
+
+    straight = Trainer(cfg(tmp_path / "a"), log=quiet)
+    full = straight.train()
+    first = Trainer(cfg(tmp_path / "b"), log=quiet)
+    part1 = first.train(until_step=3)
+    resumed_cfg = cfg(tmp_path / "b")
+    resumed_cfg.run.resume = str(tmp_path / "b")
+    logged = []
+    second = Trainer(resumed_cfg, log=logged.append)
+    assert second.step == 3
+    assert set(second.fp8.layers) == set(first.fp8.layers)
+    assert second.fp8.switched == first.fp8.switched
+    if precision["fp8_scaling"] == "delayed":
+        s1 = first.fp8.layers["model.layers.0.mlp.up_proj"].compute.scalers.grad
+        s2 = second.fp8.layers["model.layers.0.mlp.up_proj"].compute.scalers.grad
+        assert torch.equal(s1.history, s2.history) and s2.history.numel() == 3
+    else:
+        assert len(first.fp8.switched) == 10  # q, k, v, gate, up of both blocks
+        assert any("stays in bf16" in m for m in logged)
+    part2 = second.train()
+    assert part1.losses + part2.losses == full.losses

@@ -76,7 +76,8 @@ class DelayedScaling:
         if s.history is None:
             s.history = amax.clone()
         else:  # newest first; the oldest step falls off once `history` steps are held
-            s.history = torch.cat([amax, s.history])[: self.history]
+            # a history restored from a checkpoint starts on the CPU
+            s.history = torch.cat([amax, s.history.to(amax.device)])[: self.history]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,12 @@ class NoFp8Watch:
     def attach(self, stepper: Any) -> None:
         pass
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
 
 class Fp8Watch:
     def __init__(
@@ -74,6 +80,30 @@ class Fp8Watch:
         finally:
             for s in scalers:
                 s.recording = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to cast as the uninterrupted one would (JSON, for the
+        checkpoint's state.json): the layers switched to bf16, each layer's overflow streak, and
+        each tensor's delayed-scaling amax history (newest first; fp32 values, exact in JSON)."""
+        return {
+            "switched": list(self.switched),
+            "streak": dict(self.streak),
+            "history": {s.name: s.history.tolist() for _, s in self._scalers()
+                        if s.history is not None},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for layer in state.get("switched", []):
+            if layer in self.layers:
+                mod = self.layers.pop(layer)
+                mod.compute = Bf16Linear()
+                self.switched.append(layer)
+                self.log(f"fp8: {layer} stays in bf16 (switched before the checkpoint)")
+        self.streak.update({k: v for k, v in state.get("streak", {}).items() if k in self.streak})
+        history = state.get("history", {})
+        for _, s in self._scalers():
+            if s.name in history:
+                s.history = torch.tensor(history[s.name], dtype=torch.float32)
 
     def attach(self, stepper: Any) -> None:
         """The monitor's fp8 probe reads `stepper.fp8_stats()` (tierlm.train.probes)."""

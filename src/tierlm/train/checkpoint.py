@@ -9,7 +9,8 @@ Layout of one checkpoint (a directory under RUN_DIR/checkpoints/):
         config.json                      the Hugging Face model config (so the directory exports
                                          alone)
         tokenizer.json, ...              the run's tokenizer
-        state.json                       step, data position, skipped steps, run config
+        state.json                       step, data position, skipped steps, run config, fp8
+                                         scaling state
         manifest.json                    sha256 and size of every other file
 
 Tensors arrive in shards (`stepper.state_shards()`: one per segment for the tiered runtime, one
@@ -92,6 +93,8 @@ class TrainState:
     sampler: dict[str, int]
     run_config: dict[str, Any]
     skipped_steps: int = 0
+    fp8: list[dict[str, Any]] | None = None
+    """Per rank: fp8 layers switched to bf16, overflow streaks, delayed-scaling histories."""
 
 
 class ShardedState(Protocol):
@@ -364,6 +367,7 @@ def _write_contents(
         "sampler": state.sampler,
         "skipped_steps": state.skipped_steps,
         "run_config": state.run_config,
+        **({"fp8": state.fp8} if state.fp8 else {}),
         **(tensor_format or {}),
     }
     (tmp / "state.json").write_text(json.dumps(state_json, indent=1), encoding="utf-8")

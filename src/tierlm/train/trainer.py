@@ -292,6 +292,9 @@ class Trainer:
             self.step = state["step"]
             self.stepper.skipped_steps = state["skipped_steps"]
             self.sampler.load_state_dict(state["sampler"])
+            fp8 = state.get("fp8") or [{}]
+            self.fp8.load_state_dict(fp8[self.world.rank] if len(fp8) == self.world.size
+                                     else fp8[0])
             log(f"resumed from {resume_ckpt} at step {self.step}")
         self.metrics = MetricsLog(
             self.run_dir / "metrics.jsonl",
@@ -381,6 +384,7 @@ class Trainer:
         return self.tokenizer.decode(ids[0].tolist())
 
     def save(self) -> Path | None:
+        fp8 = self.world.gather_to_main(self.fp8.state_dict())  # collective: before any return
         sharded = getattr(self.stepper, "save_sharded", None) is not None  # FSDP
         if not self.world.is_main and not sharded:  # the others only take part in the gathers
             drain(self.stepper.state_shards())
@@ -390,6 +394,7 @@ class Trainer:
             sampler=self.sampler.state_dict(),
             run_config=to_dict(self.cfg),
             skipped_steps=self.skipped_steps,
+            fp8=fp8 if fp8 and any(fp8) else None,
         )
         if sharded:  # every rank writes its own shards (torch.distributed.checkpoint)
             return save_sharded_checkpoint(
