@@ -166,9 +166,10 @@ def test_fp8_linear_error_against_fp64(mode, backend):
     assert errors["grad_b"] < 1e-5  # the bias gradient is summed in fp32 from the exact gradient
 
 
-def test_bf16_linear_rounds_operands_like_autocast_and_keeps_the_weight_gradient_fp32():
-    """Forward and input gradient are autocast's, bit for bit; the weight gradient is the fp32
-    sum of the bf16 products (fp64 agrees to fp32 rounding) where autocast rounds it to bf16."""
+def test_bf16_linear_rounds_operands_like_autocast_and_keeps_fp32_gradients_fp32():
+    """The forward is autocast's, bit for bit; the weight gradient and the gradient of an fp32
+    input are the fp32 sums of the bf16 products (fp64 agrees to fp32 rounding), where autocast
+    rounds them to bf16; a bf16 input's gradient is autocast's."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 64, 96, generator=g, requires_grad=True)
     w = (torch.randn(48, 96, generator=g) * 0.1).requires_grad_()
@@ -184,14 +185,23 @@ def test_bf16_linear_rounds_operands_like_autocast_and_keeps_the_weight_gradient
 
     y, gx, gw, gb = run(Bf16Linear())
     y_ac, gx_ac, gw_ac, _ = run(F.linear)
-    assert y.dtype == torch.bfloat16 and gw.dtype == torch.float32
-    assert torch.equal(y, y_ac) and torch.equal(gx, gx_ac)
+    assert y.dtype == torch.bfloat16 and gw.dtype == gx.dtype == torch.float32
+    assert torch.equal(y, y_ac)
     bf = torch.bfloat16
-    exact = gy.to(bf).double().reshape(-1, 48).t() @ x.detach().to(bf).double().reshape(-1, 96)
-    err = ((gw.double() - exact).abs().max() / exact.abs().max()).item()
-    err_ac = ((gw_ac.double() - exact).abs().max() / exact.abs().max()).item()
-    assert err < 1e-6 < 1e-3 < err_ac, (err, err_ac)
+    gy_b, x_b, w_b = (t.detach().to(bf).double() for t in (gy, x, w))
+    exact = {"w": gy_b.reshape(-1, 48).t() @ x_b.reshape(-1, 96), "x": gy_b @ w_b}
+    for name, ours, autocast in (("w", gw, gw_ac), ("x", gx, gx_ac)):
+        err = ((ours.double() - exact[name]).abs().max() / exact[name].abs().max()).item()
+        err_ac = ((autocast.double() - exact[name]).abs().max() / exact[name].abs().max()).item()
+        assert err < 1e-6 < 1e-3 < err_ac, (name, err, err_ac)
     torch.testing.assert_close(gb, gy.to(bf).float().sum((0, 1)), rtol=1e-6, atol=1e-5)
+    xb = x.detach().to(bf).requires_grad_()  # a bf16 input: its gradient is bf16, as autocast's
+    Bf16Linear()(xb, w, b).backward(gy.to(bf))
+    gx_bf16 = xb.grad.clone()
+    xb.grad = None
+    with torch.autocast("cpu", dtype=bf):
+        F.linear(xb, w, b).backward(gy.to(bf))
+    assert gx_bf16.dtype == bf and torch.equal(gx_bf16, xb.grad)
 
 
 def test_scaled_mm_and_emulation_agree():
