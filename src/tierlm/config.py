@@ -242,11 +242,6 @@ class DistributedConfig:
     sync_every: int = 1
     """Delayed sync: average the ranks' weights every k steps and at the last step; optimizer
     state stays per rank (--sync-every)."""
-    delayed_clip: Literal["mean", "local"] = "mean"
-    """Delayed sync: the gradient norm every rank clips with. `mean`: an estimate of the norm of
-    the ranks' mean gradient, which dense sync would clip with (a 32 KiB count sketch of each
-    rank's gradient is all-reduced per step); `local`: each rank's own norm, which is larger
-    (a rank's gradient is noisier than the mean) and so clips harder than dense training."""
     fsdp_cpu_offload: bool = False
     """--backend fsdp: keep the shards of weights, gradients and optimizer state in host RAM
     and update them there (FSDP2 CPUOffloadPolicy)."""

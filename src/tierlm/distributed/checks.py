@@ -29,8 +29,6 @@ def validate_distributed(cfg: Any) -> None:
         raise ConfigError(f"--sparse-grad-ratio is for --grad-sync topk, not {mode}")
     if mode != "delayed" and d.sync_every > 1:
         raise ConfigError(f"--sync-every is for --grad-sync delayed, not {mode}")
-    if mode != "delayed" and d.delayed_clip != "mean":
-        raise ConfigError(f"--distributed.delayed_clip is for --grad-sync delayed, not {mode}")
     if d.backend == "fsdp":
         if mode != "dense":
             raise ConfigError(

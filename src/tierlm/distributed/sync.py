@@ -7,8 +7,6 @@ a single process) and built once at setup; the runtime then calls it uncondition
   step is complete (all micro-batches in). It starts the exchange (asynchronously, so the rest
   of the backward overlaps it) and returns a `Pending` whose `wait()` leaves the synced gradient
   in `grad`; the engine waits before it takes the gradient norm.
-- `clip_norm(local)`: the norm the engine clips with, from this rank's; delayed sync estimates
-  the norm of the ranks' mean gradient there, so every rank clips as one dense process would.
 - `after_step(engine, skipped)`: the data-parallel stepper calls this after every step (local
   SGD averages parameters here; top-k clears its residual after a skipped step).
 - `local_state()` / `load_local_state(...)`: tensors that differ between ranks (error-feedback
@@ -65,12 +63,6 @@ class NoSync:
     def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
         return DONE
 
-    def clip_norm(self, local: torch.Tensor) -> torch.Tensor:
-        """The gradient norm the step clips with and checks for non-finite values, from this
-        rank's norm of its (synced) gradient; strategies whose ranks keep different gradients
-        agree on one here."""
-        return local
-
     def after_step(self, engine: Any, skipped: bool) -> None:
         pass
 
@@ -123,13 +115,10 @@ class TopKSync:
 @dataclass(frozen=True, kw_only=True)
 class DelayedSync:
     """Local SGD: no gradient exchange; every `every` steps (and at `final_step`) the ranks'
-    weights are averaged. Optimizer state stays local (see tierlm.distributed.delayed). `clip`:
-    clip every rank's gradient by an estimate of the norm of the ranks' mean gradient (`mean`)
-    or each by its own norm (`local`)."""
+    weights are averaged. Optimizer state stays local (see tierlm.distributed.delayed)."""
 
     every: int
     final_step: int | None = None
-    clip: Literal["mean", "local"] = "mean"
 
     def build(self, comm: Comm):
         from tierlm.distributed.delayed import Delayed
@@ -176,8 +165,7 @@ def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
             warmup_steps=dist_cfg.sparse_warmup_steps,
         )
     if mode == "delayed":
-        return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps,
-                           clip=dist_cfg.delayed_clip)
+        return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps)
     return DenseSync(dtype=dist_cfg.grad_sync_dtype)
 
 

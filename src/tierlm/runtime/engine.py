@@ -600,9 +600,9 @@ class Engine:
 
     def _finish_step(self, lr: float) -> tuple[float, bool]:
         self._finish_syncs()
-        total = self.opts.grad_sync.clip_norm(torch.linalg.vector_norm(
+        total = torch.linalg.vector_norm(
             torch.stack([self.param_norms[n] for n in self.norm_order])
-        ))
+        )
         grad_norm = total.item()
         max_norm = self.opts.grad_clip if self.opts.grad_clip > 0 else math.inf
         self.cache.drop_all()  # every streamed copy is about to be stale
