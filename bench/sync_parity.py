@@ -38,8 +38,6 @@ ROWS = [
         "--distributed.sparse_warmup_steps", "{warmup}"]),
     ("delayed k=2", ["--sync-every", "2"]),
     ("delayed k=4", ["--sync-every", "4"]),
-    ("delayed k=2, each rank clips by its own norm", [
-        "--sync-every", "2", "--distributed.delayed_clip", "local"]),
 ]
 
 
