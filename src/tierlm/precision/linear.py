@@ -32,15 +32,21 @@ class Fp32Linear:
             return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
+_MM_OUT_DTYPE_WORKS: bool | None = None  # CUDA mm with out_dtype: probed on first use
+
+
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for bf16 operands with the products summed into an fp32 result, never rounded to
     bf16: CUDA's mm with out_dtype where this torch has it, else the bf16 values widened to fp32
     (exact) and multiplied there."""
-    if a.is_cuda:
+    global _MM_OUT_DTYPE_WORKS
+    if a.is_cuda and _MM_OUT_DTYPE_WORKS is not False:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
+            out = torch.mm(a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE_WORKS = True
+            return out
         except (RuntimeError, TypeError):
-            pass
+            _MM_OUT_DTYPE_WORKS = False  # not in this build: don't raise on every backward
     return torch.mm(a.float(), b.float())
 
 

@@ -95,9 +95,7 @@ class Fp8Watch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for layer in state.get("switched", []):
             if layer in self.layers:
-                mod = self.layers.pop(layer)
-                mod.compute = Bf16Linear()
-                self.switched.append(layer)
+                self._to_bf16(layer)
                 self.log(f"fp8: {layer} stays in bf16 (switched before the checkpoint)")
         self.streak.update({k: v for k, v in state.get("streak", {}).items() if k in self.streak})
         history = state.get("history", {})
@@ -144,11 +142,14 @@ class Fp8Watch:
             self._switch_to_bf16(layer, step, per_layer[layer][3])
         return {"fp8_tensors": tensors, "fp8_switched": switched}
 
-    def _switch_to_bf16(self, layer: str, step: int, overflow: float) -> None:
+    def _to_bf16(self, layer: str) -> None:
         mod = self.layers.pop(layer)
         assert isinstance(mod.compute, Fp8Linear)
         mod.compute = Bf16Linear()
         self.switched.append(layer)
+
+    def _switch_to_bf16(self, layer: str, step: int, overflow: float) -> None:
+        self._to_bf16(layer)
         self.log(
             f"fp8: {layer} switched to bf16 at step {step}: its fp8 tensors saturated for "
             f"{self.overflow_steps} steps in a row (last step: {overflow:.2%} of values; "
