@@ -83,11 +83,14 @@ class FSDPStep:
     ) -> None:
         self.world = world
         self.comm = comm
-        # The trainer keeps its module for export; ours is a copy that FSDP rewrites in place.
-        # The trainer's parameters are emptied meanwhile (export refills them from `weights`).
-        self.model = copy.deepcopy(model)
-        for p in model.parameters():
-            p.data = torch.empty(0, dtype=p.dtype)
+        # The trainer keeps its module for export; ours is a copy of its structure that FSDP
+        # rewrites in place. The copy shares the trainer's parameter and buffer tensors (no
+        # second copy of the weights), and once each rank holds its shards the trainer's
+        # parameters are emptied (export refills them from `weights`): the peak is the model
+        # plus this rank's shards, not two models.
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        self.model = copy.deepcopy(model, shared)
+        originals = list(model.parameters())
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if precision == "bf16" else None,
             reduce_dtype=reduce_dtype,
@@ -103,6 +106,8 @@ class FSDPStep:
         for block in decoder_blocks(self.model):
             fully_shard(block, mp_policy=mp, offload_policy=offload)
         fully_shard(self.model, mp_policy=mp, offload_policy=offload)
+        for p in originals:
+            p.data = torch.empty(0, dtype=p.dtype)
         self.ref = ReferenceStep(self.model, optim, grad_clip=grad_clip, device=device)
 
     @property
