@@ -89,6 +89,7 @@ EXAMPLE_VALUES = {
     "--backend": "fsdp",
     "--grad-sync": "dense",
     "--sync-every": "4",
+    "--sync-moments": "both",
     "--lr": "0.0003",
     "--max-steps": "7",
     "--seq-len": "99",
@@ -143,6 +144,7 @@ def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
         return
     extra = ["--offload-policy", "host"] if flag in NEEDS_OFFLOAD else []
     extra += ["--precision", "fp8"] if flag in NEEDS_FP8 else []
+    extra += ["--sync-every", "2"] if flag == "--sync-moments" else []  # delayed sync only
     cfg = parse(flag, EXAMPLE_VALUES[flag], *extra)
     section, key = dotted.split(".")
     value = getattr(getattr(cfg, section), key)

@@ -316,6 +316,57 @@ def test_delayed_ranks_agree_exactly_at_multiples_of_k():
     assert ranks[0]["sent"][0] < ranks[0]["sent"][1]  # bytes only when weights are averaged
 
 
+def _moments_digest(engine) -> dict[str, str]:
+    from tierlm.memory.tiers import Tier
+    from tierlm.runtime.state import free_copies, read_copies
+
+    engine.synchronize()
+    h = {"exp_avg": hashlib.sha256(), "exp_avg_sq": hashlib.sha256()}
+    for st in engine.states:
+        bufs = read_copies(engine.store, st, tuple(h))
+        for name in h:
+            h[name].update(bufs[name].numpy().tobytes())
+        if st.tier == Tier.DISK:
+            free_copies(engine.store, st, bufs)
+    return {name: d.hexdigest() for name, d in h.items()}
+
+
+def _delayed_moments(world: World, tmp: str) -> dict:
+    out = {}
+    for moments, policy in (("local", "none"), ("first", "none"), ("both", "none"),
+                            ("both", "disk")):
+        dp = _dp(world, DelayedSync(every=2, moments=moments), policy,
+                 tmp=f"{tmp}/{moments}-{policy}")
+        weights, opt, sent = [], [], []
+        for step_batches in _global_batches(4):
+            dp.step(_mine(world, step_batches), LR)
+            weights.append(_digest(dp.weights()))
+            opt.append(_moments_digest(dp.engine))
+            sent.append(dp.ledger.moved_bytes[Link.NET_SEND])
+        dp.close()
+        out[f"{moments}-{policy}"] = {"weights": weights, "moments": opt, "sent": sent}
+    return out
+
+
+def test_delayed_can_average_the_adamw_moments_with_the_weights(tmp_path):
+    ranks = run_ranks(lambda w: _delayed_moments(w, str(tmp_path)))
+    r0, r1 = ranks
+    averaged = {"local": (), "first": ("exp_avg",), "both": ("exp_avg", "exp_avg_sq")}
+    for run in ("local-none", "first-none", "both-none", "both-disk"):
+        for step in range(4):
+            synced = step % 2 == 1
+            assert (r0[run]["weights"][step] == r1[run]["weights"][step]) == synced, run
+            for name in ("exp_avg", "exp_avg_sq"):  # moments not averaged stay per rank
+                same = r0[run]["moments"][step][name] == r1[run]["moments"][step][name]
+                assert same == (synced and name in averaged[run.split("-")[0]]), (run, name)
+    # the disk tier reads the moments, averages them and writes them back like resident state
+    assert r0["both-disk"]["moments"] == r0["both-none"]["moments"]
+    # a sync sends the fp32 weights, plus each averaged moment in bf16 (half the weights' bytes)
+    local, first, both = (r0[f"{m}-none"]["sent"][1] for m in ("local", "first", "both"))
+    assert first / local == pytest.approx(1.5, rel=1e-3)
+    assert both / local == pytest.approx(2.0, rel=1e-3)
+
+
 # -- checkpoints: rank-local state (residuals, per-rank weights and moments) round-trips ----
 
 def _resume(world: World, path: str, sync) -> dict:
@@ -524,8 +575,10 @@ def test_distributed_flags_resolve_to_typed_strategies():
     assert isinstance(topk, TopKSync) and topk.ratio == 0.05 and topk.overrides == ()
     assert strategy(sparse_grad_ratio=0.05).overrides[0][1] == 1.0  # sensitive layers dense
     assert strategy(sync_every=4) == DelayedSync(every=4, final_step=10)
+    assert strategy(sync_every=2, sync_moments="both").moments == "both"
     for bad, flag in (({"grad_sync": "topk"}, "--sparse-grad-ratio"),
                       ({"sync_every": 2, "grad_sync": "dense"}, "--sync-every"),
+                      ({"sync_moments": "first"}, "--sync-moments is for --grad-sync delayed"),
                       ({"backend": "fsdp", "sparse_grad_ratio": 0.1}, "--grad-sync topk"),
                       ({"sparse_grad_ratio_overrides": "mlp"}, "PATTERN=RATIO")):
         with pytest.raises(ConfigError, match=flag):

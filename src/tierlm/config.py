@@ -240,8 +240,13 @@ class DistributedConfig:
     sparse_warmup_steps: int = 0
     """Top-k: steps over which the ratio falls geometrically from 1.0 (dense) to its target."""
     sync_every: int = 1
-    """Delayed sync: average the ranks' weights every k steps and at the last step; optimizer
-    state stays per rank (--sync-every)."""
+    """Delayed sync: average the ranks' weights every k steps and at the last step
+    (--sync-every)."""
+    sync_moments: Literal["local", "first", "both"] = "local"
+    """Delayed sync: what happens to the AdamW moments when the weights are averaged: local
+    (each rank keeps its own; no extra bytes), first (the first moment is averaged too, sent in
+    bf16: 1.5x the bytes of a sync), both (first and second moments, in bf16: 2x the bytes of
+    a sync) (--sync-moments)."""
     fsdp_cpu_offload: bool = False
     """--backend fsdp: keep the shards of weights, gradients and optimizer state in host RAM
     and update them there (FSDP2 CPUOffloadPolicy)."""
@@ -323,6 +328,7 @@ SEED_FLAGS: dict[str, str] = {
     "--backend": "distributed.backend",
     "--grad-sync": "distributed.grad_sync",
     "--sync-every": "distributed.sync_every",
+    "--sync-moments": "distributed.sync_moments",
     "--lr": "optim.lr",
     "--max-steps": "train.max_steps",
     "--seq-len": "data.seq_len",

@@ -29,6 +29,8 @@ def validate_distributed(cfg: Any) -> None:
         raise ConfigError(f"--sparse-grad-ratio is for --grad-sync topk, not {mode}")
     if mode != "delayed" and d.sync_every > 1:
         raise ConfigError(f"--sync-every is for --grad-sync delayed, not {mode}")
+    if mode != "delayed" and d.sync_moments != "local":
+        raise ConfigError(f"--sync-moments is for --grad-sync delayed, not {mode}")
     if d.backend == "fsdp":
         if mode != "dense":
             raise ConfigError(

@@ -115,10 +115,12 @@ class TopKSync:
 @dataclass(frozen=True, kw_only=True)
 class DelayedSync:
     """Local SGD: no gradient exchange; every `every` steps (and at `final_step`) the ranks'
-    weights are averaged. Optimizer state stays local (see tierlm.distributed.delayed)."""
+    weights are averaged, and with `moments` "first" or "both" the AdamW moments too, in bf16
+    on the wire; "local" keeps them per rank (see tierlm.distributed.delayed)."""
 
     every: int
     final_step: int | None = None
+    moments: Literal["local", "first", "both"] = "local"
 
     def build(self, comm: Comm):
         from tierlm.distributed.delayed import Delayed
@@ -165,7 +167,8 @@ def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
             warmup_steps=dist_cfg.sparse_warmup_steps,
         )
     if mode == "delayed":
-        return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps)
+        return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps,
+                           moments=dist_cfg.sync_moments)
     return DenseSync(dtype=dist_cfg.grad_sync_dtype)
 
 

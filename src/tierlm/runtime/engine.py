@@ -55,6 +55,7 @@ from tierlm.optim.flat_adamw import FlatAdamW
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.state import (
+    FILE_CLASS,
     STATE_COPIES,
     SegmentState,
     free_copies,
@@ -68,11 +69,6 @@ def _names(st: SegmentState) -> list[str]:
     return [s.name for s in st.layout.slots]
 
 
-_FILE_CLASS = {
-    "master": TensorClass.MASTER,
-    "exp_avg": TensorClass.OPTIM,
-    "exp_avg_sq": TensorClass.OPTIM,
-}
 
 
 @dataclass(kw_only=True)
@@ -633,7 +629,7 @@ class Engine:
         self.compute_copies.refresh(self.store, st, bufs["master"])  # quantised once per step
         if st.tier == Tier.DISK:
             futures = [
-                self.store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]) for c in STATE_COPIES
+                self.store.write_file(st.file(c), bufs[c], FILE_CLASS[c]) for c in STATE_COPIES
             ]
             for f in futures:
                 f.result()
@@ -720,7 +716,7 @@ class Engine:
                     step.copy_(optim[f"{first}.step"])
             if st.tier == Tier.DISK:
                 for c in STATE_COPIES:
-                    self.store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]).result()
+                    self.store.write_file(st.file(c), bufs[c], FILE_CLASS[c]).result()
                 free_copies(self.store, st, bufs)
             if st.device_weights is not None and st.device_weights is not st.master:
                 st.device_stale = True

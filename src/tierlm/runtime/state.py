@@ -15,6 +15,12 @@ from tierlm.optim.flat_adamw import new_step_counter
 from tierlm.precision.streaming import WireLoad
 
 STATE_COPIES = ("master", "exp_avg", "exp_avg_sq")
+# the ledger class of each state copy's file on the disk tier
+FILE_CLASS = {
+    "master": TensorClass.MASTER,
+    "exp_avg": TensorClass.OPTIM,
+    "exp_avg_sq": TensorClass.OPTIM,
+}
 
 
 @dataclass
