@@ -44,8 +44,8 @@ ROWS = [
         "--distributed.sparse_warmup_steps", "{warmup}"]),
     ("delayed k=2", ["--sync-every", "2"]),
     ("delayed k=4", ["--sync-every", "4"]),
-    ("delayed k=2, moments averaged (bf16)", ["--sync-every", "2", "--sync-moments", "both"]),
-    ("delayed k=4, moments averaged (bf16)", ["--sync-every", "4", "--sync-moments", "both"]),
+    ("delayed k=2, moments averaged (bf16)", ["--sync-every", "2", "--sync-moments", "average"]),
+    ("delayed k=4, moments averaged (bf16)", ["--sync-every", "4", "--sync-moments", "average"]),
 ]
 
 

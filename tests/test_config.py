@@ -89,7 +89,7 @@ EXAMPLE_VALUES = {
     "--backend": "fsdp",
     "--grad-sync": "dense",
     "--sync-every": "4",
-    "--sync-moments": "both",
+    "--sync-moments": "average",
     "--lr": "0.0003",
     "--max-steps": "7",
     "--seq-len": "99",

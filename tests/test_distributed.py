@@ -333,8 +333,7 @@ def _moments_digest(engine) -> dict[str, str]:
 
 def _delayed_moments(world: World, tmp: str) -> dict:
     out = {}
-    for moments, policy in (("local", "none"), ("first", "none"), ("both", "none"),
-                            ("both", "disk")):
+    for moments, policy in (("local", "none"), ("average", "none"), ("average", "disk")):
         dp = _dp(world, DelayedSync(every=2, moments=moments), policy,
                  tmp=f"{tmp}/{moments}-{policy}")
         weights, opt, sent = [], [], []
@@ -351,8 +350,8 @@ def _delayed_moments(world: World, tmp: str) -> dict:
 def test_delayed_can_average_the_adamw_moments_with_the_weights(tmp_path):
     ranks = run_ranks(lambda w: _delayed_moments(w, str(tmp_path)))
     r0, r1 = ranks
-    averaged = {"local": (), "first": ("exp_avg",), "both": ("exp_avg", "exp_avg_sq")}
-    for run in ("local-none", "first-none", "both-none", "both-disk"):
+    averaged = {"local": (), "average": ("exp_avg", "exp_avg_sq")}
+    for run in ("local-none", "average-none", "average-disk"):
         for step in range(4):
             synced = step % 2 == 1
             assert (r0[run]["weights"][step] == r1[run]["weights"][step]) == synced, run
@@ -360,11 +359,10 @@ def test_delayed_can_average_the_adamw_moments_with_the_weights(tmp_path):
                 same = r0[run]["moments"][step][name] == r1[run]["moments"][step][name]
                 assert same == (synced and name in averaged[run.split("-")[0]]), (run, name)
     # the disk tier reads the moments, averages them and writes them back like resident state
-    assert r0["both-disk"]["moments"] == r0["both-none"]["moments"]
-    # a sync sends the fp32 weights, plus each averaged moment in bf16 (half the weights' bytes)
-    local, first, both = (r0[f"{m}-none"]["sent"][1] for m in ("local", "first", "both"))
-    assert first / local == pytest.approx(1.5, rel=1e-3)
-    assert both / local == pytest.approx(2.0, rel=1e-3)
+    assert r0["average-disk"]["moments"] == r0["average-none"]["moments"]
+    # a sync sends the fp32 weights, plus each moment in bf16 (half the weights' bytes each)
+    local, average = (r0[f"{m}-none"]["sent"][1] for m in ("local", "average"))
+    assert average / local == pytest.approx(2.0, rel=1e-3)
 
 
 # -- checkpoints: rank-local state (residuals, per-rank weights and moments) round-trips ----
@@ -575,10 +573,10 @@ def test_distributed_flags_resolve_to_typed_strategies():
     assert isinstance(topk, TopKSync) and topk.ratio == 0.05 and topk.overrides == ()
     assert strategy(sparse_grad_ratio=0.05).overrides[0][1] == 1.0  # sensitive layers dense
     assert strategy(sync_every=4) == DelayedSync(every=4, final_step=10)
-    assert strategy(sync_every=2, sync_moments="both").moments == "both"
+    assert strategy(sync_every=2, sync_moments="average").moments == "average"
     for bad, flag in (({"grad_sync": "topk"}, "--sparse-grad-ratio"),
                       ({"sync_every": 2, "grad_sync": "dense"}, "--sync-every"),
-                      ({"sync_moments": "first"}, "--sync-moments is for --grad-sync delayed"),
+                      ({"sync_moments": "average"}, "--sync-moments is for --grad-sync delayed"),
                       ({"backend": "fsdp", "sparse_grad_ratio": 0.1}, "--grad-sync topk"),
                       ({"sparse_grad_ratio_overrides": "mlp"}, "PATTERN=RATIO")):
         with pytest.raises(ConfigError, match=flag):

@@ -242,11 +242,10 @@ class DistributedConfig:
     sync_every: int = 1
     """Delayed sync: average the ranks' weights every k steps and at the last step
     (--sync-every)."""
-    sync_moments: Literal["local", "first", "both"] = "local"
+    sync_moments: Literal["local", "average"] = "local"
     """Delayed sync: what happens to the AdamW moments when the weights are averaged: local
-    (each rank keeps its own; no extra bytes), first (the first moment is averaged too, sent in
-    bf16: 1.5x the bytes of a sync), both (first and second moments, in bf16: 2x the bytes of
-    a sync) (--sync-moments)."""
+    (each rank keeps its own; no extra bytes) or average (both moments are averaged too, sent
+    in bf16: twice the bytes of a sync) (--sync-moments)."""
     fsdp_cpu_offload: bool = False
     """--backend fsdp: keep the shards of weights, gradients and optimizer state in host RAM
     and update them there (FSDP2 CPUOffloadPolicy)."""

@@ -115,12 +115,12 @@ class TopKSync:
 @dataclass(frozen=True, kw_only=True)
 class DelayedSync:
     """Local SGD: no gradient exchange; every `every` steps (and at `final_step`) the ranks'
-    weights are averaged, and with `moments` "first" or "both" the AdamW moments too, in bf16
-    on the wire; "local" keeps them per rank (see tierlm.distributed.delayed)."""
+    weights are averaged, and with `moments="average"` both AdamW moments too, in bf16 on the
+    wire; "local" keeps them per rank (see tierlm.distributed.delayed)."""
 
     every: int
     final_step: int | None = None
-    moments: Literal["local", "first", "both"] = "local"
+    moments: Literal["local", "average"] = "local"
 
     def build(self, comm: Comm):
         from tierlm.distributed.delayed import Delayed
