@@ -11,10 +11,12 @@ What happens to the AdamW moments at a sync is `moments`:
 - "average": both moments are averaged along with the weights, sent in bf16, so a sync costs
   twice the bytes of the weights alone.
 
-On real text (bench/sync_parity.py) averaging both moments narrows local SGD's gap to dense
-training with AdamW. Averaging the first moment alone made it much worse, so it is not offered:
-the averaged first moment has lost the ranks' separate noise, but each rank's second moment
-still holds the noise of its 1/W-size batches, so every step shrinks.
+Local stays the default because averaging measured no reliable gain for its bytes on real text
+(bench/sync_parity.py, `small`, 150 steps, k=2): it took the gap to dense from +12.8% to +4.1%
+on seed 0 but from +3.9% to +8.0% on seed 1, inside the spread between seeds. Averaging the
+first moment alone was far worse (+36.5% on seed 0), so it is not offered: the averaged first
+moment has lost the ranks' separate noise while each rank's second moment still holds the
+noise of its 1/W-size batches, so every step shrinks.
 
 Because weights (between syncs) and, with local moments, moments differ between ranks, the
 data-parallel stepper writes every rank's state into rank 0's checkpoint, so a resume with the
