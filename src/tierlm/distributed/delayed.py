@@ -31,8 +31,7 @@ import torch
 
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.sync import DelayedSync, NoSync
-from tierlm.memory.tiers import Tier
-from tierlm.runtime.state import FILE_CLASS, free_copies, read_copies
+from tierlm.runtime.state import read_copies, write_back_copies
 
 _MOMENTS = {"local": (), "average": ("exp_avg", "exp_avg_sq")}
 
@@ -75,12 +74,7 @@ def average_weights(engine, comm: Comm, moments: tuple[str, ...] = ()) -> None:
             wire = bufs[name].to(torch.bfloat16)
             comm.all_reduce_sum(wire)
             bufs[name].copy_(wire).div_(comm.size)
-        if st.tier == Tier.DISK:
-            futures = [engine.store.write_file(st.file(c), bufs[c], FILE_CLASS[c])
-                       for c in bufs]
-            for f in futures:
-                f.result()
-            free_copies(engine.store, st, bufs)
+        write_back_copies(engine.store, st, bufs)
         if st.device_weights is not None and st.device_weights is not st.master:
             st.device_stale = True
     engine.cache.drop_all()

@@ -55,20 +55,18 @@ from tierlm.optim.flat_adamw import FlatAdamW
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.state import (
-    FILE_CLASS,
     STATE_COPIES,
     SegmentState,
     free_copies,
     init_state,
     read_copies,
     start_load,
+    write_back_copies,
 )
 
 
 def _names(st: SegmentState) -> list[str]:
     return [s.name for s in st.layout.slots]
-
-
 
 
 @dataclass(kw_only=True)
@@ -628,12 +626,7 @@ class Engine:
         )
         self.compute_copies.refresh(self.store, st, bufs["master"])  # quantised once per step
         if st.tier == Tier.DISK:
-            futures = [
-                self.store.write_file(st.file(c), bufs[c], FILE_CLASS[c]) for c in STATE_COPIES
-            ]
-            for f in futures:
-                f.result()
-            free_copies(self.store, st, bufs)
+            write_back_copies(self.store, st, bufs, STATE_COPIES)  # the gradient is spent
         else:
             bufs["grad"].zero_()
 
@@ -714,10 +707,7 @@ class Engine:
                 for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
                     first = next(s.name for s in st.layout.slots if s.decay == decay)
                     step.copy_(optim[f"{first}.step"])
-            if st.tier == Tier.DISK:
-                for c in STATE_COPIES:
-                    self.store.write_file(st.file(c), bufs[c], FILE_CLASS[c]).result()
-                free_copies(self.store, st, bufs)
+            write_back_copies(self.store, st, bufs)
             if st.device_weights is not None and st.device_weights is not st.master:
                 st.device_stale = True
         self.cache.drop_all()

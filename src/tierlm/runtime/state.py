@@ -16,7 +16,7 @@ from tierlm.precision.streaming import WireLoad
 
 STATE_COPIES = ("master", "exp_avg", "exp_avg_sq")
 # the ledger class of each state copy's file on the disk tier
-FILE_CLASS = {
+_FILE_CLASS = {
     "master": TensorClass.MASTER,
     "exp_avg": TensorClass.OPTIM,
     "exp_avg_sq": TensorClass.OPTIM,
@@ -126,6 +126,21 @@ def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict
     for f in futures:
         f.result()
     return bufs
+
+
+def write_back_copies(
+    store: Store, st: SegmentState, bufs: dict[str, torch.Tensor],
+    copies: tuple[str, ...] | None = None,
+) -> None:
+    """After `read_copies` and an update in place: on the disk tier, write `copies` (default:
+    every buffer in `bufs`) back to their files, all at once, then free the staging buffers;
+    elsewhere the buffers are the state itself and nothing is left to do."""
+    if st.tier != Tier.DISK:
+        return
+    futures = [store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]) for c in copies or bufs]
+    for f in futures:
+        f.result()
+    free_copies(store, st, bufs)
 
 
 def free_copies(store: Store, st: SegmentState, bufs: dict[str, torch.Tensor]) -> None:
