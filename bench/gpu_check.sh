@@ -64,7 +64,7 @@ check pytest 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
 TRAIN=(--device cuda --model-size small --batch-size 8 --seq-len 256 --eval-every 0
        --train.sample_tokens 0 --save-every 20 --optim.min_lr_ratio 1.0)
 for backend in tiered fsdp; do
-  extra=()
+  extra=(--offload-policy host)  # the tiered runtime: state in host RAM, weights streamed
   [ "$backend" = fsdp ] && extra=(--backend fsdp)
   check "train_$backend" 150 "$PY" -m tierlm train "${TRAIN[@]}" "${extra[@]}" --max-steps 40 \
     --out "$RUNS/$backend"
@@ -77,5 +77,5 @@ for backend in tiered fsdp; do
 done
 
 check stream_1b 180 "$PY" bench/gpu_stream.py --model-size 1b --gpu-cap-gib 8 --steps 4
-check stream_3b 240 "$PY" bench/gpu_stream.py --model-size 3b --gpu-cap-gib 24 --steps 3
+check stream_3b 240 "$PY" bench/gpu_stream.py --model-size 3b --gpu-cap-gib 24 --steps 2
 exit $status

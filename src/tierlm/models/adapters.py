@@ -11,6 +11,7 @@ Tied input/output embeddings are owned by the `embed` segment; the head lists th
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,13 @@ class HeadSegment(Segment):
     def project(self, views: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         bias = views[self.bias_name] if self.bias_name else None
         return self.linear(h, views[self.weight_name], bias)
+
+
+def _mask_cache_arg(fn: Callable) -> str:
+    """The name transformers' mask builders give their KV-cache argument: `cache` in recent
+    releases, `past_key_values` before (5.17 and older)."""
+    params = inspect.signature(fn).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _call(module: nn.Module, prefix: str, views: dict[str, torch.Tensor], *args, **kwargs):
@@ -187,10 +195,9 @@ class ModelAdapter:
 
         cfg = self.model.config
         position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        kwargs = dict(
-            config=cfg, inputs_embeds=hidden, attention_mask=None, cache=None,
-            position_ids=position_ids,
-        )
+        kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=None,
+                      position_ids=position_ids)
+        kwargs[_mask_cache_arg(create_causal_mask)] = None  # no KV cache in training
         masks: dict[str, Any] = {"full_attention": create_causal_mask(**kwargs)}
         if getattr(cfg, "sliding_window", None) and self.model_type in LLAMA_FAMILY:
             sliding = create_sliding_window_causal_mask(**kwargs)
