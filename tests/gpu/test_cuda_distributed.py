@@ -135,7 +135,7 @@ def test_fsdp_on_cuda_matches_the_reference_and_resumes(world, cpu_offload, tmp_
 
     base = tiny_model(MODEL, layers=3)
     steps = batches(5, 2)
-    ref = ReferenceStep(copy.deepcopy(base), OPTIM, grad_clip=1.0, device=DEV)
+    ref = ReferenceStep(copy.deepcopy(base).to(DEV), OPTIM, grad_clip=1.0, device=DEV)
     ref_losses = [ref.step(b, LR)["loss"] for b in steps]
     ref_w = {k: v.detach().float().cpu() for k, v in ref.model.named_parameters()}
 

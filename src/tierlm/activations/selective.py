@@ -3,9 +3,10 @@
 Matmuls and attention are most of a block's FLOPs; norms, rotary embeddings, activations and
 residual adds are cheap to recompute but save many tensors. The policy runs through
 `torch.utils.checkpoint` with selective-checkpoint contexts: in the forward the caching mode
-stores the outputs of the ops listed here (the policy function sees each output and counts its
-bytes); in the backward the whole segment is re-run from its boundary input, the stored outputs
-are returned from the cache and everything else is recomputed.
+stores the outputs of the ops listed here, and a dispatch mode beside it counts their bytes (the
+policy function sees outputs only on recent torch releases); in the backward the whole segment
+is re-run from its boundary input, the stored outputs are returned from the cache and
+everything else is recomputed.
 
 The recompute's workspace is what autograd saves while re-running the segment: the outputs the
 re-run produces that are still alive when it ends (the checkpoint holds them for the backward),
@@ -80,6 +81,20 @@ class _LiveOutputs(TorchDispatchMode):
         return total
 
 
+class _KeptOutputs(TorchDispatchMode):
+    """Hands `hold` the outputs of the ops the policy keeps, as the forward produces them."""
+
+    def __init__(self, hold: Callable[[object], None]) -> None:
+        super().__init__()
+        self.hold = hold
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _saved(func):
+            self.hold(out)
+        return out
+
+
 class SelectiveRun:
     """Selective-checkpoint contexts for one segment run, with the byte counts the ledger needs.
 
@@ -96,21 +111,27 @@ class SelectiveRun:
         self.workspace_bytes = 0
         self._held: dict[int, weakref.ref] = {}
 
-    def policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if not _saved(op):
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        for t in tree_leaves(ctx.op_output):
+    @staticmethod
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if _saved(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _hold(self, out) -> None:
+        for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.numel():
                 key = storage_key(t)
                 self.held_count += 1
                 if key not in self._held:  # cached outputs live until the backward
                     self._held[key] = weakref.ref(t.untyped_storage())
                     self.held_bytes += storage_bytes(t)
-        return CheckpointPolicy.MUST_SAVE
 
     def contexts(self):
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(self.policy)
-        return forward_ctx, self._measured(recompute_ctx)
+        return self._counted(forward_ctx), self._measured(recompute_ctx)
+
+    @contextlib.contextmanager
+    def _counted(self, forward_ctx):
+        with forward_ctx, _KeptOutputs(self._hold):  # ours innermost: it sees each output
+            yield
 
     @contextlib.contextmanager
     def _measured(self, recompute_ctx):
