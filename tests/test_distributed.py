@@ -424,7 +424,13 @@ def _fsdp(world: World, path: str) -> dict:
     from tierlm.train.checkpoint import TrainState, load_checkpoint, save_sharded_checkpoint
 
     def build():
-        return FSDPStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"),
+        if world.rank == 0:
+            model = tiny_model(MODEL)
+        else:  # as the trainer builds it: no weights of its own, its shards come from rank 0
+            with torch.device("meta"):
+                model = tiny_model(MODEL, seed=1)
+            assert all(p.is_meta for p in (*model.parameters(), *model.buffers()))
+        return FSDPStep(model, OPTIM, grad_clip=1.0, device=torch.device("cpu"),
                         world=world, comm=Comm(world.size, Ledger()), precision="fp32",
                         cpu_offload=True)
 

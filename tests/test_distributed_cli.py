@@ -125,3 +125,26 @@ def test_fsdp_backend_trains_in_one_process_and_exports(tmp_path):
     plain = {k: v for k, v in flags.items() if not k.startswith("distributed.")}
     with pytest.raises(CheckpointError, match="--backend fsdp"):
         Trainer(resolve(None, {**plain, "run.resume": "auto"}), log=lambda _: None)
+
+
+def test_fsdp_two_ranks_start_from_rank0s_copy_of_a_hf_checkpoint(tmp_path):
+    """`--backend fsdp --nproc 2 --model DIR`: rank 1 builds the model on the meta device and
+    takes its shards of the weights rank 0 loaded, so the run trains as one process with the
+    whole batch does from the same checkpoint."""
+    data = ["--data", _text(tmp_path / "train.txt", 6000, 0),
+            "--eval-data", _text(tmp_path / "eval.txt", 1500, 1)]
+    common = [*data, "--seq-len", "32", "--eval-every", "0", "--train.eval_batches", "1",
+              "--save-every", "0", "--distributed.timeout_s", "120"]
+    _train([*common, "--model-size", "tiny", "--data.vocab_size", "300", "--batch-size", "4",
+            "--max-steps", "1", "--train.sample_tokens", "0", "--out", str(tmp_path / "base")])
+    hf = str(tmp_path / "base" / "hf")
+    _train([*common, "--model", hf, "--batch-size", "4", "--max-steps", "3",
+            "--train.sample_tokens", "0", "--out", str(tmp_path / "one")])
+    out = _train([*common, "--model", hf, "--batch-size", "2", "--max-steps", "3",
+                  "--nproc", "2", "--backend", "fsdp", "--train.sample_tokens", "4",
+                  "--out", str(tmp_path / "two")])
+    assert out.stdout.count("sample:") == 1  # rank 0 samples; rank 1 only joins the gather
+    one, two = _steps(tmp_path / "one"), _steps(tmp_path / "two")
+    assert sorted(two) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert abs(two[step]["loss"] - one[step]["loss"]) <= 1e-5 * one[step]["loss"], step

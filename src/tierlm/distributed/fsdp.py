@@ -9,6 +9,10 @@ in bf16 with `--distributed.grad_sync_dtype bf16`); `CPUOffloadPolicy`
 (`--distributed.fsdp_cpu_offload`) keeps the shards in host RAM and runs the optimizer there
 (pinned only where CUDA exists).
 
+Only rank 0 needs the model's weights: the others may build it on the meta device (the trainer
+does), and after sharding every rank takes its shards of rank 0's full state dict, tensor by
+tensor (`set_model_state_dict` with `broadcast_from_rank0`), then rank 0's buffers.
+
 The step itself is the reference trainer's (`ReferenceStep`) on the sharded module, so the
 math is plain PyTorch. Checkpoints never gather the state: `save_sharded` hands the sharded
 state dicts (`get_model_state_dict` / `get_optimizer_state_dict` without `full_state_dict`) to
@@ -26,6 +30,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -83,6 +88,14 @@ class FSDPStep:
     ) -> None:
         self.world = world
         self.comm = comm
+        # Ranks other than 0 may hand in the model built on the meta device (the trainer does):
+        # every rank then takes rank 0's weights, each keeping only its shards, so a node holds
+        # one full copy of the model at start, not one per rank.
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and (world.is_main or not world.distributed):
+            raise ValueError("FSDPStep: rank 0 needs the model's weights; only the other ranks "
+                             "may build it on the meta device")
+        full = model.state_dict() if world.is_main else {}
         # The trainer keeps its module for export; ours is a copy of its structure that FSDP
         # rewrites in place. The copy shares the trainer's parameter and buffer tensors (no
         # second copy of the weights), and once each rank holds its shards the trainer's
@@ -90,7 +103,7 @@ class FSDPStep:
         # plus this rank's shards, not two models.
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         self.model = copy.deepcopy(model, shared)
-        originals = list(model.parameters())
+        originals = [p for p in model.parameters() if not p.is_meta]
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if precision == "bf16" else None,
             reduce_dtype=reduce_dtype,
@@ -99,16 +112,29 @@ class FSDPStep:
             CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload
             else OffloadPolicy()
         )
-        if not cpu_offload:
+        if not cpu_offload and not on_meta:
             self.model.to(device)
         # Blocks first, then the root (embeddings, final norm, head): each block's weights are
         # gathered only while it runs; the root's unit holds the tied embedding once.
         for block in decoder_blocks(self.model):
             fully_shard(block, mp_policy=mp, offload_policy=offload)
         fully_shard(self.model, mp_policy=mp, offload_policy=offload)
+        if on_meta:  # storage for this rank's shards and the buffers, filled just below
+            self.model.to_empty(device="cpu" if cpu_offload else device)
+        if world.distributed:
+            self._take_rank0_weights(full)
+        del full
         for p in originals:
             p.data = torch.empty(0, dtype=p.dtype)
         self.ref = ReferenceStep(self.model, optim, grad_clip=grad_clip, device=device)
+
+    def _take_rank0_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Every rank's shards from rank 0's full state dict, tensor by tensor (collective), and
+        rank 0's buffers (rotary tables are not in the state dict)."""
+        set_model_state_dict(self.model, full, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=False))
+        for buf in self.model.buffers():
+            dist.broadcast(buf, src=0)
 
     @property
     def skipped_steps(self) -> int:

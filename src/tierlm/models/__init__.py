@@ -1,6 +1,12 @@
 """Model construction (Llama size presets) and Hugging Face checkpoint import/export."""
 
-from tierlm.models.hf import SUPPORTED_MODEL_TYPES, ModelLoadError, export_hf, load_hf_model
+from tierlm.models.hf import (
+    SUPPORTED_MODEL_TYPES,
+    ModelLoadError,
+    export_hf,
+    hf_model_skeleton,
+    load_hf_model,
+)
 from tierlm.models.presets import (
     PRESETS,
     build_model,
@@ -16,6 +22,7 @@ __all__ = [
     "build_model",
     "count_params",
     "export_hf",
+    "hf_model_skeleton",
     "load_hf_model",
     "param_count_for",
     "preset_config",

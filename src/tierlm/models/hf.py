@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 # Our own progress display owns the terminal; transformers' per-shard bars only add noise.
@@ -107,6 +107,24 @@ def load_hf_model(
     )
     # Module.to keeps tied Parameters shared, so ties survive the move.
     model.to(device)
+    model.train()
+    return model
+
+
+def hf_model_skeleton(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """The model `load_hf_model` returns, built on the meta device from the directory's
+    config: names, shapes and ties, no weights. For FSDP ranks that take their shards of the
+    weights rank 0 loaded."""
+    path = Path(path)
+    _check_checkpoint_dir(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True,
+                                        trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
+        )
     model.train()
     return model
 

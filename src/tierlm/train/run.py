@@ -23,7 +23,8 @@ def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainRes
     if cfg.train.sample_tokens:  # on every rank: FSDP gathers the weights collectively
         log("sample: " + trainer.sample(cfg.train.sample_tokens).replace("\n", "\n        "))
     trainer.stepper.close()
-    trainer.world.close()
+    trainer.world.barrier()  # leave together: a rank that tears its group down early can abort
+    trainer.world.close()    # another's (gloo: "terminate called without an active exception")
     log(f"run directory: {result.run_dir}")
     log(f"checkpoint:    {result.final_checkpoint}")
     log(f"HF export:     {hf_dir}")

@@ -47,7 +47,13 @@ from tierlm.distributed.setup import (
     shard_batches,
 )
 from tierlm.memory.planner import Plan
-from tierlm.models import build_model, count_params, load_hf_model, preset_config
+from tierlm.models import (
+    build_model,
+    count_params,
+    hf_model_skeleton,
+    load_hf_model,
+    preset_config,
+)
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.train.checkpoint import (
@@ -226,14 +232,21 @@ class Trainer:
         eval_ids = encode_documents(self.tokenizer, corpus.eval)
 
         # Built on the CPU: the reference step moves it to the device, the tiered runtime
-        # moves its segments where the placement says.
+        # moves its segments where the placement says. FSDP ranks other than 0 build it on the
+        # meta device (no memory): they take their shards of rank 0's weights.
+        on_meta = (cfg.distributed.backend == "fsdp" and self.world.distributed
+                   and not self.world.is_main)
         if cfg.model.path:
-            self.model = load_hf_model(cfg.model.path, device="cpu", trust_remote_code=trust)
+            self.model = (
+                hf_model_skeleton(cfg.model.path, trust_remote_code=trust) if on_meta
+                else load_hf_model(cfg.model.path, device="cpu", trust_remote_code=trust)
+            )
         else:
             model_cfg = preset_config(
                 cfg.model.size, vocab_size=len(self.tokenizer), max_seq_len=cfg.data.seq_len
             )
-            self.model = build_model(model_cfg, device="cpu", seed=cfg.run.seed)
+            self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
+                                     seed=cfg.run.seed)
         vocab = self.model.config.vocab_size
         eos = self.tokenizer.eos_token_id
         check_token_stream(train_ids, vocab, corpus.train, eos, "training data")
@@ -357,12 +370,15 @@ class Trainer:
         ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl}
 
-    def export_model(self) -> torch.nn.Module:
+    def export_model(self) -> torch.nn.Module | None:
         """The model with the current weights (for export and sampling). The tiered runtime's
-        weights are copied into the module on the CPU; the reference model is used as is."""
+        weights are copied into the module on the CPU; the reference model is used as is. None
+        on an FSDP rank whose module is on the meta device: it only takes part in the gather."""
         if isinstance(self.stepper, ReferenceStep):
             return self.model
-        weights = self.stepper.weights()
+        weights = self.stepper.weights()  # collective under FSDP
+        if any(p.is_meta for p in self.model.parameters()):
+            return None
         for name, p in self.model.named_parameters():
             p.data = weights[name]
         return self.model
@@ -370,6 +386,8 @@ class Trainer:
     @torch.no_grad()
     def sample(self, max_new_tokens: int) -> str:
         model = self.export_model()
+        if model is None:
+            return ""  # rank 0 samples and reports
         device = next(model.parameters()).device
         model.eval()
         ids = self.eval_set[0][:1, :16].to(device)
