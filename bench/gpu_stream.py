@@ -58,7 +58,7 @@ def main() -> None:
     )
     torch.cuda.reset_peak_memory_stats()
     g = torch.Generator().manual_seed(0)
-    times = []
+    times, parts = [], []
     for i in range(args.steps):
         batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
         torch.cuda.synchronize()
@@ -69,6 +69,7 @@ def main() -> None:
         moved = dict(eng.ledger.moved_bytes)
         if i > 0:
             times.append(dt)
+            parts.append((out["sweep_s"], out["transfer_wait_s"], out["update_wait_s"]))
         print(f"step {i}: loss {out['loss']:.3f}, {dt:.2f} s, H2D {moved[Link.H2D] / 1e9:.2f} GB, "
               f"D2H {moved[Link.D2H] / 1e9:.2f} GB")
     eng.synchronize()
@@ -76,15 +77,19 @@ def main() -> None:
     h2d = eng.ledger.moved_bytes[Link.H2D]
     d2h = eng.ledger.moved_bytes[Link.D2H]
     print()
+    sweep, transfer_wait, update_wait = (sum(x) / len(parts) for x in zip(*parts, strict=True))
     print("| model | policy | GPU cap GiB | tokens/s | max_memory_allocated GiB | ledger device "
-          "peak GiB | H2D GB/s (step avg) | D2H GB/s | pinned copy H2D / D2H GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "peak GiB | H2D GB/s (step avg) | D2H GB/s | pinned copy H2D / D2H GB/s "
+          "| step s = sweep (of it: transfer wait, update wait) + after the sweep |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {args.model_size} | {args.policy} | {args.gpu_cap_gib} "
           f"| {args.batch_size * args.seq_len / step_s:,.0f} "
           f"| {torch.cuda.max_memory_allocated() / 2**30:.2f} "
           f"| {eng.ledger.peak_tier_bytes['device'] / 2**30:.2f} "
           f"| {h2d / step_s / 1e9:.2f} | {d2h / step_s / 1e9:.2f} "
-          f"| {h2d_peak:.1f} / {d2h_peak:.1f} |")
+          f"| {h2d_peak:.1f} / {d2h_peak:.1f} "
+          f"| {step_s:.2f} = {sweep:.2f} ({transfer_wait:.2f}, {update_wait:.2f}) "
+          f"+ {step_s - sweep:.2f} |")
     eng.close()
 
 
