@@ -244,6 +244,21 @@ def _rewrite_manifest(path: Path) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
+def test_a_renamed_tensor_under_a_forged_manifest_is_refused(good_checkpoint, tmp_path):
+    """Found by the fuzz test below: one flipped byte in a header turned 'a.weight' into
+    'a.weighu', a valid file; with the manifest rewritten to match, only state.json's list of
+    each file's tensors tells."""
+    run, _ = good_checkpoint
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    ckpt = copy / "checkpoints" / "step_00000005"
+    f = ckpt / "model.safetensors"
+    f.write_bytes(f.read_bytes().replace(b'"a.weight"', b'"a.weighu"', 1))
+    _rewrite_manifest(ckpt)
+    with pytest.raises(CheckpointError, match="model.safetensors does not hold the tensors"):
+        load_checkpoint(latest_valid_checkpoint(copy, warn=lambda m: None))
+
+
 @FUZZ
 @given(target=st.sampled_from(["model.safetensors", "optimizer.safetensors", "rng.safetensors",
                                "state.json", MANIFEST, "config.json"]),

@@ -10,7 +10,8 @@ Layout of one checkpoint (a directory under RUN_DIR/checkpoints/):
                                          alone)
         tokenizer.json, ...              the run's tokenizer
         state.json                       step, data position, skipped steps, run config, fp8
-                                         scaling state
+                                         scaling state, each model/optimizer file's tensor
+                                         names (checked on load)
         manifest.json                    sha256 and size of every other file
 
 Tensors arrive in shards (`stepper.state_shards()`: one per segment for the tiered runtime, one
@@ -343,6 +344,8 @@ def _write_contents(
     tmp: Path, shards: Iterable[Shard], model_config: Any, tokenizer: Any, state: TrainState,
     manifest: dict[str, dict[str, Any]], tensor_format: dict[str, Any] | None = None,
 ) -> None:
+    names: dict[str, list[str]] = {}  # each safetensors file's tensor names, for state.json
+
     def record(name: str, sha_size: tuple[str, int]) -> None:
         manifest[name] = {"sha256": sha_size[0], "size_bytes": sha_size[1]}
         crash_point("checkpoint-file")
@@ -353,6 +356,7 @@ def _write_contents(
             if name in manifest:
                 raise CheckpointError(f"two state shards are both named {shard!r}")
             record(name, write_safetensors(tmp / name, tensors))
+            names[name] = sorted(tensors)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -369,6 +373,7 @@ def _write_contents(
         "run_config": state.run_config,
         **({"fp8": state.fp8} if state.fp8 else {}),
         **(tensor_format or {}),
+        **({"tensor_names": names} if names else {}),
     }
     (tmp / "state.json").write_text(json.dumps(state_json, indent=1), encoding="utf-8")
     for f in sorted(tmp.iterdir()):  # the small files written by other libraries
@@ -733,6 +738,7 @@ def load_checkpoint(
         weights = DCPTensors(path, "model.", world_size)
         optim = DCPTensors(path, "optim.", world_size)
     else:
+        _check_tensor_names(path, state)
         weights, optim = TensorFiles(files("model")), TensorFiles(files("optimizer"))
     rng = TensorFiles([path / "rng.safetensors"])
     try:
@@ -745,6 +751,23 @@ def load_checkpoint(
         raise CheckpointError(f"checkpoint {path}: rng.safetensors holds no valid RNG state "
                               f"({exc})") from None
     return weights, optim, state
+
+
+def _check_tensor_names(path: Path, state: Mapping[str, Any]) -> None:
+    """Each state file holds the tensors state.json lists for it (checkpoints written before
+    the list existed are not checked): a file whose header was rewritten, even with checksums
+    to match, is refused instead of resuming with renamed or missing tensors."""
+    listed = state.get("tensor_names")
+    if listed is None:
+        return
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"checkpoint {path}: state.json's tensor_names is not a mapping")
+    for name, expected in listed.items():
+        if (path / name).is_file() and sorted(SafetensorsFile(path / name).entries) != expected:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} does not hold the tensors state.json lists for it "
+                "(one of the two is damaged); resume from another checkpoint"
+            )
 
 
 def check_tensor_format(path: Path, state: Mapping[str, Any], fsdp_world_size: int | None) -> None:
