@@ -95,7 +95,7 @@ class FSDPStep:
         if on_meta and (world.is_main or not world.distributed):
             raise ValueError("FSDPStep: rank 0 needs the model's weights; only the other ranks "
                              "may build it on the meta device")
-        full = model.state_dict() if world.is_main else {}
+        full = model.state_dict() if world.distributed and world.is_main else {}
         # The trainer keeps its module for export; ours is a copy of its structure that FSDP
         # rewrites in place. The copy shares the trainer's parameter and buffer tensors (no
         # second copy of the weights), and once each rank holds its shards the trainer's

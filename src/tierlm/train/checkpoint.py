@@ -237,6 +237,13 @@ class TensorFiles(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].read(name)
 
+    def names_by_file(self) -> dict[str, list[str]]:
+        """Each file's tensor names (sorted), by file name, from the headers already read."""
+        out: dict[str, list[str]] = {}
+        for name, f in self._where.items():
+            out.setdefault(f.path.name, []).append(name)
+        return {k: sorted(v) for k, v in out.items()}
+
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from its file's header, without reading it."""
         return self._where[name].entries[name][1]
@@ -738,8 +745,8 @@ def load_checkpoint(
         weights = DCPTensors(path, "model.", world_size)
         optim = DCPTensors(path, "optim.", world_size)
     else:
-        _check_tensor_names(path, state)
         weights, optim = TensorFiles(files("model")), TensorFiles(files("optimizer"))
+        _check_tensor_names(path, state, {**weights.names_by_file(), **optim.names_by_file()})
     rng = TensorFiles([path / "rng.safetensors"])
     try:
         torch.set_rng_state(rng["cpu"])
@@ -753,17 +760,18 @@ def load_checkpoint(
     return weights, optim, state
 
 
-def _check_tensor_names(path: Path, state: Mapping[str, Any]) -> None:
+def _check_tensor_names(path: Path, state: Mapping[str, Any], held: dict[str, list[str]]) -> None:
     """Each state file holds the tensors state.json lists for it (checkpoints written before
     the list existed are not checked): a file whose header was rewritten, even with checksums
-    to match, is refused instead of resuming with renamed or missing tensors."""
+    to match, is refused instead of resuming with renamed or missing tensors. `held`: each
+    file's tensor names as its header has them."""
     listed = state.get("tensor_names")
     if listed is None:
         return
     if not isinstance(listed, dict):
         raise CheckpointError(f"checkpoint {path}: state.json's tensor_names is not a mapping")
     for name, expected in listed.items():
-        if (path / name).is_file() and sorted(SafetensorsFile(path / name).entries) != expected:
+        if (path / name).is_file() and held.get(name, []) != expected:
             raise CheckpointError(
                 f"checkpoint {path}: {name} does not hold the tensors state.json lists for it "
                 "(one of the two is damaged); resume from another checkpoint"
