@@ -13,6 +13,7 @@ apart two equally good runs land, which is the scale a parity target has to be r
 
     python bench/sync_parity.py --steps 150
     python bench/sync_parity.py --steps 150 --seeds 0,1 --only delayed
+    python bench/sync_parity.py --steps 150 --only "sensitive layers dense"
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ ROWS = [
     ("topk 0.05, ef21 feedback", ["--sparse-grad-ratio", "0.05",
                                   "--sparse-grad-ratio-overrides", "",
                                   "--distributed.topk_feedback", "ef21"]),
+    ("topk 0.05, ef21 feedback, sensitive layers dense", [
+        "--sparse-grad-ratio", "0.05", "--distributed.topk_feedback", "ef21"]),
+    # how far the ratio has to rise before top-k comes near dense
+    ("topk 0.2, error feedback, sensitive layers dense", ["--sparse-grad-ratio", "0.2"]),
+    ("topk 0.2, ef21 feedback, sensitive layers dense", [
+        "--sparse-grad-ratio", "0.2", "--distributed.topk_feedback", "ef21"]),
     # the warm-up's length is filled in from --steps (a fifth of them)
     ("topk 0.05, error feedback, dense warm-up (20% of steps)", [
         "--sparse-grad-ratio", "0.05", "--sparse-grad-ratio-overrides", "",
