@@ -11,16 +11,16 @@ What happens to the AdamW moments at a sync is `moments`:
 - "average": both moments are averaged along with the weights, sent in bf16, so a sync costs
   twice the bytes of the weights alone.
 
-Local stays the default because averaging measured no reliable gain for its bytes on real text
-(bench/sync_parity.py, `small`, 150 steps, k=2): it took the gap to dense from +12.8% to +4.1%
-on seed 0 but from +3.9% to +8.0% on seed 1, inside the spread between seeds. Averaging the
-first moment alone was far worse (+36.5% on seed 0), so it is not offered: the averaged first
-moment has lost the ranks' separate noise while each rank's second moment still holds the
-noise of its 1/W-size batches, so every step shrinks. Twice as long (300 steps), averaging
-measured +0.7% and -4.9% against dense at k=2 and +3.1% and -1.7% at k=4 (seeds 0 and 1),
-against +11.3% for local moments at k=2 (seed 0); on the `tiny` preset it was worse than local
-(+11.5% against +6.7%, k=2, 150 steps, seed 0). The default stays local until more settings
-agree.
+Averaging is what brings delayed sync near dense on real text (bench/sync_parity.py, `small`,
+300 steps, seeds 0 and 1): +0.7% and -4.9% against dense at k=2, +3.1% and -1.7% at k=4,
+against +11.3% for local moments at k=2 (seed 0). Local still stays the default, for two
+reasons: at k=2 averaging sends as many bytes as a dense all-reduce (4 bytes per parameter per
+step), which defeats the point of delaying; and the gain did not hold everywhere (at 150 steps
+it went from +12.8% to +4.1% on seed 0 but from +3.9% to +8.0% on seed 1; on the `tiny` preset
+it was worse than local, +11.5% against +6.7%). Averaging the first moment alone was far worse
+(+36.5% on seed 0), so it is not offered: the averaged first moment has lost the ranks'
+separate noise while each rank's second moment still holds the noise of its 1/W-size batches,
+so every step shrinks.
 
 Because weights (between syncs) and, with local moments, moments differ between ranks, the
 data-parallel stepper writes every rank's state into rank 0's checkpoint, so a resume with the
