@@ -369,8 +369,13 @@ def _status_bytes(key: str) -> int:
 
 def peak_rss_increase(fn) -> tuple[int, object]:
     """Peak resident memory `fn` adds (VmHWM after resetting it, less VmRSS before)."""
+    libc = ctypes.CDLL("libc.so.6")
+    # glibc raises its mmap threshold after large frees (up to 32 MiB), after which chunk-sized
+    # buffers come from the heap and fragment it, so the peak depends on what earlier tests
+    # freed; a fixed threshold (M_MMAP_THRESHOLD = -3) makes the measurement repeatable
+    libc.mallopt(-3, 128 * 1024)
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    libc.malloc_trim(0)
     base = _status_bytes("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
