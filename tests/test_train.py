@@ -248,3 +248,23 @@ def test_impossible_budget_is_refused_before_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "device needs" in err and "--device-budget is 10.0 KiB" in err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("runtime", ["reference", "disk"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_every_precision_completes_the_default_end_of_run(precision, runtime, tmp_path, capsys):
+    """Evaluation, checkpoint, export and the default sample, under each compute precision: the
+    sample once ran outside the run's autocast, so bf16 layers met fp32 ones and it crashed."""
+    out = tmp_path / "run"
+    args = ["train", "--config", "configs/tiny.yaml", "--out", str(out), "--device", "cpu",
+            "--max-steps", "1", "--precision", precision, "--train.eval_batches", "1"]
+    if precision == "fp8":
+        args.append("--fp8-emulate")  # no fp8 units on the CPU
+    if runtime == "disk":
+        args += ["--offload-policy", "disk"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert f"precision: {precision}" in text or precision == "fp32"
+    sample = next(line for line in text.splitlines() if line.startswith("sample: "))
+    assert len(sample) > len("sample: ")  # the default sample ran and produced text
+    assert (out / "hf" / "config.json").is_file()

@@ -120,6 +120,17 @@ class TrainResult:
     final_checkpoint: Path | None = None
 
 
+def compute_autocast(
+    precision: str, device: torch.device
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context every forward of the run computes in (training, evaluation, sampling): bf16
+    autocast under bf16 and fp8 (fp8: bf16 activations around the fp8 matmuls), else none. The
+    precision policy's layers assume it: outside it a bf16 layer's output meets fp32 ones."""
+    if precision in ("bf16", "fp8"):
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def build_stepper(
     cfg: Config,
     model: torch.nn.Module,
@@ -136,11 +147,7 @@ def build_stepper(
     offload, dynamic, per-segment overrides: the runtime with everything resident), or always
     when data parallel (`grad_sync`, see tierlm.distributed; each rank's disk tier under
     `offload_subdir`). Both answer the same calls."""
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if precision in ("bf16", "fp8")  # fp8: bf16 activations around the fp8 matmuls
-        else contextlib.nullcontext
-    )
+    autocast = compute_autocast(precision, device)
     if not uses_tiered_runtime(cfg) and grad_sync is None:
         if preflight is not None:
             preflight(None)  # disk space for checkpoints; RAM when the device is the CPU
@@ -270,6 +277,7 @@ class Trainer:
         self.precision = resolve_precision(
             cfg.precision.mode, self.device, None, fp8_emulate=cfg.precision.fp8_emulate
         )
+        self.autocast = compute_autocast(self.precision, self.device)
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
@@ -393,7 +401,8 @@ class Trainer:
         ids = self.eval_set[0][:1, :16].to(device)
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.run.seed)
         for _ in range(max_new_tokens):  # top-k sampling; our own RNG keeps training RNG intact
-            logits = model(input_ids=ids[:, -self.cfg.data.seq_len :]).logits[0, -1].float()
+            with self.fp8.paused(), self.autocast():  # as training computes; scales stay put
+                logits = model(input_ids=ids[:, -self.cfg.data.seq_len :]).logits[0, -1].float()
             top = torch.topk(logits / 0.8, k=min(40, logits.numel()))
             probs = torch.softmax(top.values, dim=-1).cpu()
             choice = top.indices[torch.multinomial(probs, 1, generator=gen).to(device)]
