@@ -119,6 +119,7 @@ EXAMPLE_VALUES = {
     "--gpu-memory": "24GiB",
     "--host-memory": "64GiB",
     "--disk-budget": "200GiB",
+    "--disk-endurance-tbw": "1200",
 }
 # fp8 flags only make sense with --precision fp8.
 NEEDS_FP8 = {

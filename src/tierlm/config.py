@@ -201,6 +201,11 @@ class MemoryConfig:
     disk_budget: str | None = None
     """Disk space the disk tier may use, e.g. 200GiB; empty: the profile's, or the free space
     at the offload directory when detected (--disk-budget)."""
+    disk_endurance_tbw: float = 600.0
+    """Rated endurance of the disk under offload_dir in TB written (TBW, from the drive's
+    datasheet; 600 is a 1 TB consumer NVMe's). The plan and every run with disk-tier state report
+    the share of it a day of training writes, and warn above 1% a day
+    (--disk-endurance-tbw)."""
 
 
 @dataclass(kw_only=True)
@@ -352,6 +357,7 @@ SEED_FLAGS: dict[str, str] = {
     "--gpu-memory": "memory.gpu_memory",
     "--host-memory": "memory.host_memory",
     "--disk-budget": "memory.disk_budget",
+    "--disk-endurance-tbw": "memory.disk_endurance_tbw",
 }
 
 _BYTE_UNITS = {
@@ -596,6 +602,7 @@ def validate(cfg: Config) -> None:
     _positive("train.eval_batches", cfg.train.eval_batches)
     _positive("monitor.log_every", cfg.monitor.log_every)
     _positive("optim.lr", cfg.optim.lr, "--lr")
+    _positive("memory.disk_endurance_tbw", cfg.memory.disk_endurance_tbw, "--disk-endurance-tbw")
     if cfg.data.vocab_size < 260:
         raise ConfigError("data.vocab_size: must be >= 260 (256 bytes + special tokens)")
     if not 0 < cfg.data.eval_fraction < 1:

@@ -9,6 +9,8 @@ message, counts it, and lists the alert's name in the step's `alerts` field.
   (the plan is a dry run of the stream cache's own policy over the step's access sequence).
 - `disk_slow`: disk-tier throughput over the last few steps far below a reference measured on
   the same directory with the run's request size.
+- `disk_wear`: the disk tier's writes would use more than 1% of the drive's rated endurance
+  (`--disk-endurance-tbw`) per day of training.
 - `gpu_throttle`: NVML reports the GPU slowing its clocks for heat or power.
 
 Conditions that persist (a noisy stretch, a throttled GPU) alert once when they start, not on
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from tierlm.memory.tiers import Tier
+from tierlm.memory.wear import DiskWear
 from tierlm.runtime.cache import StreamCache
 
 
@@ -171,6 +174,45 @@ class DiskSlow:
             f"disk slow: {', '.join(slow)} MB/s measured on the offload directory at setup "
             f"(last {self.window} steps); is the disk shared, full or throttling?"
         )
+
+
+class DiskWearAlert:
+    """The disk tier's writes, projected to a day of training against the drive's rated
+    endurance (`tierlm.memory.wear`): alerts once, after `warmup` steps that wrote, when a day
+    would use more than the warning share. `summary()` is the run's measured projection."""
+
+    name = "disk_wear"
+
+    def __init__(self, endurance_tbw: float, *, warmup: int = 3) -> None:
+        self.endurance_tbw = endurance_tbw
+        self.warmup = warmup
+        self.written_bytes = 0.0
+        self.seconds = 0.0
+        self.steps = 0
+        self.fired = False
+
+    def wear(self) -> DiskWear | None:
+        if not self.steps:
+            return None
+        return DiskWear(write_bytes_per_step=self.written_bytes / self.steps,
+                        step_s=self.seconds / self.steps, endurance_tbw=self.endurance_tbw)
+
+    def check(self, rec: dict[str, Any]) -> str | None:
+        nbytes, step_s = rec.get("disk_write_bytes"), rec.get("step_time_s")
+        if not nbytes or not _finite(step_s):
+            return None
+        self.written_bytes += nbytes
+        self.seconds += step_s
+        self.steps += 1
+        wear = self.wear()
+        if self.fired or self.steps < self.warmup or not wear.too_high:
+            return None
+        self.fired = True
+        return f"{wear.describe()}. {wear.warning()}"
+
+    def summary(self) -> str | None:
+        wear = self.wear()
+        return None if wear is None else f"measured over {self.steps} steps: {wear.describe()}"
 
 
 # NVML clock-event reasons that mean the GPU is slowing itself down (idle, application clock

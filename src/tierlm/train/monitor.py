@@ -23,6 +23,7 @@ from tierlm.train.alerts import (
     Alert,
     Alerts,
     DiskSlow,
+    DiskWearAlert,
     GpuThrottle,
     LossSpike,
     NonFinite,
@@ -156,7 +157,9 @@ class Monitor:
         sinks: tuple[TensorBoardSink, ...] = (),
         every: int = 10,
         log: Callable[[str], None] = print,
+        summaries: list[Callable[[], str | None]] = (),
     ) -> None:
+        self.summaries = list(summaries)
         self.metrics = metrics
         self.probes = probes
         self.alerts = alerts
@@ -218,6 +221,10 @@ class Monitor:
         if self.view is not None:
             self.view.close()
             self.view = None
+            for summary in self.summaries:
+                line = summary()
+                if line:
+                    self._log(line)
         for sink in self.sinks:
             sink.close()
         self.sinks = ()
@@ -240,6 +247,7 @@ def build_monitor(
     detectors: list[Alert] = [LossSpike(), NonFinite()]
     if getattr(stepper, "cache", None) is not None:
         detectors.append(Thrashing())
+    summaries: list[Callable[[], str | None]] = []  # logged when the run's view closes
     request_bytes = disk_segment_bytes(stepper)
     if request_bytes:
         ref = probe_disk_Bps(stepper.opts.offload_dir, request_bytes)
@@ -247,11 +255,14 @@ def build_monitor(
             f"{fmt_rate(ref['disk_write'])}, read {fmt_rate(ref['disk_read'])}; the disk_slow "
             "alert compares the run with these")
         detectors.append(DiskSlow(ref))
+        wear = DiskWearAlert(cfg.memory.disk_endurance_tbw)
+        detectors.append(wear)
+        summaries.append(wear.summary)
     if not isinstance(gpu, NoGpu):
         detectors.append(GpuThrottle())
     sinks = (TensorBoardSink(run_dir / "tensorboard"),) if cfg.monitor.tensorboard else ()
     monitor = Monitor(metrics, probes, Alerts(detectors), sinks=sinks,
-                      every=cfg.monitor.log_every, log=log)
+                      every=cfg.monitor.log_every, log=log, summaries=summaries)
     if metrics.path.exists():
         monitor.replay(read_metrics(metrics.path))
     return monitor

@@ -9,6 +9,8 @@ import torch
 from tierlm.config import Config, parse_bytes
 from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.planner import ModelShape, Plan, TrainShape, plan
+from tierlm.memory.tiers import Link
+from tierlm.memory.wear import DiskWear
 
 
 def hardware_for(cfg: Config) -> HardwareProfile:
@@ -99,10 +101,16 @@ def print_plan(cfg: Config, *, as_json: bool = False) -> int:
     precision = resolve_precision(cfg.precision.mode, None, hw,
                                   fp8_emulate=cfg.precision.fp8_emulate)
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
+    wear = DiskWear(write_bytes_per_step=p.moved_bytes.get(Link.DISK_WRITE.value, 0),
+                    step_s=p.step_s, endurance_tbw=cfg.memory.disk_endurance_tbw)
     if as_json:
-        print(json.dumps(p.to_json(), indent=1))
+        print(json.dumps({**p.to_json(), "disk_wear": wear.to_json()}, indent=1))
     else:
         print(describe(p, shape, train, hw, run_flags=_input_flags(cfg, precision)))
+        if wear.write_bytes_per_step:
+            print(wear.describe())
+            if wear.warning():
+                print(wear.warning())
     return 0 if p.fits else 3
 
 
