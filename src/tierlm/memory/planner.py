@@ -175,6 +175,11 @@ class Plan:
     def step_s(self) -> float:
         return self.times_s["step"]
 
+    @property
+    def step_over_bound(self) -> float:
+        """The predicted step over its lower bound, the compute alone: 1.0 is compute-bound."""
+        return self.times_s["step"] / self.times_s["compute"]
+
     def resident_names(self) -> list[str]:
         return [n for n, p in zip(self.names, self.placements, strict=True) if p.resident]
 
@@ -193,6 +198,7 @@ class Plan:
         d.pop("names")
         d.pop("numels")
         d["device_total_bytes"] = self.device_total_bytes
+        d["step_over_bound"] = self.step_over_bound
         return json.loads(json.dumps(d, default=str))
 
 
@@ -715,7 +721,10 @@ def describe(
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
                  f"CPU AdamW {t['cpu_update']:.2f} + disk {t['update_disk']:.2f}, runs behind "
                  "the next forward)")
-    lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}")
+    lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
+                 f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
+                 f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "
+                 f"{p.step_over_bound:.2f}x of it")
     lines.append("moved per step: " + ", ".join(
         f"{k} {gib(v)}" for k, v in p.moved_bytes.items() if v))
     lines.append("")

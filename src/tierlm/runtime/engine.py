@@ -94,6 +94,12 @@ class EngineOptions:
     """Activation policy per segment (tierlm.activations); None: `none` (resident segments keep
     their graph, streamed ones recompute), or `full` when keep_resident_activations is False."""
     keep_resident_activations: bool = True
+    boundary_tier: Tier = Tier.DEVICE
+    """Where a segment's boundary input waits between its forward and its backward: on the
+    device, or in host RAM (copied there as it is produced, dropped from the device once the
+    segment's forward has read it, brought back for its backward). On host, layer-outer holds
+    two segments' micro-batches on the device instead of every segment's. Needs the `full`
+    activation policy: a kept graph would pin the input on the device anyway."""
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     check_placement: Callable[[PlacementReport], None] = lambda report: None
     """Called with the placement before anything is allocated or written (the trainer's
@@ -116,6 +122,9 @@ class _MicroBatch:
     targets: torch.Tensor  # (B, T)
     ctx: StepContext | None = None
     h: dict[int, torch.Tensor] = field(default_factory=dict)  # input of segment s
+    # s -> its input's flat host copy, the copy's event and the input's shape, while it waits
+    # on the host for the backward (--boundary-activations host)
+    parked: dict[int, tuple[torch.Tensor, object, torch.Size]] = field(default_factory=dict)
     gout: dict[int, torch.Tensor] = field(default_factory=dict)  # grad wrt input of segment s
     saved: dict[int, object] = field(default_factory=dict)  # activation policy handles
 
@@ -150,9 +159,11 @@ class Engine:
         tied_bytes = sum(  # the head's gradient for tied weights, held per micro-batch in flight
             p.numel() * 4 for n, p, _ in segs[0].params if n in segs[-1].borrowed
         )
+        self.host_boundaries = options.boundary_tier == Tier.HOST
         self.activation_bytes = (
             self.boundary_activation_bytes(
-                len(segs), hidden_bytes, options.micro_batches, options.microbatch_order
+                len(segs), hidden_bytes, options.micro_batches, options.microbatch_order,
+                on_host=self.host_boundaries,
             )
             + in_flight * tied_bytes
         )
@@ -256,10 +267,16 @@ class Engine:
     # -- schedule ----
 
     @staticmethod
-    def boundary_activation_bytes(n_segs: int, hidden_bytes: int, m: int, order: str) -> int:
-        """Peak bytes of boundary activations and their gradients the step holds: the input of
-        every segment after `embed` for the micro-batches in flight, plus two gradients."""
+    def boundary_activation_bytes(
+        n_segs: int, hidden_bytes: int, m: int, order: str, *, on_host: bool = False
+    ) -> int:
+        """Peak device bytes of boundary activations and their gradients the step holds: the
+        input of every segment after `embed` for the micro-batches in flight, plus two
+        gradients; with the inputs parked on the host, one segment's inputs and outputs (or, in
+        the backward, its output gradients, one input brought back and one new gradient)."""
         in_flight = m if order == "layer-outer" else 1
+        if on_host:
+            return (in_flight + max(in_flight, 2)) * hidden_bytes
         return in_flight * (n_segs - 1 + 2) * hidden_bytes
 
     def schedule(self, m: int) -> list[Action]:
@@ -340,6 +357,12 @@ class Engine:
         n = len(self.adapter.segments) - 1
         if len(names) != n:
             raise ValueError(f"expected {n} policies (every segment but the head), got {names}")
+        if self.host_boundaries and any(name != "full" for name in names):
+            raise ValueError(
+                f"--boundary-activations host needs the full activation policy on every segment "
+                f"(got {', '.join(sorted(set(names)))}): a kept graph pins the boundary input on "
+                "the device; pass --grad-checkpointing full or --boundary-activations device"
+            )
         self.activation_policies = list(names)
         self.policies = [self._make_policy(name) for name in names]
 
@@ -352,10 +375,36 @@ class Engine:
         if t is not None:
             self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
 
-    def _hold_input(self, mb: _MicroBatch, s: int, t: torch.Tensor) -> None:
-        """Segment `s`'s boundary input, held until its backward."""
+    def _hold_input(self, mb: _MicroBatch, s: int, t: torch.Tensor, *, park: bool = True) -> None:
+        """Segment `s`'s boundary input, held until its backward (with host boundaries, a copy
+        starts to the host now: the head's input is used at once and stays)."""
         mb.h[s] = self._hold(t)
         self.ledger.hold_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
+        if park and self.host_boundaries and s < len(self.states) - 1:
+            host = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, t.numel(), t.dtype)
+            mb.parked[s] = (host, self.store.to_host(host.view(t.shape), t), t.shape)
+
+    def _leave_device(self, mb: _MicroBatch, s: int) -> None:
+        """Segment `s`'s forward has read its input: the host copy waits for the backward."""
+        if s in mb.parked:
+            self.store.wait(mb.parked[s][1])  # the copy reads it before the memory is reused
+            self._drop_input(mb, s)
+
+    def _input(self, mb: _MicroBatch, s: int) -> torch.Tensor:
+        """Segment `s`'s boundary input for its backward, brought back from the host."""
+        if s not in mb.h:
+            host, _, shape = mb.parked.pop(s)
+            dev = torch.empty(shape, dtype=host.dtype, device=self.device)
+            self.store.wait(self.store.to_device(dev, host.view(shape)))
+            # pinned host memory goes back to torch's host allocator, which holds it until the
+            # copy reading it has finished
+            self.store.free(Tier.HOST, TensorClass.ACTIVATION, host)
+            self._hold_input(mb, s, dev, park=False)  # the backward uses and drops it
+            return dev
+        if s in mb.parked:  # the forward's device copy is still here (no segment ran since)
+            self.store.wait(mb.parked[s][1])
+            self.store.free(Tier.HOST, TensorClass.ACTIVATION, mb.parked.pop(s)[0])
+        return mb.h[s]
 
     def _drop_input(self, mb: _MicroBatch, s: int) -> None:
         t = mb.h.get(s)
@@ -434,6 +483,8 @@ class Engine:
                 with torch.no_grad(), self.opts.autocast():
                     mb.ctx = self.adapter.context(mb.ids, out)
             self._hold_input(mb, a.seg + 1, out)
+        for i in a.mbs:
+            self._leave_device(mbs[i], a.seg)
 
     def _chunk_tokens(self, vocab: int) -> int:
         return self.opts.loss_chunk_tokens or default_chunk_tokens(vocab)
@@ -498,7 +549,7 @@ class Engine:
             target = (
                 self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel) if owns_borrowed else grad
             )
-            x = mb.ids if s == 0 else mb.h[s]
+            x = mb.ids if s == 0 else self._input(mb, s)
             dx = self.policies[s].backward(
                 mb.saved.pop(s), self._run(st, mb), w, x, mb.gout[s + 1], target,
                 self._scope(st, mb, x),

@@ -1,0 +1,111 @@
+"""Boundary activations parked in host RAM (--boundary-activations host): the step's math is
+unchanged (ARCHITECTURE.md invariant 1), each boundary crosses D2H once and H2D once, and the
+device holds one segment's micro-batches instead of every segment's."""
+
+import copy
+
+import pytest
+import torch
+from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
+
+from tierlm.config import ActivationConfig
+from tierlm.memory.placement import place
+from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.models.adapters import ModelAdapter
+from tierlm.runtime import Engine, EngineOptions
+
+CPU = torch.device("cpu")
+STEPS, B, T = 3, 2, 16
+FULL = ActivationConfig(policy="full")
+
+
+def numels(model) -> dict[str, int]:
+    return {s.name: sum(p.numel() for _, p, _ in s.params) for s in ModelAdapter(model).segments}
+
+
+def engine(model, tmp_path, **kw) -> Engine:
+    opts = EngineOptions(offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T,
+                         activations=FULL, **kw)
+    return Engine(model, OPTIM, opts, device=CPU)
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for name in ("llama_tied_gqa", "gpt2"):
+        base = tiny_model(name, layers=3)
+        for m in (1, 4):
+            steps = batches(STEPS, m)
+            lrs = [OPTIM.lr * (1 - 0.1 * i) for i in range(STEPS)]
+            for clip in (0.0, 0.05):
+                recs, weights = reference_run(copy.deepcopy(base), steps, lrs, clip)
+                out[(name, m, clip)] = (base, steps, lrs, recs, weights)
+    return out
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("policy", ["none", "host", "disk", "tiered"])
+@pytest.mark.parametrize("name", ["llama_tied_gqa", "gpt2"])
+def test_layer_outer_with_host_boundaries_matches_reference(references, name, policy, m, clip,
+                                                            tmp_path):
+    base, steps, lrs, ref_recs, ref_weights = references[(name, m, clip)]
+    model = copy.deepcopy(base)
+    budget = None
+    if policy == "tiered":  # stream the blocks, keep embed and head (and their state) resident
+        sizes = numels(model)
+        hidden = B * T * model.config.hidden_size * 4
+        act = Engine.boundary_activation_bytes(len(sizes), hidden, m, "layer-outer",
+                                               on_host=True)
+        budget = place(list(sizes), list(sizes.values()), policy="host",
+                       activation_bytes=act).device_bytes
+        budget += 16 * (sizes["embed"] + sizes["head"])
+    eng = engine(model, tmp_path, policy=policy, microbatch_order="layer-outer",
+                 grad_clip=clip, micro_batches=m, device_budget_bytes=budget,
+                 boundary_tier=Tier.HOST)
+    if policy == "tiered":
+        assert {p.resident for p in eng.report.placements} == {True, False}
+    recs = [eng.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    if clip:
+        assert all(r["grad_norm"] > clip for r in recs)
+    # the boundaries really went through the host: D2H carried them on every step
+    assert eng.ledger.peak_class_bytes[(Tier.HOST, TensorClass.ACTIVATION)] > 0
+    weights = eng.weights()
+    eng.close()
+    assert_close_run([r["loss"] for r in recs], [r["loss"] for r in ref_recs], weights,
+                     ref_weights)
+    for r, ref in zip(recs, ref_recs, strict=True):
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("order", ["layer-outer", "microbatch-outer"])
+def test_host_boundaries_move_each_once_and_free_the_device(order, tmp_path):
+    """Every block's input (not the head's, used at once) crosses D2H once and H2D once per
+    micro-batch; with all state on the device those are the only moves. The device's boundary
+    peak drops from every segment's inputs to one segment's inputs and outputs."""
+    layers, m = 4, 3
+    hidden_bytes = B * T * 64 * 4
+    peaks, moved = {}, {}
+    for tier in (Tier.DEVICE, Tier.HOST):
+        eng = engine(tiny_model("llama_untied", layers=layers), tmp_path / tier,
+                     policy="none", microbatch_order=order, micro_batches=m, boundary_tier=tier)
+        for b in batches(2, m):
+            eng.step(b, OPTIM.lr)  # the second step is measured
+        moved[tier] = (eng.ledger.moved_bytes[Link.H2D], eng.ledger.moved_bytes[Link.D2H])
+        peaks[tier] = eng.ledger.peak_class_bytes[(Tier.DEVICE, TensorClass.ACTIVATION)]
+        assert eng.ledger.tier_bytes(Tier.HOST) == 0  # every parked input was taken back
+        eng.close()
+    parked = layers * m * hidden_bytes  # inputs of block.1..3 and of block.0's output: L per mb
+    assert moved[Tier.DEVICE] == (0, 0)
+    assert moved[Tier.HOST] == (parked, parked)
+    assert peaks[Tier.HOST] < peaks[Tier.DEVICE]
+    assert peaks[Tier.HOST] <= Engine.boundary_activation_bytes(
+        layers + 2, hidden_bytes, m, order, on_host=True)
+
+
+def test_host_boundaries_refuse_kept_graphs(tmp_path):
+    # all resident: `none` keeps every graph (streamed segments would recompute anyway)
+    opts = EngineOptions(offload_dir=str(tmp_path), batch_size=B, seq_len=T, policy="none",
+                         boundary_tier=Tier.HOST, activations=ActivationConfig(policy="none"))
+    with pytest.raises(ValueError, match="--grad-checkpointing full"):
+        Engine(tiny_model("gpt2"), OPTIM, opts, device=CPU)
