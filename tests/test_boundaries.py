@@ -109,3 +109,41 @@ def test_host_boundaries_refuse_kept_graphs(tmp_path):
                          boundary_tier=Tier.HOST, activations=ActivationConfig(policy="none"))
     with pytest.raises(ValueError, match="--grad-checkpointing full"):
         Engine(tiny_model("gpt2"), OPTIM, opts, device=CPU)
+
+
+@pytest.mark.parametrize("order", ["layer-outer", "microbatch-outer"])
+@pytest.mark.parametrize("spec", ["host", "disk", "mixed"])
+def test_planner_replays_host_boundaries(spec, order, tmp_path):
+    """The planner's replay counts the parked activations: device and host peaks and the bytes
+    moved per link in a steady step equal the ledger's."""
+    from tierlm.memory.hardware import resolve
+    from tierlm.memory.placement import SegmentPlacement
+    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+
+    model = tiny_model("llama_untied", layers=3)
+    shape = ModelShape.from_config(copy.deepcopy(model.config))
+    n, m = len(shape.names), 2
+    placements = {
+        "host": [SegmentPlacement(False, Tier.HOST)] * n,
+        "disk": [SegmentPlacement(False, Tier.DISK)] * n,
+        "mixed": ([SegmentPlacement(True, Tier.DEVICE)] + [SegmentPlacement(False, Tier.DISK)]
+                  * (n - 2) + [SegmentPlacement(True, Tier.HOST)]),
+    }[spec]
+    hw = resolve("cpu")
+    predicted = evaluate(shape, TrainShape(B, T, m, "fp32"), hw, placements, order, False,
+                         usable_budgets(hw), boundary_host=True)
+    eng = engine(model, tmp_path, policy="auto", placements=placements, microbatch_order=order,
+                 keep_resident_activations=False, micro_batches=m, boundary_tier=Tier.HOST)
+    for b in batches(2, m):
+        eng.step(b, OPTIM.lr)
+        eng.synchronize()  # a step's moves: its sweep and its own update, the planner's count
+    led = eng.ledger
+    measured = {link.value: led.moved_bytes[link] for link in
+                (Link.H2D, Link.D2H, Link.DISK_READ, Link.DISK_WRITE)}
+    peaks = {t: led.peak_tier_bytes[t] for t in (Tier.DEVICE, Tier.HOST)}
+    eng.close()
+    assert predicted.boundary_on_host
+    assert peaks[Tier.DEVICE] == predicted.device_peak_bytes
+    assert predicted.host_by_class["activation"] == m * (n - 2) * B * T * 64 * 4 // (
+        1 if order == "layer-outer" else m)
+    assert measured == {k: predicted.moved_bytes[k] for k in measured}

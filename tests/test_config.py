@@ -120,6 +120,7 @@ EXAMPLE_VALUES = {
     "--host-memory": "64GiB",
     "--disk-budget": "200GiB",
     "--disk-endurance-tbw": "1200",
+    "--boundary-activations": "host",
 }
 # fp8 flags only make sense with --precision fp8.
 NEEDS_FP8 = {
@@ -128,7 +129,8 @@ NEEDS_FP8 = {
 }
 # Flags of the tiered runtime only make sense with an offload policy.
 NEEDS_OFFLOAD = {
-    "--microbatch-order", "--resident", "--device-budget", "--host-budget", "--offload-dir"
+    "--microbatch-order", "--resident", "--device-budget", "--host-budget", "--offload-dir",
+    "--boundary-activations",
 }
 
 
@@ -146,6 +148,7 @@ def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
     extra = ["--offload-policy", "host"] if flag in NEEDS_OFFLOAD else []
     extra += ["--precision", "fp8"] if flag in NEEDS_FP8 else []
     extra += ["--sync-every", "2"] if flag == "--sync-moments" else []  # delayed sync only
+    extra += ["--grad-checkpointing", "full"] if flag == "--boundary-activations" else []
     cfg = parse(flag, EXAMPLE_VALUES[flag], *extra)
     section, key = dotted.split(".")
     value = getattr(getattr(cfg, section), key)

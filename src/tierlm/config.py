@@ -179,6 +179,11 @@ class MemoryConfig:
     """Tiered runtime: microbatch-outer streams all weights for every micro-batch; layer-outer
     runs each segment for all micro-batches while its weights are on the device
     (--microbatch-order)."""
+    boundary_activations: Literal["device", "host"] = "device"
+    """Tiered runtime: where each segment's boundary input waits between its forward and its
+    backward: on the device, or in host RAM (one copy out as it is produced, one back for the
+    backward), so layer-outer holds one segment's micro-batches on the device, not every
+    segment's; host needs --grad-checkpointing full (--boundary-activations; auto decides)."""
     resident: str | None = None
     """Regex of segment names (embed, block.N, head) whose weights stay on the device, e.g.
     'embed|head|block.3[01]' (--resident)."""
@@ -345,6 +350,7 @@ SEED_FLAGS: dict[str, str] = {
     "--eval-every": "train.eval_every",
     "--device": "run.device",
     "--microbatch-order": "memory.microbatch_order",
+    "--boundary-activations": "memory.boundary_activations",
     "--resident": "memory.resident",
     "--device-budget": "memory.device_budget",
     "--host-budget": "memory.host_budget",
@@ -665,6 +671,18 @@ def validate(cfg: Config) -> None:
                 "--microbatch-order layer-outer needs the tiered runtime; add "
                 "--offload-policy tiered, host or disk"
             )
+        if cfg.memory.boundary_activations != "device":
+            raise ConfigError(
+                "--boundary-activations host needs the tiered runtime; add "
+                "--offload-policy tiered, host or disk"
+            )
+    elif cfg.memory.boundary_activations == "host" and (
+        cfg.activations.policy != "full" or cfg.activations.overrides
+    ) and cfg.memory.offload_policy != "auto":
+        raise ConfigError(
+            "--boundary-activations host needs --grad-checkpointing full (a kept graph pins the "
+            "boundary input on the device); pass both, or --boundary-activations device"
+        )
     if cfg.run.resume == "auto" and not cfg.run.out:
         raise ConfigError("--resume auto needs --out: the run directory to continue or start")
     offload = cfg.memory.offload_dir

@@ -166,6 +166,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     numels: list[int] = field(default_factory=list)
+    boundary_on_host: bool = False  # boundary activations wait in host RAM for the backward
 
     @property
     def device_total_bytes(self) -> int:
@@ -236,6 +237,7 @@ def _simulate(
     placements: list[SegmentPlacement],
     order: str,
     keep_resident: bool,
+    boundary_host: bool = False,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
     activation workspace outside it, and the host staging held by a concurrent update."""
@@ -312,6 +314,7 @@ def _simulate(
                 ledger.record_move(Link.DISK_READ, numels[s] * 4)
 
     acts: dict[tuple[int, int], _Bytes] = {}
+    parked: dict[tuple[int, int], _Bytes] = {}  # boundary inputs waiting on the host
     gouts: dict[tuple[int, int], _Bytes] = {}
     grad_written = [False] * n_segs
 
@@ -351,6 +354,12 @@ def _simulate(
                 cache.acquire(k, s)
             for i in a.mbs:
                 hold(acts, (i, s + 1))
+                if boundary_host and s + 1 < last:  # the head's input is used at once
+                    parked[(i, s + 1)] = store.alloc(Tier.HOST, TensorClass.ACTIVATION, hidden)
+                    ledger.record_move(Link.D2H, hidden * 4)
+            for i in a.mbs:
+                if (i, s) in parked:
+                    drop(acts, (i, s))
         elif a.kind == "head":
             if not placements[s].resident:
                 cache.acquire(k, s)
@@ -369,6 +378,10 @@ def _simulate(
             if not keep[s] and not placements[s].resident:
                 cache.acquire(k, s)
             for i in a.mbs:
+                if (i, s) in parked:  # brought back for the backward
+                    hold(acts, (i, s))
+                    ledger.record_move(Link.H2D, hidden * 4)
+                    store.free(Tier.HOST, TensorClass.ACTIVATION, parked.pop((i, s)))
                 temp = store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s]) if (
                     s == 0 and borrowed) else None
                 drop(gouts, (i, s + 1))
@@ -494,10 +507,10 @@ def _priority(names: list[str]) -> list[int]:
     return sorted(range(len(names)), key=lambda i: (names[i] not in ("embed", "head"), -i))
 
 
-def evaluate(shape, train, hw, placements, order, keep, budgets) -> Plan:
+def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False) -> Plan:
     """Predict memory and time for one given placement (the planner's inner step; also used to
     predict runs whose placement the user chose)."""
-    return _evaluate(shape, train, hw, placements, order, keep, budgets)
+    return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host)
 
 
 def _update_overlap_bytes(numels: list[int], placements: list[SegmentPlacement]) -> int:
@@ -518,8 +531,8 @@ def _update_overlap_bytes(numels: list[int], placements: list[SegmentPlacement])
     return max(pairs)
 
 
-def _evaluate(shape, train, hw, placements, order, keep, budgets) -> Plan:
-    ledger, workspace, _ = _simulate(shape, train, placements, order, keep)
+def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False) -> Plan:
+    ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
     host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
@@ -539,7 +552,7 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets) -> Plan:
         disk_by_class=by_class(Tier.DISK), workspace_bytes=workspace, moved_bytes=moved,
         times_s=times, bottleneck=_bottleneck(times),
         tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
-        names=shape.names, numels=shape.numels,
+        names=shape.names, numels=shape.numels, boundary_on_host=boundary_host,
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
@@ -590,30 +603,34 @@ def plan(
     n = len(shape.names)
     best: Plan | None = None
     fallback: Plan | None = None
-    for order in orders if train.micro_batches > 1 else orders[:1]:
-        for keep in (True, False):
-            placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
-                                         train.precision)
-            candidate = _evaluate(shape, train, hw, placements, order, keep, budgets)
-            # grow the device share greedily while it fits and is not slower
-            for upgrade in ("resident", "state"):
-                for i in _priority(shape.names):
-                    trial = list(candidate.placements)
-                    cur = trial[i]
-                    if upgrade == "resident" and not cur.resident:
-                        trial[i] = SegmentPlacement(True, cur.state_tier)
-                    elif upgrade == "state" and cur.resident and cur.state_tier != Tier.DEVICE:
-                        trial[i] = SegmentPlacement(True, Tier.DEVICE)
-                    else:
-                        continue
-                    trial = _host_then_disk(shape, trial, budgets, train.precision)
-                    p = _evaluate(shape, train, hw, trial, order, keep, budgets)
-                    if p.fits and p.step_s <= candidate.step_s * 1.0001:
-                        candidate = p
-            if candidate.fits and (best is None or candidate.step_s < best.step_s):
-                best = candidate
-            if fallback is None or _overshoot(candidate) < _overshoot(fallback):
-                fallback = candidate
+    # kept graphs pin their boundary inputs on the device: parking them on the host goes with
+    # recomputing every segment
+    variants = [(order, keep, host) for order in (orders if train.micro_batches > 1 else orders[:1])
+                for keep, host in ((True, False), (False, False), (False, True))]
+    for order, keep, host in variants:
+        placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
+                                     train.precision, parked_bytes(shape, train, order, host))
+        candidate = _evaluate(shape, train, hw, placements, order, keep, budgets, host)
+        # grow the device share greedily while it fits and is not slower
+        for upgrade in ("resident", "state"):
+            for i in _priority(shape.names):
+                trial = list(candidate.placements)
+                cur = trial[i]
+                if upgrade == "resident" and not cur.resident:
+                    trial[i] = SegmentPlacement(True, cur.state_tier)
+                elif upgrade == "state" and cur.resident and cur.state_tier != Tier.DEVICE:
+                    trial[i] = SegmentPlacement(True, Tier.DEVICE)
+                else:
+                    continue
+                trial = _host_then_disk(shape, trial, budgets, train.precision,
+                                        parked_bytes(shape, train, order, host))
+                p = _evaluate(shape, train, hw, trial, order, keep, budgets, host)
+                if p.fits and p.step_s <= candidate.step_s * 1.0001:
+                    candidate = p
+        if candidate.fits and (best is None or candidate.step_s < best.step_s):
+            best = candidate
+        if fallback is None or _overshoot(candidate) < _overshoot(fallback):
+            fallback = candidate
     if best is not None:
         return best
     assert fallback is not None
@@ -627,8 +644,18 @@ def _overshoot(p: Plan) -> float:
             + max(0, p.disk_bytes - b["disk"]))
 
 
+def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool) -> int:
+    """Host bytes of the boundary activations parked there at the forward's end: every block's
+    input for the micro-batches in flight (the head's is used at once)."""
+    if not on_host:
+        return 0
+    in_flight = train.micro_batches if order == "layer-outer" else 1
+    return in_flight * (len(shape.names) - 2) * train.batch_size * train.seq_len * \
+        shape.hidden_size * 4
+
+
 def _host_then_disk(
-    shape: ModelShape, placements, budgets, precision: str = "fp32"
+    shape: ModelShape, placements, budgets, precision: str = "fp32", parked: int = 0
 ) -> list[SegmentPlacement]:
     """Give host RAM to non-device state (and its compute copy, in bf16/fp8) while it fits;
     spill the last blocks first (their update is needed last by the next forward, so disk
@@ -640,7 +667,8 @@ def _host_then_disk(
     order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
     order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
     held = [16 * n + (shape.wire_bytes(i, precision) or 0) for i, n in enumerate(shape.numels)]
-    host_state = sum(h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
+    host_state = parked + sum(
+        h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
     spilled_max = 0
     for i in order:
         staging = 20 * spilled_max  # one disk update + one streamed read in flight
@@ -713,7 +741,8 @@ def describe(
                  f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
     lines.append(f"activations: resident segments "
                  f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
-                 "streamed segments recompute from their boundary input")
+                 "streamed segments recompute from their boundary input; boundary activations "
+                 f"wait on the {'host' if p.boundary_on_host else 'device'}")
     t = p.times_s
     lines.append("")
     lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}, "
@@ -745,6 +774,8 @@ def flags(p: Plan) -> list[str]:
     out = ["--offload-policy", "auto", "--microbatch-order", p.order]
     if not p.keep_resident_activations:
         out += ["--grad-checkpointing", "full"]
+    if p.boundary_on_host:
+        out += ["--boundary-activations", "host"]
     return out
 
 

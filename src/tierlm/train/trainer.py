@@ -47,6 +47,7 @@ from tierlm.distributed.setup import (
     shard_batches,
 )
 from tierlm.memory.planner import Plan
+from tierlm.memory.tiers import Tier
 from tierlm.models import (
     build_model,
     count_params,
@@ -167,6 +168,7 @@ def build_stepper(
     options = EngineOptions(
         policy=mem.offload_policy,
         microbatch_order=mem.microbatch_order,
+        boundary_tier=Tier(mem.boundary_activations),
         resident=mem.resident,
         device_budget_bytes=parse_bytes(mem.device_budget) if mem.device_budget else None,
         # the budget caps the process: the runtime gets what the rest of the run leaves
@@ -188,6 +190,7 @@ def build_stepper(
         options.placements = plan.placements
         options.microbatch_order = plan.order
         options.keep_resident_activations = plan.keep_resident_activations
+        options.boundary_tier = Tier.HOST if plan.boundary_on_host else Tier.DEVICE
         if cfg.activations.policy == "none" and not cfg.activations.overrides:
             options.activations = None  # keep or recompute resident segments as planned
         options.device_budget_bytes = options.host_budget_bytes = None
