@@ -119,6 +119,7 @@ EXAMPLE_VALUES = {
     "--gpu-memory": "24GiB",
     "--host-memory": "64GiB",
     "--disk-budget": "200GiB",
+    "--export-dtype": "bfloat16",
 }
 # fp8 flags only make sense with --precision fp8.
 NEEDS_FP8 = {
