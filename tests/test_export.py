@@ -132,6 +132,14 @@ def test_run_from_a_bf16_checkpoint_exports_bf16(tmp_path):
                   "sample_tokens": 4},
         "run": {"out": str(tmp_path / "run"), "device": "cpu"},
     }
+    from tierlm.train.preflight import Preflight
+
+    def export_need(cfg):  # the disk space checked before the run, for the export
+        return Preflight(cfg, tmp_path, n_params=1000, device_is_cpu=True,
+                         start_rss_bytes=0).export_estimate_bytes()
+
+    assert export_need(from_dict(base)) == 2000
+    assert export_need(from_dict({**base, "run": {"export_dtype": "float32"}})) == 4000
     result = run_training(from_dict(base), log=lambda _m: None)
     hf = tmp_path / "run" / "hf"
     assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"

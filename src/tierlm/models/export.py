@@ -35,7 +35,7 @@ EXPORT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
-CHUNK_BYTES = 64 << 20  # source bytes read, cast and written at a time
+CHUNK_BYTES = 16 << 20  # source bytes read, cast and written at a time
 TIED_HEAD = "lm_head.weight"  # the output embedding of every family we support
 _INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte)\.weight$")
 
