@@ -53,9 +53,9 @@ def _add_field_flag(p: argparse.ArgumentParser, dotted: str) -> None:
     seed-compatible name, choices and help text from the field."""
     for key, tp, default, doc in leaf_fields():
         if key == dotted:
-            p.add_argument(_ALIAS_FOR[dotted], dest=dotted, default=default, metavar="V",
-                           choices=typing.get_args(tp) or None,
-                           help=f"{doc} [default: {default}]")
+            choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+            p.add_argument(_ALIAS_FOR[dotted], dest=dotted, default=default, choices=choices,
+                           metavar=None if choices else "V", help=f"{doc} [default: {default}]")
             return
     raise KeyError(dotted)
 

@@ -931,9 +931,12 @@ def export_hf_from_checkpoint(
                if isinstance(weights, DCPTensors) else _file_sources(weights))
     others = [path / n for n in sorted(manifest)
               if not (_NOT_EXPORTED.fullmatch(n) or _MODEL_SHARD.fullmatch(n))]
-    return write_hf_model(out_dir, sources, config=config, files=others,
-                          dtype=export_dtype(dtype, state.get("source_dtype")),
-                          max_shard_bytes=max_shard_bytes)
+    try:
+        return write_hf_model(out_dir, sources, config=config, files=others,
+                              dtype=export_dtype(dtype, state.get("source_dtype")),
+                              max_shard_bytes=max_shard_bytes)
+    except ValueError as exc:  # what the checkpoint holds cannot be exported as asked
+        raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
 
 
 def check_weight_names(
