@@ -6,8 +6,8 @@ them) is exported by each path in a fresh subprocess, the paths interleaved roun
 
 - old: what `tierlm export` did before streaming: build the model in RAM from config.json, copy
   every checkpoint tensor into it, `export_hf` (`save_pretrained`: one fp32 model.safetensors);
-- streamed: `export_hf_from_checkpoint` (what `tierlm export` and the end of a run call now),
-  float32 and bfloat16.
+- streamed: `tierlm export` now (`cli._export`: `export_hf_from_checkpoint`, which the end of
+  a run calls too), float32 and bfloat16.
 
 Peak RSS is VmHWM from /proc/self/status, reset (`echo 5 > /proc/self/clear_refs`) right before
 the export, after imports (and one build of the model on the meta device, which imports the
@@ -54,8 +54,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 from tierlm.models import build_model, export_hf
-from tierlm.train.checkpoint import (check_weight_names, export_hf_from_checkpoint,
-                                     load_checkpoint)
+from tierlm.train.checkpoint import check_weight_names, load_checkpoint
 
 mode, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 
@@ -81,8 +80,9 @@ if mode == "old":  # cli._export before streaming (the checkpoint carries no tok
         for name, p in params.items():
             p.copy_(weights[name])
     export_hf(model, None, out)
-else:
-    export_hf_from_checkpoint(ckpt, out, dtype=mode.split("-")[1])
+else:  # what `tierlm export CHECKPOINT OUT --export-dtype D` runs
+    from tierlm.cli import _export
+    _export(str(ckpt), str(out), mode.split("-")[1])
 seconds = time.perf_counter() - t0
 print(json.dumps({"peak": status("VmHWM"), "rise": status("VmHWM") - before,
                   "seconds": seconds,

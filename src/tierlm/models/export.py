@@ -55,7 +55,8 @@ class SourceTensor:
     dtype: torch.dtype
     read: Callable[[int], Iterator[torch.Tensor]]
     """Given a chunk size in elements, yields the values flattened, in order, as 1-D tensors of
-    at most that many elements (a source that reads whole tensors may yield one piece)."""
+    at most that many elements (a source that reads whole tensors may yield one piece); a piece
+    may be overwritten once the next is asked for."""
 
     @property
     def numel(self) -> int:

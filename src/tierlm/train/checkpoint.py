@@ -837,13 +837,15 @@ _MODEL_SHARD = re.compile(r"model(-.+)?\.safetensors")
 
 
 def _read_in_chunks(f: SafetensorsFile, name: str, chunk: int) -> Iterator[torch.Tensor]:
-    """Tensor `name` of file `f`, flat, `chunk` elements at a time."""
+    """Tensor `name` of file `f`, flat, `chunk` elements at a time, each read into the same
+    buffer (a piece is valid until the next is asked for)."""
     dtype, _, begin, end = f.entries[name]
     itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(min(chunk, (end - begin) // itemsize), dtype=dtype)
     with f.path.open("rb") as fh:
         fh.seek(f.data_start + begin)
         for pos in range(begin, end, chunk * itemsize):
-            piece = torch.empty(min(chunk, (end - pos) // itemsize), dtype=dtype)
+            piece = buf[: min(chunk, (end - pos) // itemsize)]
             if fh.readinto(memoryview(piece.view(torch.uint8).numpy())) != piece.nbytes:
                 raise CheckpointError(f"{f.path}: truncated tensor {name!r}")
             yield piece
