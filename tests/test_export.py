@@ -118,7 +118,8 @@ def test_auto_dtype_is_the_dtype_the_run_started_from(source, expected, tmp_path
 
 def test_run_from_a_bf16_checkpoint_exports_bf16(tmp_path):
     """A run from a bf16 Hugging Face directory trains in fp32 and exports bf16 (RUN_DIR/hf and
-    `tierlm export`); --export-dtype float32 overrides; a preset run exports fp32."""
+    `tierlm export`), with its generation_config.json; --export-dtype float32 overrides; a
+    preset run (here on the tiered runtime) exports fp32."""
     src = tmp_path / "src"
     build_model(tiny_hf_configs()["qwen2"], seed=0, dtype=torch.bfloat16).save_pretrained(src)
     train_bpe_tokenizer([TEXT], vocab_size=300).save_pretrained(src)
@@ -156,9 +157,11 @@ def test_run_from_a_bf16_checkpoint_exports_bf16(tmp_path):
                  "--export-dtype", "float32"]) == 0
     assert {t.dtype for _, t in _stored(tmp_path / "cli32").values()} == {torch.float32}
 
+    # a preset, trained by the tiered runtime: float32
     preset = {**base, "model": {"size": "tiny"}, "run": {"out": str(tmp_path / "p"),
                                                          "device": "cpu"},
-              "data": {**base["data"], "vocab_size": 300}}
+              "data": {**base["data"], "vocab_size": 300},
+              "memory": {"offload_policy": "host"}}
     run_training(from_dict({**preset, "train": {**base["train"], "max_steps": 1}}),
                  log=lambda _m: None)
     assert json.loads((tmp_path / "p" / "hf" / "config.json").read_text())["dtype"] == "float32"
