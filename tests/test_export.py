@@ -116,6 +116,17 @@ def test_auto_dtype_is_the_dtype_the_run_started_from(source, expected, tmp_path
     assert {t.dtype for _, t in _stored(out).values()} == {getattr(torch, expected)}
 
 
+def test_checkpoint_without_a_recorded_dtype_takes_its_runs_model_dtype(tmp_path):
+    src = tmp_path / "src"
+    build_model(tiny_hf_configs()["gpt2"], seed=0, dtype=torch.float16).save_pretrained(src)
+    model = build_model(tiny_hf_configs()["gpt2"], seed=0)
+    state = TrainState(step=1, sampler={}, run_config={"model": {"path": str(src)}})
+    ckpt = save_checkpoint(tmp_path / "run", weights=dict(model.named_parameters()),
+                           model_config=model.config, tokenizer=None, state=state)
+    out = export_hf_from_checkpoint(ckpt, tmp_path / "hf")
+    assert {t.dtype for _, t in _stored(out).values()} == {torch.float16}
+
+
 def test_run_from_a_bf16_checkpoint_exports_bf16(tmp_path):
     """A run from a bf16 Hugging Face directory trains in fp32 and exports bf16 (RUN_DIR/hf and
     `tierlm export`), with its generation_config.json; --export-dtype float32 overrides; a

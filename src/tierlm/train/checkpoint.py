@@ -66,6 +66,7 @@ from tierlm.models.export import (
     SourceTensor,
     export_dtype,
     natural_key,
+    source_dtype,
     write_hf_model,
 )
 
@@ -933,9 +934,13 @@ def export_hf_from_checkpoint(
                if isinstance(weights, DCPTensors) else _file_sources(weights))
     others = [path / n for n in sorted(manifest)
               if not (_NOT_EXPORTED.fullmatch(n) or _MODEL_SHARD.fullmatch(n))]
+    source = state.get("source_dtype")
+    if source is None:  # written before it was recorded: the run's --model, if still there
+        run_model = (state.get("run_config") or {}).get("model") or {}
+        source = source_dtype(run_model["path"]) if run_model.get("path") else None
     try:
         return write_hf_model(out_dir, sources, config=config, files=others,
-                              dtype=export_dtype(dtype, state.get("source_dtype")),
+                              dtype=export_dtype(dtype, source),
                               max_shard_bytes=max_shard_bytes)
     except ValueError as exc:  # what the checkpoint holds cannot be exported as asked
         raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc

@@ -375,9 +375,10 @@ class Trainer:
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl}
 
     def export_model(self) -> torch.nn.Module | None:
-        """The model with the current weights (for export and sampling). The tiered runtime's
-        weights are copied into the module on the CPU; the reference model is used as is. None
-        on an FSDP rank whose module is on the meta device: it only takes part in the gather."""
+        """The model with the current weights, for sampling (the export streams from the final
+        checkpoint instead). The tiered runtime's weights are copied into the module on the CPU;
+        the reference model is used as is. None on an FSDP rank whose module is on the meta
+        device: it only takes part in the gather."""
         if isinstance(self.stepper, ReferenceStep):
             return self.model
         weights = self.stepper.weights()  # collective under FSDP
