@@ -121,6 +121,7 @@ EXAMPLE_VALUES = {
     "--disk-budget": "200GiB",
     "--disk-endurance-tbw": "1200",
     "--boundary-activations": "host",
+    "--export-dtype": "bfloat16",
 }
 # fp8 flags only make sense with --precision fp8.
 NEEDS_FP8 = {

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from tierlm.config import (
@@ -48,6 +48,18 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
                           **switch)
 
 
+def _add_field_flag(p: argparse.ArgumentParser, dotted: str) -> None:
+    """One config field as a flag of a command that takes no config (`tierlm export`): its
+    seed-compatible name, choices and help text from the field."""
+    for key, tp, default, doc in leaf_fields():
+        if key == dotted:
+            choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+            p.add_argument(_ALIAS_FOR[dotted], dest=dotted, default=default, choices=choices,
+                           metavar=None if choices else "V", help=f"{doc} [default: {default}]")
+            return
+    raise KeyError(dotted)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierlm",
@@ -64,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint directory, or a run directory "
                         "(its newest valid checkpoint is used)")
     export.add_argument("out_dir", help="directory to write the Hugging Face model into")
+    _add_field_flag(export, "run.export_dtype")
     report = sub.add_parser(
         "report", help="plot a run's metrics (PNG) and write report.md; two runs are overlaid",
         description="Write loss, step-time, memory and transfer plots and a report.md with a "
@@ -107,30 +120,19 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return resolve(config_file, overrides)
 
 
-def _export(checkpoint: str, out_dir: str) -> Path:
-    from transformers import AutoConfig
+def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
+    from tierlm.train.checkpoint import export_hf_from_checkpoint, latest_valid_checkpoint
+    from tierlm.train.safety import return_freed_buffers
 
-    from tierlm.data import load_model_tokenizer
-    from tierlm.models import build_model, export_hf
-    from tierlm.train.checkpoint import (
-        check_weight_names,
-        latest_valid_checkpoint,
-        load_checkpoint,
-    )
+    return_freed_buffers()  # each chunk's buffers go back to the kernel, as in a run
 
     path = Path(checkpoint)
     if (path / "checkpoints").is_dir():
         path = latest_valid_checkpoint(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"export: {path} is not a tierlm checkpoint (no config.json)")
-    model = build_model(AutoConfig.from_pretrained(str(path)), device="cpu")
-    weights, _, _ = load_checkpoint(path)
-    params = dict(model.named_parameters())
-    check_weight_names({n: tuple(p.shape) for n, p in params.items()}, weights, path)
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name])
-    return export_hf(model, load_model_tokenizer(path), out_dir)
+    # streamed from the checkpoint's files: the model is never built in RAM
+    return export_hf_from_checkpoint(path, Path(out_dir), dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(args.runs, args.out)
         if args.command == "export":
-            out = _export(args.checkpoint, args.out_dir)
+            out = _export(args.checkpoint, args.out_dir, getattr(args, "run.export_dtype"))
             print(f"exported to {out}")
             return 0
         if args.command == "probe":

@@ -289,6 +289,10 @@ class RunConfig:
     """Seed for weights, data order and sampling (--seed)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto takes CUDA when present (--device)."""
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the weights in the Hugging Face export (RUN_DIR/hf at the end of a run, and
+    `tierlm export`); auto: the dtype of the weights the run started from (the --model
+    checkpoint's, e.g. bfloat16; float32 for a --model-size preset) (--export-dtype)."""
 
 
 @dataclass(kw_only=True)
@@ -312,7 +316,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Live view, metrics and alerts."""
     run: RunConfig = field(default_factory=RunConfig)
-    """Run directory, resume, seed and device."""
+    """Run directory, resume, seed, device and export."""
 
 
 # Seed-compatible flags: first-class aliases onto config fields (not a second parser).
@@ -364,6 +368,7 @@ SEED_FLAGS: dict[str, str] = {
     "--host-memory": "memory.host_memory",
     "--disk-budget": "memory.disk_budget",
     "--disk-endurance-tbw": "memory.disk_endurance_tbw",
+    "--export-dtype": "run.export_dtype",
 }
 
 _BYTE_UNITS = {

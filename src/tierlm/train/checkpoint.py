@@ -7,7 +7,7 @@ Layout of one checkpoint (a directory under RUN_DIR/checkpoints/):
         optimizer[-<shard>].safetensors  optimizer state, keyed "<parameter name>.<state name>"
         rng.safetensors                  torch RNG states
         config.json                      the Hugging Face model config (so the directory exports
-                                         alone)
+                                         alone), and generation_config.json when the model has one
         tokenizer.json, ...              the run's tokenizer
         state.json                       step, data position, skipped steps, run config, fp8
                                          scaling state, each model/optimizer file's tensor
@@ -44,6 +44,7 @@ non-tensor values in dcp, which it would unpickle freely).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -60,6 +61,14 @@ from typing import Any, Protocol
 import torch
 
 from tierlm.crashpoints import crash_point
+from tierlm.models.export import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SourceTensor,
+    export_dtype,
+    natural_key,
+    source_dtype,
+    write_hf_model,
+)
 
 FORMAT_VERSION = 2
 DCP_FORMAT_VERSION = 3  # tensors in torch.distributed.checkpoint files (FSDP runs)
@@ -96,6 +105,9 @@ class TrainState:
     skipped_steps: int = 0
     fp8: list[dict[str, Any]] | None = None
     """Per rank: fp8 layers switched to bf16, overflow streaks, delayed-scaling histories."""
+    source_dtype: str | None = None
+    """The dtype of the weights the run started from (a Hugging Face checkpoint's config dtype;
+    float32 for a preset): what `--export-dtype auto` exports in."""
 
 
 class ShardedState(Protocol):
@@ -248,6 +260,10 @@ class TensorFiles(Mapping[str, torch.Tensor]):
         """A tensor's shape from its file's header, without reading it."""
         return self._where[name].entries[name][1]
 
+    def file_of(self, name: str) -> SafetensorsFile:
+        """The file that holds `name` (its header says where, for reads in parts)."""
+        return self._where[name]
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -303,6 +319,9 @@ class DCPTensors(Mapping[str, torch.Tensor]):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._meta[name].size)
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._meta[name].properties.dtype
+
     def nbytes(self, name: str) -> int:
         m = self._meta[name]
         return m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
@@ -350,6 +369,7 @@ def _shard_file(kind: str, shard: str) -> str:
 def _write_contents(
     tmp: Path, shards: Iterable[Shard], model_config: Any, tokenizer: Any, state: TrainState,
     manifest: dict[str, dict[str, Any]], tensor_format: dict[str, Any] | None = None,
+    generation_config: Any = None,
 ) -> None:
     names: dict[str, list[str]] = {}  # each safetensors file's tensor names, for state.json
 
@@ -370,6 +390,8 @@ def _write_contents(
             rng[f"cuda{i}"] = s
     record("rng.safetensors", write_safetensors(tmp / "rng.safetensors", rng))
     model_config.to_json_file(str(tmp / "config.json"))
+    if generation_config is not None:  # generation_config.json, carried into the export
+        generation_config.save_pretrained(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     state_json = {
@@ -379,6 +401,7 @@ def _write_contents(
         "skipped_steps": state.skipped_steps,
         "run_config": state.run_config,
         **({"fp8": state.fp8} if state.fp8 else {}),
+        **({"source_dtype": state.source_dtype} if state.source_dtype else {}),
         **(tensor_format or {}),
         **({"tensor_names": names} if names else {}),
     }
@@ -438,6 +461,7 @@ def save_checkpoint(
     keep: int = 0,
     weights: Mapping[str, torch.Tensor] | None = None,
     optimizer_state: Mapping[str, torch.Tensor] | None = None,
+    generation_config: Any = None,
 ) -> Path:
     """Write a complete checkpoint for `state.step` atomically and return its directory.
 
@@ -459,7 +483,8 @@ def save_checkpoint(
     written: dict[str, dict[str, Any]] = {}
     try:
         tmp.mkdir()
-        _write_contents(tmp, shards, model_config, tokenizer, state, written)
+        _write_contents(tmp, shards, model_config, tokenizer, state, written,
+                        generation_config=generation_config)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
@@ -519,6 +544,7 @@ def save_sharded_checkpoint(
     tokenizer: Any,
     state: TrainState,
     keep: int = 0,
+    generation_config: Any = None,
 ) -> Path:
     """Collective: the checkpoint of an FSDP run, each rank writing only its own shards.
 
@@ -559,7 +585,7 @@ def save_sharded_checkpoint(
             _write_contents(tmp, [], model_config, tokenizer, state, written, {
                 "format_version": DCP_FORMAT_VERSION, "tensors": "dcp",
                 "world_size": world.size,
-            })
+            }, generation_config=generation_config)
             _publish(tmp, final, run_dir, keep)
         except (OSError, CheckpointError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -804,110 +830,120 @@ def check_tensor_format(path: Path, state: Mapping[str, Any], fsdp_world_size: i
 
 
 _NOT_EXPORTED = re.compile(
-    r"(optimizer(-.+)?|rng)\.safetensors|state\.json|__\d+_\d+\.distcp|\.metadata|"
+    r"(optimizer(-.+)?|rng)\.safetensors|state\.json|__\d+_\d+\.distcp|\.metadata|config\.json|"
     + re.escape(MANIFEST)
 )
 _EXPORT_GROUP_BYTES = 1 << 30  # tensors read from dcp shards at a time while exporting
 _MODEL_SHARD = re.compile(r"model(-.+)?\.safetensors")
 
 
-def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
-    """Append `nbytes` of file `src` from `offset` to `dst`, in the kernel where it can."""
-    while nbytes > 0:
-        try:
-            n = os.copy_file_range(src, dst, nbytes, offset)
-        except OSError:  # e.g. across filesystems on old kernels: through a small buffer
-            n = os.write(dst, os.pread(src, min(nbytes, 8 << 20), offset))
-        if n <= 0:
-            raise OSError(errno.EIO, "short copy")
-        offset += n
-        nbytes -= n
+def _read_in_chunks(f: SafetensorsFile, name: str, chunk: int) -> Iterator[torch.Tensor]:
+    """Tensor `name` of file `f`, flat, `chunk` elements at a time, each read into the same
+    buffer (a piece is valid until the next is asked for)."""
+    dtype, _, begin, end = f.entries[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = torch.empty(min(chunk, (end - begin) // itemsize), dtype=dtype)
+    with f.path.open("rb") as fh:
+        fh.seek(f.data_start + begin)
+        for pos in range(begin, end, chunk * itemsize):
+            piece = buf[: min(chunk, (end - pos) // itemsize)]
+            if fh.readinto(memoryview(piece.view(torch.uint8).numpy())) != piece.nbytes:
+                raise CheckpointError(f"{f.path}: truncated tensor {name!r}")
+            yield piece
 
 
-def _concat_safetensors(sources: list[Path], dst: Path) -> None:
-    """One safetensors file with every tensor of `sources`: the header is built from theirs
-    (their offsets shifted), the data copied range by range, so nothing passes through RAM."""
-    files = [SafetensorsFile(p) for p in sources]
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for f in files:
-        for name, (dtype, shape, begin, end) in sorted(f.entries.items(), key=lambda e: e[1][2]):
-            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + end - begin]}
-            offset += end - begin
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with dst.open("wb") as out:
-        out.write(struct.pack("<Q", len(blob)) + blob)
-        out.flush()
-        for f in files:
-            with f.path.open("rb") as src:
-                for _, _, begin, end in sorted(f.entries.values(), key=lambda e: e[2]):
-                    _copy_range(src.fileno(), out.fileno(), f.data_start + begin, end - begin)
+def _file_sources(weights: TensorFiles) -> list[SourceTensor]:
+    """Each tensor of a checkpoint's model files, read chunk by chunk straight from its file."""
+    out = []
+    for name in weights:
+        f = weights.file_of(name)
+        dtype, shape, _, _ = f.entries[name]
+        out.append(SourceTensor(name, shape, dtype, functools.partial(_read_in_chunks, f, name)))
+    return out
 
 
-def _dcp_parts(weights: DCPTensors, tmp: Path) -> list[Path]:
-    """An FSDP checkpoint's weights as safetensors files in `tmp`, about a GiB of full tensors
-    read (from all ranks' shards) and written at a time, to be joined like the usual shards."""
+def _dcp_sources(weights: DCPTensors, order: list[str]) -> list[SourceTensor]:
+    """Each full tensor of an FSDP checkpoint, assembled from every rank's shard. dcp reads
+    whole tensors, so they are read in groups of about a GiB, in `order` (the export's), and
+    each is dropped once written."""
     groups: list[list[str]] = [[]]
     size = 0
-    for name in weights:
+    for name in order:
         if groups[-1] and size + weights.nbytes(name) > _EXPORT_GROUP_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(name)
         size += weights.nbytes(name)
-    parts = []
-    for i, names in enumerate(groups):
-        parts.append(tmp / f".part-{i:05d}.safetensors")
-        write_safetensors(parts[-1], weights.read(names))
-    return parts
+    group_of = {name: group for group in groups for name in group}
+    loaded: dict[str, torch.Tensor] = {}
+
+    def read(chunk: int, name: str) -> Iterator[torch.Tensor]:
+        if name not in loaded:
+            loaded.clear()
+            loaded.update(weights.read(group_of[name]))
+        yield loaded.pop(name).reshape(-1)
+
+    return [SourceTensor(name, weights.shape(name), weights.dtype(name),
+                         lambda chunk, name=name: read(chunk, name)) for name in order]
 
 
-def export_hf_from_checkpoint(path: Path, out_dir: Path) -> Path:
-    """A Hugging Face model directory made from a verified checkpoint, file by file.
+def _parameter_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the parameters (tied ones once) of the model config.json describes,
+    from a build on the meta device (no memory)."""
+    from transformers import AutoConfig
 
-    The weight shards already are safetensors files keyed by the model's parameter names (tied
-    tensors once, as `save_pretrained` writes them); they are joined into one model.safetensors
-    by copying byte ranges, next to config.json and the tokenizer. No tensor is loaded:
-    exporting a 7B run needs no RAM for its weights. An FSDP run's dcp shards are first
-    assembled into full tensors, a GiB at a time. Written into a temporary sibling and renamed
-    into place, like the checkpoint itself.
+    from tierlm.models import build_model
+
+    model = build_model(AutoConfig.from_pretrained(str(path), local_files_only=True),
+                        device="meta")
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def export_hf_from_checkpoint(
+    path: Path, out_dir: Path, *, dtype: str = "auto",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """A Hugging Face model directory made from a verified checkpoint, streamed.
+
+    The weights (keyed by parameter name, tied tensors once) go into safetensors shards of
+    about `max_shard_bytes`, cast to `dtype` (`--export-dtype`; `auto`: the dtype of the
+    weights the run started from, recorded in state.json) a chunk at a time by
+    `tierlm.models.export.write_hf_model`, next to config.json (recording that dtype), the
+    tokenizer and generation_config.json. No more than a chunk of a tensor is in RAM (an FSDP
+    run's dcp shards: about a GiB of full tensors at a time). Written into a temporary sibling
+    and renamed into place, like the checkpoint itself.
     """
     verify_checkpoint(path)
     manifest = _manifest(path)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    state = read_state(path)
     try:
-        tmp.mkdir()
-        for name in manifest:
-            if not (_NOT_EXPORTED.fullmatch(name) or _MODEL_SHARD.fullmatch(name)):
-                shutil.copyfile(path / name, tmp / name)  # a kernel-side copy, not via RAM
-        if read_state(path).get("tensors") == "dcp":
-            parts = _dcp_parts(DCPTensors(path, "model.", 0), tmp)
-        else:
-            parts = [path / n for n in sorted(n for n in manifest if _MODEL_SHARD.fullmatch(n))]
-        _concat_safetensors(parts, tmp / "model.safetensors")
-        for part in parts:
-            if part.parent == tmp:
-                part.unlink()
-        for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: config.json is unreadable: {exc}") from None
+    weights: TensorFiles | DCPTensors
+    if state.get("tensors") == "dcp":
+        weights = DCPTensors(path, "model.", 0)
+    else:
+        weights = TensorFiles(path / n for n in sorted(manifest) if _MODEL_SHARD.fullmatch(n))
+        listed = state.get("tensor_names")
+        model_files = {k: v for k, v in listed.items() if _MODEL_SHARD.fullmatch(k)} if (
+            isinstance(listed, dict)) else listed
+        _check_tensor_names(path, {"tensor_names": model_files}, weights.names_by_file())
+    check_weight_names(_parameter_shapes(path), weights, path)
+    sources = (_dcp_sources(weights, sorted(weights, key=natural_key))
+               if isinstance(weights, DCPTensors) else _file_sources(weights))
+    others = [path / n for n in sorted(manifest)
+              if not (_NOT_EXPORTED.fullmatch(n) or _MODEL_SHARD.fullmatch(n))]
+    source = state.get("source_dtype")
+    if source is None:  # written before it was recorded: the run's --model, if still there
+        run_model = (state.get("run_config") or {}).get("model") or {}
+        source = source_dtype(run_model["path"]) if run_model.get("path") else None
+    try:
+        return write_hf_model(out_dir, sources, config=config, files=others,
+                              dtype=export_dtype(dtype, source),
+                              max_shard_bytes=max_shard_bytes)
+    except ValueError as exc:  # what the checkpoint holds cannot be exported as asked
+        raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
 
 
 def check_weight_names(

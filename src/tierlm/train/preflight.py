@@ -20,6 +20,7 @@ import psutil
 
 from tierlm.config import Config, ConfigError, parse_bytes
 from tierlm.memory.placement import PlacementReport, gib
+from tierlm.models.export import export_dtype, source_dtype
 from tierlm.train.checkpoint import checkpoint_bytes, checkpoint_dir, list_checkpoints
 from tierlm.train.safety import DiskSpaceError, HostMemoryError, rss_bytes
 
@@ -248,6 +249,12 @@ class Preflight:
         optim_b = 8 if self.cfg.optim.name == "AdamW" else 4
         return self.n_params * (4 + optim_b) + CHECKPOINT_SLACK_BYTES
 
+    def export_estimate_bytes(self) -> int:
+        """Size of the Hugging Face export: every parameter once, in the export dtype."""
+        path = self.cfg.model.path
+        dtype = export_dtype(self.cfg.run.export_dtype, source_dtype(path) if path else None)
+        return self.n_params * dtype.itemsize
+
     def disk_needs(self, report: PlacementReport | None) -> list[DiskNeed]:
         train = self.cfg.train
         saves = (train.max_steps // train.save_every if train.save_every else 0) + 1
@@ -259,7 +266,7 @@ class Preflight:
             DiskNeed(f"{at_once} checkpoint(s)", checkpoint_dir(self.run_dir),
                      at_once * self.checkpoint_estimate_bytes() - existing),
             DiskNeed("the Hugging Face export", self.run_dir / "hf",
-                     self.n_params * 4 - dir_bytes(self.run_dir / "hf")),
+                     self.export_estimate_bytes() - dir_bytes(self.run_dir / "hf")),
         ]
         if report is not None and report.disk_bytes:
             needs.append(DiskNeed("the disk tier", self.offload_dir,

@@ -15,9 +15,11 @@ def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainRes
     if not trainer.world.is_main:
         log = quiet  # rank 0 reports and exports for the whole run
     result = trainer.train()
-    # from the final checkpoint, file by file: the weights never have to fit in RAM at once
+    # from the final checkpoint, a chunk of a tensor at a time: the weights never have to fit
+    # in RAM at once
     hf_dir = (
-        export_hf_from_checkpoint(result.final_checkpoint, trainer.run_dir / "hf")
+        export_hf_from_checkpoint(result.final_checkpoint, trainer.run_dir / "hf",
+                                  dtype=cfg.run.export_dtype)
         if trainer.world.is_main else None
     )
     if cfg.train.sample_tokens:  # on every rank: FSDP gathers the weights collectively

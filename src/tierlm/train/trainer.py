@@ -55,6 +55,7 @@ from tierlm.models import (
     load_hf_model,
     preset_config,
 )
+from tierlm.models.export import source_dtype
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.train.checkpoint import (
@@ -257,6 +258,9 @@ class Trainer:
             )
             self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
                                      seed=cfg.run.seed)
+        # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
+        # the stored dtype unless --export-dtype says otherwise
+        self.source_dtype = source_dtype(cfg.model.path) if cfg.model.path else "float32"
         vocab = self.model.config.vocab_size
         eos = self.tokenizer.eos_token_id
         check_token_stream(train_ids, vocab, corpus.train, eos, "training data")
@@ -382,9 +386,10 @@ class Trainer:
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl}
 
     def export_model(self) -> torch.nn.Module | None:
-        """The model with the current weights (for export and sampling). The tiered runtime's
-        weights are copied into the module on the CPU; the reference model is used as is. None
-        on an FSDP rank whose module is on the meta device: it only takes part in the gather."""
+        """The model with the current weights, for sampling (the export streams from the final
+        checkpoint instead). The tiered runtime's weights are copied into the module on the CPU;
+        the reference model is used as is. None on an FSDP rank whose module is on the meta
+        device: it only takes part in the gather."""
         if isinstance(self.stepper, ReferenceStep):
             return self.model
         weights = self.stepper.weights()  # collective under FSDP
@@ -425,11 +430,13 @@ class Trainer:
             run_config=to_dict(self.cfg),
             skipped_steps=self.skipped_steps,
             fp8=fp8 if fp8 and any(fp8) else None,
+            source_dtype=self.source_dtype,
         )
         if sharded:  # every rank writes its own shards (torch.distributed.checkpoint)
             return save_sharded_checkpoint(
                 self.run_dir, self.stepper, self.world, model_config=self.model.config,
                 tokenizer=self.tokenizer, state=state, keep=self.cfg.run.keep_checkpoints,
+                generation_config=getattr(self.model, "generation_config", None),
             )
         return save_checkpoint(
             self.run_dir,
@@ -438,6 +445,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             state=state,
             keep=self.cfg.run.keep_checkpoints,
+            generation_config=getattr(self.model, "generation_config", None),
         )
 
     def _report_prediction(self) -> None:
