@@ -8,7 +8,8 @@
 - checkpoints with corrupted files (with and without a matching manifest), through
   verification and the tensor reader.
 
-Each runs at least 200 examples by default; they exercise the parsing and loading paths
+Each runs up to 200 examples (hypothesis's `max_examples`, a ceiling: a strategy with fewer
+distinct inputs runs fewer); they exercise the parsing and loading paths
 directly, not whole training runs, so the module takes seconds.
 """
 
@@ -229,7 +230,7 @@ def good_checkpoint(tmp_path_factory):
     state = TrainState(step=5, sampler={"epoch": 0, "index": 1}, run_config={})
     save_checkpoint(run, shards=[("", weights, optim)], model_config=config, tokenizer=None,
                     state=state)
-    return run, weights
+    return run, weights, optim
 
 
 def _rewrite_manifest(path: Path) -> None:
@@ -244,11 +245,20 @@ def _rewrite_manifest(path: Path) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
+def _listed(manifest: bytes) -> list[str]:
+    """The file names a (possibly damaged) manifest lists."""
+    try:
+        entries = json.loads(manifest)
+    except ValueError:
+        return []
+    return [name for name in entries if isinstance(name, str)] if isinstance(entries, dict) else []
+
+
 def test_a_renamed_tensor_under_a_forged_manifest_is_refused(good_checkpoint, tmp_path):
     """Found by the fuzz test below: one flipped byte in a header turned 'a.weight' into
     'a.weighu', a valid file; with the manifest rewritten to match, only state.json's list of
     each file's tensors tells."""
-    run, _ = good_checkpoint
+    run, _, _ = good_checkpoint
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     ckpt = copy / "checkpoints" / "step_00000005"
@@ -269,8 +279,9 @@ def test_fuzz_checkpoint_files(good_checkpoint, target, damage, pos, byte, garba
                                fix_manifest):
     """Damage one file of a good checkpoint. Verification must catch it (naming the file);
     with the manifest rewritten to match (a checksum-passing forgery), loading must still end
-    in a CheckpointError or in exactly the saved tensors, never in another exception."""
-    run, weights = good_checkpoint
+    in a CheckpointError naming the file or in the saved tensors, never in another exception.
+    A deleted file never loads."""
+    run, weights, optim = good_checkpoint
     with tempfile.TemporaryDirectory() as d:
         copy = Path(d) / "run"
         shutil.copytree(run, copy)
@@ -292,18 +303,26 @@ def test_fuzz_checkpoint_files(good_checkpoint, target, damage, pos, byte, garba
             f.write_bytes(bytes(data))
         if fix_manifest and target != MANIFEST:
             _rewrite_manifest(ckpt)
+        warnings: list[str] = []
         try:
-            path = latest_valid_checkpoint(copy, warn=lambda m: None)
-            w, o, state = load_checkpoint(path)
-            loaded = {k: w[k] for k in w}
-            {k: o[k] for k in o}
+            path = latest_valid_checkpoint(copy, warn=warnings.append)
+            w, o, _ = load_checkpoint(path)
+            loaded = {k: w[k] for k in w}, {k: o[k] for k in o}
         except CheckpointError as exc:
             event("CheckpointError" + (" (forged manifest)" if fix_manifest else ""))
-            assert str(exc)
+            said = "\n".join([str(exc), *warnings])
+            # a damaged manifest can misdescribe a file: then the error names that file
+            named = [MANIFEST, *_listed(bytes(data))] if target == MANIFEST else [target]
+            assert any(name in said for name in named), said
             return
         event("loaded")
-        if damage == "delete" or not fix_manifest:
+        assert damage != "delete", f"loaded a checkpoint whose {target} was deleted"
+        if not fix_manifest:
             # the only way through without the manifest fixed: the damage changed nothing
             assert bytes(data) == (run / "checkpoints" / "step_00000005" / target).read_bytes()
-        if target == "model.safetensors":
-            assert loaded.keys() == weights.keys()
+        for got, saved in zip(loaded, (weights, optim), strict=True):
+            assert got.keys() == saved.keys()
+            if fix_manifest and target in ("model.safetensors", "optimizer.safetensors"):
+                continue  # a forged tensor file may carry other values: only its names are held
+            for k, v in saved.items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
