@@ -12,7 +12,6 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
 
 from tierlm.config import ActivationConfig  # noqa: E402
-from tierlm.memory.tiers import Link  # noqa: E402
 from tierlm.runtime import Engine, EngineOptions  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
