@@ -224,7 +224,7 @@ def test_remove_and_close(tmp_path):
     tier.remove("r")
     assert not (tmp_path / "r").exists()
     tier.remove("r")  # already gone: no error
-    with pytest.raises(DiskIOError):
+    with pytest.raises(DiskIOError, match=re.escape(str(tmp_path / "r"))):
         tier.read_sync("r", aligned_empty(10, torch.float32))
     tier.close()
     tier.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,9 @@ def test_nproc_two_trains_with_topk_and_resumes_exactly(tmp_path):
 
     # Continue from step 2 (the saved config relaunches 2 processes): the same losses follow.
     shutil.rmtree(run / "checkpoints" / "step_00000004")
-    _train(["--resume", str(run)])
+    again = _train(["--resume", str(run)])
+    # a restart from step 0 would log the same losses too: the run must say where it resumed
+    assert re.search(r"resumed from \S*step_00000002 at step 2\b", again.stdout), again.stdout
     resumed = _steps(run)
     assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):

@@ -8,7 +8,8 @@
 - checkpoints with corrupted files (with and without a matching manifest), through
   verification and the tensor reader.
 
-Each runs at least 200 examples by default; they exercise the parsing and loading paths
+Each runs up to 200 examples (hypothesis's `max_examples`, a ceiling: a strategy with fewer
+distinct inputs runs fewer); they exercise the parsing and loading paths
 directly, not whole training runs, so the module takes seconds.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tierlm.cli import build_parser, main
@@ -73,8 +74,8 @@ def assert_clean(rc: int, err: str) -> None:
     event("accepted" if rc == 0 else "usage error" if "usage:" in err else "tierlm: error")
     assert rc in (0, 2), (rc, err)
     assert "Traceback" not in err
-    if rc == 2:
-        assert err.strip(), "an error exit must say why"
+    if rc == 2:  # argparse's "prog: error: ..." or tierlm's "tierlm: error: ..."
+        assert err.partition("error: ")[2].strip(), f"an error exit must say why: {err!r}"
 
 
 # -- config ----
@@ -211,7 +212,9 @@ def test_fuzz_data_files(tokenizer, entries, as_dir, seq_len, batch, text_field)
             event("batches")
         except DataError as exc:
             event("DataError: " + str(exc).split(": ", 1)[-1][:25])
-            assert str(exc)
+            # it says which input is bad: a file, the directory, or the corpus as a whole
+            where = [p.name for p in paths] + [str(target), "training data"]
+            assert any(w in str(exc) for w in where), str(exc)
 
 
 # -- checkpoints ----
@@ -229,7 +232,7 @@ def good_checkpoint(tmp_path_factory):
     state = TrainState(step=5, sampler={"epoch": 0, "index": 1}, run_config={})
     save_checkpoint(run, shards=[("", weights, optim)], model_config=config, tokenizer=None,
                     state=state)
-    return run, weights
+    return run, weights, optim
 
 
 def _rewrite_manifest(path: Path) -> None:
@@ -244,11 +247,20 @@ def _rewrite_manifest(path: Path) -> None:
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
+def _listed(manifest: bytes) -> list[str]:
+    """The file names a (possibly damaged) manifest lists."""
+    try:
+        entries = json.loads(manifest)
+    except ValueError:
+        return []
+    return [name for name in entries if isinstance(name, str)] if isinstance(entries, dict) else []
+
+
 def test_a_renamed_tensor_under_a_forged_manifest_is_refused(good_checkpoint, tmp_path):
     """Found by the fuzz test below: one flipped byte in a header turned 'a.weight' into
     'a.weighu', a valid file; with the manifest rewritten to match, only state.json's list of
     each file's tensors tells."""
-    run, _ = good_checkpoint
+    run, _, _ = good_checkpoint
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     ckpt = copy / "checkpoints" / "step_00000005"
@@ -265,12 +277,17 @@ def test_a_renamed_tensor_under_a_forged_manifest_is_refused(good_checkpoint, tm
        damage=st.sampled_from(["flip", "truncate", "garbage", "delete", "append"]),
        pos=st.floats(0, 1), byte=st.integers(1, 255), garbage=st.binary(max_size=64),
        fix_manifest=st.booleans())
+# found by fuzzing: whitespace appended to the manifest changes its bytes, not what it says
+@example(target=MANIFEST, damage="append", pos=0.0, byte=1, garbage=b"\t", fix_manifest=False)
+# the file no load reads: only verification can refuse the checkpoint without it
+@example(target="config.json", damage="delete", pos=0.0, byte=1, garbage=b"", fix_manifest=True)
 def test_fuzz_checkpoint_files(good_checkpoint, target, damage, pos, byte, garbage,
                                fix_manifest):
     """Damage one file of a good checkpoint. Verification must catch it (naming the file);
     with the manifest rewritten to match (a checksum-passing forgery), loading must still end
-    in a CheckpointError or in exactly the saved tensors, never in another exception."""
-    run, weights = good_checkpoint
+    in a CheckpointError naming the file or in the saved tensors, never in another exception.
+    A deleted file never loads."""
+    run, weights, optim = good_checkpoint
     with tempfile.TemporaryDirectory() as d:
         copy = Path(d) / "run"
         shutil.copytree(run, copy)
@@ -290,20 +307,34 @@ def test_fuzz_checkpoint_files(good_checkpoint, target, damage, pos, byte, garba
             f.unlink()
         else:
             f.write_bytes(bytes(data))
-        if fix_manifest and target != MANIFEST:
+        forged = fix_manifest and target != MANIFEST
+        if forged:
             _rewrite_manifest(ckpt)
+        warnings: list[str] = []
         try:
-            path = latest_valid_checkpoint(copy, warn=lambda m: None)
-            w, o, state = load_checkpoint(path)
-            loaded = {k: w[k] for k in w}
-            {k: o[k] for k in o}
+            path = latest_valid_checkpoint(copy, warn=warnings.append)
+            w, o, _ = load_checkpoint(path)
+            loaded = {k: w[k] for k in w}, {k: o[k] for k in o}
         except CheckpointError as exc:
-            event("CheckpointError" + (" (forged manifest)" if fix_manifest else ""))
-            assert str(exc)
+            event("CheckpointError" + (" (forged manifest)" if forged else ""))
+            said = "\n".join([str(exc), *warnings])
+            # a damaged manifest can misdescribe a file: then the error names that file
+            named = [MANIFEST, *_listed(bytes(data))] if target == MANIFEST else [target]
+            assert any(name in said for name in named), said
             return
         event("loaded")
-        if damage == "delete" or not fix_manifest:
-            # the only way through without the manifest fixed: the damage changed nothing
-            assert bytes(data) == (run / "checkpoints" / "step_00000005" / target).read_bytes()
-        if target == "model.safetensors":
-            assert loaded.keys() == weights.keys()
+        assert damage != "delete", f"loaded a checkpoint whose {target} was deleted"
+        if not forged:
+            # the only way through without the manifest fixed: the damage changed nothing (in
+            # the manifest, which no checksum covers, nothing it says: e.g. appended whitespace)
+            original = (run / "checkpoints" / "step_00000005" / target).read_bytes()
+            if target == MANIFEST:
+                assert json.loads(bytes(data)) == json.loads(original)
+            else:
+                assert bytes(data) == original
+        for got, saved in zip(loaded, (weights, optim), strict=True):
+            assert got.keys() == saved.keys()
+            if forged and target in ("model.safetensors", "optimizer.safetensors"):
+                continue  # a forged tensor file may carry other values: only its names are held
+            for k, v in saved.items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), k

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.train.checkpoint import list_checkpoints, load_checkpoint
+from tierlm.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 
 ROOT = Path(__file__).parent.parent
 MAX_STEPS = 30
@@ -92,6 +93,17 @@ def _kill_at_random_time(out, data, env, log, rng) -> int:
     return _wait(proc, log)
 
 
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.split("_")[1])
+
+
+def _resumed_at(log: Path) -> int | None:
+    """The step the latest launch in the log resumed at, None if it did not resume."""
+    last = log.read_text().rsplit("\n=== launch", 1)[-1]
+    found = re.findall(r"resumed from \S+ at step (\d+)", last)
+    return int(found[-1]) if found else None
+
+
 def _final_state(out: Path):
     path = list_checkpoints(out)[-1]
     weights, optim, state = load_checkpoint(path)
@@ -130,17 +142,23 @@ def test_sigkill_at_five_moments_then_resume_equals_an_uninterrupted_run(tmp_pat
         ("disk-write", rng.randint(29, 28 + 12 * 4)),  # a step's update, after the setup
         ("time", None),
     ]
+    newest = None  # the checkpoint the next launch must resume from
     for kind, n in moments:
         if kind == "time":
             rc = _kill_at_random_time(out, data, env, log, rng)
         else:
             rc = _wait(_launch(out, data, env, log, crash_at=f"{kind}:{n}"), log)
         assert rc == -signal.SIGKILL, f"{kind} {n}: exit {rc}\n{log.read_text()[-4000:]}"
-        # a kill never leaves a checkpoint that fails verification behind as the newest
+        assert _resumed_at(log) == (newest and _step_of(newest)), log.read_text()[-4000:]
         steps = [r["step"] for r in _records(out) if "loss" in r]
         print(f"killed at {kind} {n or ''}: trained to step {max(steps, default=0)}, "
               f"checkpoints {[p.name for p in list_checkpoints(out)]}")
+        # a kill never leaves a checkpoint that fails verification behind as the newest (the
+        # next run would fall back to an older one, loudly but losing steps)
+        newest = list_checkpoints(out)[-1]
+        verify_checkpoint(newest)
     assert _wait(_launch(out, data, env, log), log) == 0, log.read_text()[-4000:]
+    assert _resumed_at(log) == _step_of(newest)
 
     assert _log_of(out) == _log_of(straight)
     assert [r["step"] for r in _log_of(out) if "loss" in r] == list(range(1, MAX_STEPS + 1))
@@ -151,7 +169,7 @@ def test_sigkill_at_five_moments_then_resume_equals_an_uninterrupted_run(tmp_pat
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert all(torch.equal(o1[k], o2[k]) for k in o1)
     assert len(list_checkpoints(out)) == 2  # --keep-checkpoints 2
-    assert log.read_text().count("resumed from") >= 4  # every restart after the first resumed
+    assert log.read_text().count("resumed from") == len(moments)  # every restart resumed
 
 
 if __name__ == "__main__":

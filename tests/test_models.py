@@ -10,6 +10,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BertConfig,
+    LlamaConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
@@ -44,6 +45,15 @@ EXACT_PARAMS = {
 NOMINAL_PARAMS = {"1b": 1.1e9, "3b": 3.0e9, "7b": 6.74e9, "13b": 13.0e9}
 
 TIED_CONFIGS = {"llama_tied_gqa", "qwen2", "gpt2"}
+
+
+def round_trip_configs() -> dict:
+    """The tiny configs (all tied) plus an untied Llama, the presets' layout: without it every
+    case took the tied branch."""
+    configs = tiny_hf_configs()
+    untied = configs["llama_tied_gqa"].to_dict()
+    untied.update(tie_word_embeddings=False)
+    return {**configs, "llama_untied": LlamaConfig.from_dict(untied)}
 
 
 def test_exact_counts_cover_every_preset() -> None:
@@ -145,9 +155,9 @@ def _is_tied(model: PreTrainedModel) -> bool:
     return model.get_input_embeddings().weight is model.get_output_embeddings().weight
 
 
-@pytest.mark.parametrize("name", list(tiny_hf_configs()))
+@pytest.mark.parametrize("name", list(round_trip_configs()))
 def test_hf_round_trip(name: str, tmp_path: Path) -> None:
-    config = tiny_hf_configs()[name]
+    config = round_trip_configs()[name]
     tokens = torch.randint(
         0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)
     )
@@ -158,9 +168,8 @@ def test_hf_round_trip(name: str, tmp_path: Path) -> None:
     assert loaded.training
     assert loaded.config._attn_implementation == "sdpa"
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
-    assert (_logits(loaded, tokens) - _logits(original, tokens)).abs().max() < 1e-5
-    if name in TIED_CONFIGS:
-        assert _is_tied(loaded)
+    assert torch.equal(_logits(loaded, tokens), _logits(original, tokens))
+    assert _is_tied(loaded) == (name in TIED_CONFIGS)
 
     _perturb_(loaded, seed=2)
     expected = _logits(loaded, tokens)
@@ -172,9 +181,8 @@ def test_hf_round_trip(name: str, tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".out.*"))  # no temp dir left behind
 
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="sdpa")
-    assert (_logits(reloaded, tokens) - expected).abs().max() < 1e-5
-    if name in TIED_CONFIGS:
-        assert _is_tied(reloaded)
+    assert torch.equal(_logits(reloaded, tokens), expected)
+    assert _is_tied(reloaded) == (name in TIED_CONFIGS)
 
 
 def test_load_sharded_checkpoint_and_dtype(tmp_path: Path) -> None:

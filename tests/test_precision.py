@@ -342,10 +342,21 @@ def test_persistent_overflow_switches_the_layer_to_bf16():
 
 
 def test_overflow_that_stops_resets_the_count():
+    """Two saturating steps (fixed scale far too large) build a streak; one step in range
+    (the scalers turned dynamic) resets it before it reaches K = 3, and nothing is switched."""
     model = tiny_model("llama_untied")
-    watch = prepare_precision(model, PrecisionConfig(mode="fp8", fp8_overflow_steps=2), "fp8", CPU,
-                              log=quiet)
-    Loop(model, watch).run(3)  # dynamic scaling never saturates
+    cfg = PrecisionConfig(mode="fp8", fp8_scaling="fixed", fp8_input_scale=1e6,
+                          fp8_overflow_steps=3, fp8_overflow_fraction=0.01)
+    watch = prepare_precision(model, cfg, "fp8", CPU, log=quiet)
+    saturating = blocks(2, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                        "mlp.gate_proj", "mlp.up_proj")
+    loop = Loop(model, watch)
+    loop.run(2)
+    assert {k: v for k, v in watch.streak.items() if v} == dict.fromkeys(saturating, 2)
+    for layer in watch.layers.values():  # the inputs come back into range
+        for s in layer.compute.scalers.all():
+            s.rule = DynamicScaling()
+    assert loop.run(1)[-1]["fp8_switched"] == []
     assert all(v == 0 for v in watch.streak.values()) and len(watch.layers) == 14
 
 

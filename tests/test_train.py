@@ -9,9 +9,11 @@ import torch
 
 from tierlm.cli import main
 from tierlm.config import from_dict
+from tierlm.runtime import Engine
 from tierlm.train import Trainer
 from tierlm.train.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints
 from tierlm.train.monitor import read_metrics
+from tierlm.train.reference import ReferenceStep
 from tierlm.train.schedule import lr_at
 
 
@@ -142,16 +144,22 @@ def test_bf16_autocast_and_full_checkpointing_train(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=3)
     cfg.precision.mode = "bf16"
     cfg.activations.policy = "full"
-    result = Trainer(cfg, log=quiet).train()
+    t = Trainer(cfg, log=quiet)
+    with t.stepper.autocast() as ctx:  # the settings reached the step, not just the config
+        assert ctx.fast_dtype == torch.bfloat16
+    assert t.model.is_gradient_checkpointing
+    result = t.train()
     assert len(result.losses) == 3 and all(math.isfinite(x) for x in result.losses)
 
 
 def test_full_checkpointing_is_lossless(tmp_path):
-    plain = Trainer(tiny_cfg(tmp_path / "a", max_steps=3), log=quiet).train()
+    plain = Trainer(tiny_cfg(tmp_path / "a", max_steps=3), log=quiet)
     cfg = tiny_cfg(tmp_path / "b", max_steps=3)
     cfg.activations.policy = "full"
-    ckpt = Trainer(cfg, log=quiet).train()
-    assert ckpt.losses == pytest.approx(plain.losses, rel=1e-6)
+    ckpt = Trainer(cfg, log=quiet)
+    # otherwise both runs are the same configuration
+    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    assert ckpt.train().losses == pytest.approx(plain.train().losses, rel=1e-6)
 
 
 def test_resume_without_checkpoints_is_a_clear_error(tmp_path, capsys):
@@ -193,6 +201,7 @@ def test_tiered_runtime_trains_like_the_reference_and_resumes(policy, tmp_path):
     cfg = tiered_cfg(tmp_path / "t")
     cfg.run.resume = str(tmp_path / "t")
     second = Trainer(cfg, log=quiet)
+    assert second.step == 3 and isinstance(second.stepper, Engine)
     part2 = second.train()
     losses = part1.losses + part2.losses
     assert losses == pytest.approx(ref_result.losses, rel=1e-6)
@@ -219,6 +228,8 @@ def test_reference_checkpoint_resumes_on_the_tiered_runtime(tmp_path):
     cfg.run.resume = str(tmp_path / "b")
     cfg.memory.offload_policy = "disk"
     second = Trainer(cfg, log=quiet)
+    assert isinstance(first.stepper, ReferenceStep) and isinstance(second.stepper, Engine)
+    assert second.step == 3
     part2 = second.train()
     assert part1.losses + part2.losses == pytest.approx(straight.losses, rel=1e-6)
     second.stepper.close()

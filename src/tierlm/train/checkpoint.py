@@ -742,7 +742,7 @@ def read_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format_version") not in READABLE_VERSIONS:
         version = state.get("format_version") if isinstance(state, dict) else None
         raise CheckpointError(
-            f"checkpoint {path}: format version {version}, this tierlm reads "
+            f"checkpoint {path}: state.json has format version {version}, this tierlm reads "
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
     return state

@@ -72,9 +72,18 @@ class ReferenceStep:
     # -- state, keyed by parameter name so either runtime can resume the other's checkpoint --
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """Current weights by parameter name (CPU copies, as the other runtimes give them: a
+        caller may hold them across a step and compare)."""
+        return {n: _cpu_copy(t) for n, t in self._live_weights().items()}
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW state by `<name>.<slot>` (CPU copies)."""
+        return {k: _cpu_copy(t) for k, t in self._live_optimizer_state().items()}
+
+    def _live_weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def _live_optimizer_state(self) -> dict[str, torch.Tensor]:
         out = {}
         for p in self.params:
             for key, value in self.optimizer.state.get(p, {}).items():
@@ -96,11 +105,17 @@ class ReferenceStep:
                 }
 
     def state_shards(self):
-        """The state as one checkpoint shard (this runtime holds the whole model anyway)."""
-        yield "", self.weights(), self.optimizer_state()
+        """The state as one checkpoint shard (this runtime holds the whole model anyway). The
+        live tensors, not copies: the writer copies one tensor at a time, so a save never holds
+        a second model."""
+        yield "", self._live_weights(), self._live_optimizer_state()
 
     def synchronize(self) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
