@@ -234,3 +234,20 @@ def test_tiered_spills_to_disk_under_a_host_budget():
     tiers = [p.state_tier for p in rep.placements]
     assert Tier.DISK in tiers and rep.host_bytes <= 400_000 and rep.device_bytes <= 200_000
     assert rep.placements[0].state_tier == Tier.DEVICE  # embed is kept first
+
+
+@pytest.mark.parametrize("policy", ["none", "host", "disk"])
+def test_sampling_logits_stream_the_segments(policy, tmp_path):
+    """The end-of-run sample's forward runs through the runtime (no whole model is built): its
+    last-position logits equal the plain model's on the same weights."""
+    base = tiny_model("llama_tied_gqa", layers=2)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, base.config.vocab_size, (1, 12), generator=g)
+    with torch.no_grad():
+        expected = base.eval()(input_ids=ids).logits[0, -1]
+    eng = make_engine(copy.deepcopy(base).train(), tmp_path, policy=policy)
+    got = eng.next_token_logits(ids)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert all(p.numel() == 0 for p in eng.adapter.model.parameters())  # nothing materialised
+    eng.close()

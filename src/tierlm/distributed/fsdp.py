@@ -161,6 +161,10 @@ class FSDPStep:
         nll, total = self.comm.mean_of([self.ref.eval_loss(mine) * tokens, tokens])
         return nll / total
 
+    def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Collective: every rank runs the forward (on the same ids, so all sample alike)."""
+        return self.ref.next_token_logits(ids)
+
     # -- state (collective: every rank calls) ----
 
     def weights(self) -> dict[str, torch.Tensor]:

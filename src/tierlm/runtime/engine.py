@@ -716,6 +716,32 @@ class Engine:
         self.cache.drop_all()
         return total / targets.numel()
 
+    @torch.no_grad()
+    def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(V,) fp32 logits after the last token of `ids` (1, T): one forward streaming the
+        segments as the step does, projecting only the last position (sampling never builds
+        the whole model)."""
+        self.synchronize()
+        ids = ids.to(self.device)
+        n = len(self.states)
+        actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
+        self.cache.begin([self._needs(a) for a in actions])
+        h, ctx = ids, None
+        for k, a in enumerate(actions):
+            st = self.states[a.seg]
+            w = self._weights(k, a.seg)
+            with self.opts.autocast():
+                if a.kind == "fwd":
+                    h = st.seg.forward(st.layout.views(w), h, ctx)
+                    if a.seg == 0:
+                        ctx = self.adapter.context(ids, h)
+                else:
+                    views = self._views(k, a.seg, w)
+                    hn = st.seg.forward(views, h, ctx)[0, -1:]  # (1, D)
+                    logits = st.seg.project(views, hn)[0].float()
+        self.cache.drop_all()
+        return logits
+
     def weights(self) -> dict[str, torch.Tensor]:
         """Current fp32 weights by the model's parameter names (CPU copies)."""
         return self._named(("master",))

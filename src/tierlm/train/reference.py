@@ -69,6 +69,16 @@ class ReferenceStep:
         finally:
             self.model.train()
 
+    @torch.no_grad()
+    def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(V,) fp32 logits after the last token of `ids` (1, T), as the step computes them."""
+        self.model.eval()
+        try:
+            with self.autocast():
+                return self.model(input_ids=ids.to(self.device)).logits[0, -1].float()
+        finally:
+            self.model.train()
+
     # -- state, keyed by parameter name so either runtime can resume the other's checkpoint --
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -284,7 +284,6 @@ class Trainer:
         self.precision = resolve_precision(
             cfg.precision.mode, self.device, None, fp8_emulate=cfg.precision.fp8_emulate
         )
-        self.autocast = compute_autocast(self.precision, self.device)
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
@@ -385,37 +384,20 @@ class Trainer:
         ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
         return {"step": self.step, "eval_loss": eval_loss, "eval_ppl": ppl}
 
-    def export_model(self) -> torch.nn.Module | None:
-        """The model with the current weights, for sampling (the export streams from the final
-        checkpoint instead). The tiered runtime's weights are copied into the module on the CPU;
-        the reference model is used as is. None on an FSDP rank whose module is on the meta
-        device: it only takes part in the gather."""
-        if isinstance(self.stepper, ReferenceStep):
-            return self.model
-        weights = self.stepper.weights()  # collective under FSDP
-        if any(p.is_meta for p in self.model.parameters()):
-            return None
-        for name, p in self.model.named_parameters():
-            p.data = weights[name]
-        return self.model
-
     @torch.no_grad()
     def sample(self, max_new_tokens: int) -> str:
-        model = self.export_model()
-        if model is None:
-            return ""  # rank 0 samples and reports
-        device = next(model.parameters()).device
-        model.eval()
-        ids = self.eval_set[0][:1, :16].to(device)
+        """Top-k sampling through the stepper's own forward (the tiered runtime streams its
+        segments, FSDP gathers collectively on every rank), under the run's precision; our own
+        RNG keeps the training RNG intact, and every rank draws the same tokens."""
+        ids = self.eval_set[0][:1, :16].cpu()
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.run.seed)
-        for _ in range(max_new_tokens):  # top-k sampling; our own RNG keeps training RNG intact
-            with self.fp8.paused(), self.autocast():  # as training computes; scales stay put
-                logits = model(input_ids=ids[:, -self.cfg.data.seq_len :]).logits[0, -1].float()
+        for _ in range(max_new_tokens):
+            with self.fp8.paused():  # held-out text must not move fp8 scales
+                logits = self.stepper.next_token_logits(ids[:, -self.cfg.data.seq_len :]).cpu()
             top = torch.topk(logits / 0.8, k=min(40, logits.numel()))
-            probs = torch.softmax(top.values, dim=-1).cpu()
-            choice = top.indices[torch.multinomial(probs, 1, generator=gen).to(device)]
+            probs = torch.softmax(top.values, dim=-1)
+            choice = top.indices[torch.multinomial(probs, 1, generator=gen)]
             ids = torch.cat([ids, choice.view(1, 1)], dim=1)
-        model.train()
         return self.tokenizer.decode(ids[0].tolist())
 
     def save(self) -> Path | None:
