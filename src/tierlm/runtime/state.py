@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,18 @@ _FILE_CLASS = {
     "exp_avg": TensorClass.OPTIM,
     "exp_avg_sq": TensorClass.OPTIM,
 }
+
+
+InitialWeights = Callable[[Segment], Mapping[str, torch.Tensor]]
+"""Where a segment's initial weights come from: segment -> {parameter name: tensor} (any dtype,
+on the CPU). The runtime looks each name up once while packing the segment's flat buffer and
+writes the segment to its tier before asking for the next, so a lazy mapping
+(tierlm.models.load.CheckpointWeights) keeps one segment in memory, never the model."""
+
+
+def module_weights(seg: Segment) -> Mapping[str, torch.Tensor]:
+    """The default source: the weights the model's parameters hold."""
+    return {name: p.detach() for name, p, _ in seg.params}
 
 
 @dataclass
