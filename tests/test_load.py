@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from runtime_helpers import OPTIM, VOCAB, batches
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
@@ -16,8 +17,6 @@ from tierlm.models import ModelLoadError, hf_model_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.testing import tiny_hf_configs
 from tierlm.runtime import Engine, EngineOptions
-
-from runtime_helpers import OPTIM, VOCAB, batches
 
 
 def _configs() -> dict:
@@ -162,3 +161,31 @@ def test_disk_run_from_streamed_load_equals_materialised(name, tmp_path):
     assert losses == ref_losses
     for n, w in ref_weights.items():
         assert torch.equal(weights[n], w), n
+
+
+def test_cli_train_from_a_checkpoint_on_the_disk_tier_streams_it(tmp_path, capsys, monkeypatch):
+    """`tierlm train --model DIR --offload-policy disk` builds a skeleton, streams the weights,
+    trains, and its default end of run (export, sample) still works."""
+    import tierlm.train.trainer
+    from tierlm.cli import main
+    from tierlm.data import train_bpe_tokenizer
+
+    def materialised(*args, **kwargs):
+        raise AssertionError("the tiered runtime must not materialise the checkpoint")
+
+    monkeypatch.setattr(tierlm.train.trainer, "load_hf_model", materialised)
+    text = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}."
+                     for i in range(300))
+    path = _save("llama_tied_gqa", tmp_path / "ckpt", max_shard_size="40KB")
+    train_bpe_tokenizer([text], vocab_size=VOCAB).save_pretrained(path)
+    data = tmp_path / "corpus.txt"
+    data.write_text(text)
+    out = tmp_path / "run"
+    rc = main(["train", "--model", str(path), "--data", str(data), "--out", str(out),
+               "--device", "cpu", "--offload-policy", "disk", "--max-steps", "2",
+               "--data.seq_len", "32", "--train.batch_size", "2", "--train.sample_tokens", "4"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "offload policy disk" in printed and "sample: " in printed
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert exported.get_input_embeddings().weight is exported.get_output_embeddings().weight
