@@ -17,6 +17,7 @@ step's forward: segment i's forward waits only for segment i's update.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -226,10 +227,11 @@ class Engine:
             zip(segs, layouts, self.report.placements, strict=True)
         ):
             st = SegmentState(index=i, seg=seg, layout=lay, placement=plc)
-            initial = lay.pack(initial_weights(seg), torch.empty(lay.numel, dtype=torch.float32))
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
-            init_state(self.store, st, initial, optim_device)
-            del initial  # before the next segment is read
+            # packed straight into the segment's tier (or the disk tier's staging), tensor by
+            # tensor from the source, before the next segment is read
+            init_state(self.store, st, functools.partial(lay.pack, initial_weights(seg)),
+                       optim_device)
             self.compute_copies.attach(self.store, st)
             # Modules never own live storage: drop the parameters' memory, the runtime supplies
             # views of its flat buffers on every call.
