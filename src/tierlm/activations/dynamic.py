@@ -17,8 +17,9 @@ workspace).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,6 +107,7 @@ def choose_policies(
 def probe_costs(
     segments: list,
     layouts: list[FlatLayout],
+    weights: Callable[[Any], Mapping[str, torch.Tensor]],
     context: Callable[[torch.Tensor, torch.Tensor], object],
     *,
     device: torch.device,
@@ -117,18 +119,19 @@ def probe_costs(
 ) -> list[SegmentCosts]:
     """Measure `SegmentCosts` for `embed` and one block by running `Keep` and `Selective` on the
     device with the step's shape; every block has the first one's costs. `segments` excludes
-    the head; their parameters must still hold the initial weights."""
+    the head; `weights` gives a segment's initial weights (runtime.state.InitialWeights)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g).to(device)
     h = torch.randn(batch_size, seq_len, hidden_size, generator=g).to(device)
     ctx = context(ids, h)
-    measured = [_measure(segments[i], layouts[i], ids if i == 0 else h, ctx, device, autocast)
+    measured = [_measure(segments[i], layouts[i], weights(segments[i]), ids if i == 0 else h,
+                         ctx, device, autocast)
                 for i in range(min(2, len(segments)))]
     return measured[:1] + measured[1:] * (len(segments) - 1)
 
 
-def _measure(seg, layout: FlatLayout, x, ctx, device, autocast) -> SegmentCosts:
-    flat = layout.pack({n: p.detach() for n, p, _ in seg.params}, torch.empty(layout.numel))
+def _measure(seg, layout: FlatLayout, weights, x, ctx, device, autocast) -> SegmentCosts:
+    flat = layout.pack(weights, torch.empty(layout.numel))
     flat = flat.to(device)
 
     def run(w: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,11 @@ def load_hf_model(
 def hf_model_skeleton(
     path: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False
 ) -> PreTrainedModel:
-    """The model `load_hf_model` returns, built on the meta device from the directory's
-    config: names, shapes and ties, no weights. For FSDP ranks that take their shards of the
-    weights rank 0 loaded."""
+    """The model `load_hf_model` returns, with its parameters on the meta device: names, shapes
+    and ties, no weights. Buffers are real, on the CPU, with from_pretrained's values (rotary
+    `inv_freq`), so the module runs once its parameters are given tensors. For FSDP ranks that
+    take their shards of the weights rank 0 loaded, and for the tiered runtime, which reads the
+    weights segment by segment (tierlm.models.load)."""
     path = Path(path)
     _check_checkpoint_dir(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True,
@@ -125,8 +127,29 @@ def hf_model_skeleton(
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code
         )
+    _materialise_buffers(model)
     model.train()
     return model
+
+
+def _materialise_buffers(model: PreTrainedModel) -> None:
+    """Give a meta-built model real buffers by from_pretrained's own route: transformers 5 also
+    builds on meta, then empties the non-persistent buffers onto their device and lets
+    `initialize_weights` compute them (`_init_weights` recomputes rotary tables); on meta
+    parameters the weight initialisers do nothing. Persistent buffers would come from the
+    checkpoint, which no supported family has; refuse rather than invent their values."""
+    persistent = set(model.state_dict()) - {n for n, _ in model.named_parameters(
+        remove_duplicate=False)}
+    if persistent:
+        raise ModelLoadError(
+            f"{type(model).__name__} has persistent buffers ({', '.join(sorted(persistent))}), "
+            "which the meta-device skeleton cannot fill; load it with load_hf_model"
+        )
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_like(buf, device="cpu")
+    model.initialize_weights()
 
 
 def _check_ties(model: PreTrainedModel) -> None:

@@ -17,6 +17,7 @@ step's forward: segment i's forward waits only for segment i's update.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -56,13 +57,27 @@ from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.state import (
     STATE_COPIES,
+    InitialWeights,
     SegmentState,
     free_copies,
     init_state,
+    module_weights,
     read_copies,
     start_load,
     write_back_copies,
 )
+
+
+def _empty_parameter(p: torch.nn.Parameter) -> None:
+    """Drop `p`'s storage, keeping the Parameter object (ties, modules' references). A meta
+    parameter (a skeleton's) moves to the CPU as it empties, so export can later fill it like
+    any other (`.data` cannot change a tensor's device; swapping the tensors can)."""
+    if p.is_meta:
+        torch.utils.swap_tensors(
+            p, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+        )
+    else:
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
 def _names(st: SegmentState) -> list[str]:
@@ -138,7 +153,12 @@ class Engine:
         *,
         device: torch.device,
         store: Store | None = None,
+        initial_weights: InitialWeights = module_weights,
     ) -> None:
+        """`initial_weights`: each segment's starting weights; the default reads the model's
+        parameters, tierlm.models.load.CheckpointWeights reads a checkpoint into a model
+        whose parameters are on the meta device. Either way the parameters are emptied once
+        their segment is in place."""
         self.opts = options
         self.device = device
         self.store = store or Store(device, offload_dir=options.offload_dir)
@@ -167,8 +187,8 @@ class Engine:
             )
             + in_flight * tied_bytes
         )
-        # Activation policies: `dynamic` measures one block's activation bytes per policy (while
-        # the parameters still hold the weights), reserves its minimum in the placement, and
+        # Activation policies: `dynamic` measures one block's activation bytes per policy (on
+        # the initial weights), reserves its minimum in the placement, and
         # spends what the placement leaves of the device budget.
         acts = options.activations or ActivationConfig(
             policy="none" if options.keep_resident_activations else "full"
@@ -181,7 +201,7 @@ class Engine:
         costs = None
         if acts.policy == "dynamic":
             costs = probe_costs(
-                segs[:-1], layouts[:-1], self.adapter.context, device=device,
+                segs[:-1], layouts[:-1], initial_weights, self.adapter.context, device=device,
                 batch_size=options.batch_size, seq_len=options.seq_len,
                 hidden_size=model.config.hidden_size, vocab_size=vocab,
                 autocast=options.autocast,
@@ -218,17 +238,16 @@ class Engine:
             zip(segs, layouts, self.report.placements, strict=True)
         ):
             st = SegmentState(index=i, seg=seg, layout=lay, placement=plc)
-            initial = lay.pack(
-                {n: p.detach() for n, p, _ in seg.params},
-                torch.empty(lay.numel, dtype=torch.float32),
-            )
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
-            init_state(self.store, st, initial, optim_device)
+            # packed straight into the segment's tier (or the disk tier's staging), tensor by
+            # tensor from the source, before the next segment is read
+            init_state(self.store, st, functools.partial(lay.pack, initial_weights(seg)),
+                       optim_device)
             self.compute_copies.attach(self.store, st)
             # Modules never own live storage: drop the parameters' memory, the runtime supplies
             # views of its flat buffers on every call.
             for _, p, _ in seg.params:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                _empty_parameter(p)
             self.states.append(st)
 
         streamed = {st.index: st.numel for st in self.states if not st.placement.resident}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,18 @@ _FILE_CLASS = {
     "exp_avg": TensorClass.OPTIM,
     "exp_avg_sq": TensorClass.OPTIM,
 }
+
+
+InitialWeights = Callable[[Segment], Mapping[str, torch.Tensor]]
+"""Where a segment's initial weights come from: segment -> {parameter name: tensor} (any dtype,
+on the CPU). The runtime looks each name up once while packing the segment's flat buffer and
+writes the segment to its tier before asking for the next, so a lazy mapping
+(tierlm.models.load.CheckpointWeights) keeps one segment in memory, never the model."""
+
+
+def module_weights(seg: Segment) -> Mapping[str, torch.Tensor]:
+    """The default source: the weights the model's parameters hold."""
+    return {name: p.detach() for name, p, _ in seg.params}
 
 
 @dataclass
@@ -56,23 +69,21 @@ class SegmentState:
 
 
 def init_state(
-    store: Store, st: SegmentState, initial: torch.Tensor, optim_device: torch.device
+    store: Store, st: SegmentState, fill: Callable[[torch.Tensor], object],
+    optim_device: torch.device,
 ) -> None:
-    """Place `initial` (the packed fp32 weights, on CPU) and zeroed optimizer state."""
+    """Place the segment's initial weights and zeroed optimizer state. `fill(out)` writes the
+    packed fp32 weights into the flat buffer `out` (the master on its tier, or the staging
+    buffer the disk tier writes from), so no second copy of the segment is made on the way."""
     n = st.numel
     st.steps = [new_step_counter(optim_device) for _ in st.layout.groups()]
     if st.tier == Tier.DISK:
-        staging = store.alloc(Tier.HOST, TensorClass.STAGING, n)
-        staging.copy_(initial)
-        store.write_file(st.file("master"), staging, TensorClass.MASTER).result()
-        staging.zero_()
-        store.write_file(st.file("exp_avg"), staging, TensorClass.OPTIM).result()
-        store.write_file(st.file("exp_avg_sq"), staging, TensorClass.OPTIM).result()
-        # reserve the gradient file now, so the disk tier's size is known up front
-        store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
-        store.free(Tier.HOST, TensorClass.STAGING, staging)
+        initial = store.alloc(Tier.HOST, TensorClass.STAGING, n)
+        fill(initial)
+        store.write_file(st.file("master"), initial, TensorClass.MASTER).result()
     else:
-        st.master = store.alloc(st.tier, TensorClass.MASTER, n).copy_(initial)
+        initial = st.master = store.alloc(st.tier, TensorClass.MASTER, n)
+        fill(initial)
         st.exp_avg = store.zeros(st.tier, TensorClass.OPTIM, n)
         st.exp_avg_sq = store.zeros(st.tier, TensorClass.OPTIM, n)
         st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
@@ -81,6 +92,13 @@ def init_state(
     elif st.placement.resident:
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
         st.device_weights.copy_(initial)
+    if st.tier == Tier.DISK:
+        staging = initial.zero_()
+        store.write_file(st.file("exp_avg"), staging, TensorClass.OPTIM).result()
+        store.write_file(st.file("exp_avg_sq"), staging, TensorClass.OPTIM).result()
+        # reserve the gradient file now, so the disk tier's size is known up front
+        store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
+        store.free(Tier.HOST, TensorClass.STAGING, staging)
 
 
 class HostLoad:

@@ -56,8 +56,10 @@ from tierlm.models import (
     preset_config,
 )
 from tierlm.models.export import source_dtype
+from tierlm.models.load import CheckpointWeights
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
+from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.train.checkpoint import (
     TrainState,
     check_tensor_format,
@@ -143,12 +145,14 @@ def build_stepper(
     offload_subdir: str = "",
     precision: str = "fp32",
     plan: Plan | None = None,
+    initial_weights: InitialWeights = module_weights,
 ):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
     offload, dynamic, per-segment overrides: the runtime with everything resident), or always
     when data parallel (`grad_sync`, see tierlm.distributed; each rank's disk tier under
-    `offload_subdir`). Both answer the same calls."""
+    `offload_subdir`). Both answer the same calls. The engine takes its initial weights from
+    `initial_weights` (default: the model's parameters)."""
     autocast = compute_autocast(precision, device)
     if not uses_tiered_runtime(cfg) and grad_sync is None:
         if preflight is not None:
@@ -195,7 +199,13 @@ def build_stepper(
         if cfg.activations.policy == "none" and not cfg.activations.overrides:
             options.activations = None  # keep or recompute resident segments as planned
         options.device_budget_bytes = options.host_budget_bytes = None
-    return Engine(model, cfg.optim, options, device=device)
+    return Engine(model, cfg.optim, options, device=device, initial_weights=initial_weights)
+
+
+def runs_engine(cfg: Config, distributed: bool) -> bool:
+    """Whether the stepper will be the tiered engine (the choice `build_parallel_stepper` and
+    `build_stepper` make): not under FSDP, and either asked for or data parallel."""
+    return cfg.distributed.backend != "fsdp" and (uses_tiered_runtime(cfg) or distributed)
 
 
 class Trainer:
@@ -244,14 +254,24 @@ class Trainer:
 
         # Built on the CPU: the reference step moves it to the device, the tiered runtime
         # moves its segments where the placement says. FSDP ranks other than 0 build it on the
-        # meta device (no memory): they take their shards of rank 0's weights.
+        # meta device (no memory): they take their shards of rank 0's weights. The tiered
+        # runtime reads a checkpoint's weights itself, segment by segment, into a skeleton
+        # (parameters on meta): the whole model is never in RAM at once.
         on_meta = (cfg.distributed.backend == "fsdp" and self.world.distributed
                    and not self.world.is_main)
+        streamed = runs_engine(cfg, self.world.distributed)
+        initial_weights: InitialWeights = module_weights
         if cfg.model.path:
             self.model = (
-                hf_model_skeleton(cfg.model.path, trust_remote_code=trust) if on_meta
+                hf_model_skeleton(cfg.model.path, trust_remote_code=trust)
+                if on_meta or streamed
                 else load_hf_model(cfg.model.path, device="cpu", trust_remote_code=trust)
             )
+            if streamed:  # names and shapes checked against the files' headers here
+                initial_weights = source = CheckpointWeights(cfg.model.path, self.model)
+                if source.unexpected:
+                    log(f"checkpoint tensors the model does not use (skipped): "
+                        f"{', '.join(source.unexpected)}")
         else:
             model_cfg = preset_config(
                 cfg.model.size, vocab_size=len(self.tokenizer), max_seq_len=cfg.data.seq_len
@@ -295,7 +315,8 @@ class Trainer:
         self.stepper = build_parallel_stepper(
             cfg, self.world, self.model, self.device, self.precision,
             functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight,
-                              precision=self.precision, plan=auto),
+                              precision=self.precision, plan=auto,
+                              initial_weights=initial_weights),
         )
         self.plan = auto
         if self.plan is None and isinstance(self.stepper, Engine):
