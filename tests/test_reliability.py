@@ -183,7 +183,8 @@ def _save(run_dir, stepper, model, step, keep=0):
 def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
     """Saving the disk tier's state stages one segment at a time (the ledger's host peak during
     the save is three copies of the largest segment: master and both moments), and the sharded
-    checkpoint restores the exact state in either runtime."""
+    checkpoint restores the exact state in either runtime: weights and optimizer state as saved,
+    and the same weights and optimizer state after the next step."""
     model, eng = _engine(tmp_path)
     for b in batches(2, 1):
         eng.step(b, 1e-2)
@@ -212,11 +213,25 @@ def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
     m3 = tiny_model("llama_untied", layers=6, seed=2)
     ref = ReferenceStep(m3, OPTIM, grad_clip=1.0, device=torch.device("cpu"))
     ref.load(weights, optim)
+    for restored in (eng2, ref):
+        got_w, got_o = restored.weights(), restored.optimizer_state()
+        assert set(got_w) == set(want_w) and set(got_o) == set(want_o)
+        assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+        assert all(torch.equal(got_o[k], want_o[k]) for k in want_o)
     nxt = batches(1, 1, seed=9)[0]
     out1, out2, out3 = eng.step(nxt, 1e-2), eng2.step(nxt, 1e-2), ref.step(nxt, 1e-2)
     assert out1["loss"] == out2["loss"] == pytest.approx(out3["loss"], rel=1e-6)
-    w1, w2 = eng.weights(), eng2.weights()
+    w1, w2, w3 = eng.weights(), eng2.weights(), ref.weights()
+    o1, o2, o3 = eng.optimizer_state(), eng2.optimizer_state(), ref.optimizer_state()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert all(torch.equal(o1[k], o2[k]) for k in o1)
+    # the reference reaches the same state within invariant 1's fp32 tolerance (each tensor to
+    # 1e-6 of its own scale: the second moments are many orders below the weights)
+    for got, want in ((w3, w1), (o3, o1)):
+        assert set(got) == set(want)
+        for k, v in want.items():
+            scale = v.abs().max().item()
+            torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6 * scale, msg=k)
     for e in (eng, eng2):
         e.close()
 
