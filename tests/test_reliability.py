@@ -601,12 +601,13 @@ def test_skipped_step_leaves_disk_tier_state_bitwise_unchanged(tmp_path):
 def test_non_finite_streak_stops_with_a_diagnosis(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=20, max_skipped_in_a_row=3)
     t = Trainer(cfg, log=quiet)
-    weights_before = {}
+    weights_before, optim_before = {}, {}
     real = t.stepper.step
 
     def step(batches_, lr):
-        if t.step == 2:
+        if t.step == 2:  # copies: the reference runtime hands out its live tensors
             weights_before.update({k: v.clone() for k, v in t.stepper.weights().items()})
+            optim_before.update({k: v.clone() for k, v in t.stepper.optimizer_state().items()})
         return real(batches_, lr)
 
     t.stepper.step = step
@@ -619,9 +620,12 @@ def test_non_finite_streak_stops_with_a_diagnosis(tmp_path):
     assert "gradient overflows in the backward" in msg and "learning rate was" in msg
     assert "A checkpoint of the last good state was written" in msg
     assert t.step == 5
-    weights, _, state = load_checkpoint(list_checkpoints(tmp_path)[-1])
+    weights, optim, state = load_checkpoint(list_checkpoints(tmp_path)[-1])
     assert state["step"] == 5 and state["skipped_steps"] == 3
+    # the skipped steps touched neither the weights nor the optimizer (moments, step counts)
+    assert weights.keys() == weights_before.keys() and optim.keys() == optim_before.keys()
     assert all(torch.equal(weights[k], weights_before[k]) for k in weights_before)
+    assert all(torch.equal(optim[k], optim_before[k]) for k in optim_before)
 
 
 def test_diagnosis_tells_a_forward_overflow_and_bad_weights_apart():
@@ -688,7 +692,9 @@ def test_ctrl_c_mid_step_checkpoints_a_consistent_state(tmp_path):
     resumed.train()
     assert losses_of(tmp_path / "b") == losses_of(tmp_path / "a")
     w1, w2 = straight.stepper.weights(), resumed.stepper.weights()
-    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    o1, o2 = straight.stepper.optimizer_state(), resumed.stepper.optimizer_state()
+    assert o1.keys() == o2.keys() and all(torch.equal(o1[k], o2[k]) for k in o1)
     resumed.stepper.close()
     straight.stepper.close()
 
@@ -760,4 +766,5 @@ def test_placement_check_runs_before_anything_is_written(tmp_path):
                          check_placement=check)
     with pytest.raises(DiskSpaceError):
         Engine(model, OPTIM, opts, device=torch.device("cpu"))
-    assert seen and seen[0][0] > 0 and seen[0][1] is False
+    n_params = sum(p.numel() for p in model.parameters())
+    assert seen == [(16 * n_params, False)]  # master, gradient and both moments, nothing yet
