@@ -589,9 +589,12 @@ def test_trainer_runs_selective_and_dynamic_like_none(tmp_path):
 
     ref, plain = train(tmp_path / "none")
     assert isinstance(ref.stepper, ReferenceStep)
-    for policy in ("selective", "offload", "dynamic"):
+    # without --device-budget, dynamic keeps every segment (a budget: the engine test above)
+    for policy, chosen in (("selective", "selective"), ("offload", "offload"),
+                           ("dynamic", "keep")):
         trainer, result = train(tmp_path / policy, policy=policy)
         assert isinstance(trainer.stepper, Engine)
+        assert set(trainer.stepper.activation_policies) == {chosen}, policy
         assert result.losses == pytest.approx(plain.losses, rel=1e-6), policy
 
 
