@@ -64,7 +64,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="fp32,bf16,fp8")
+    p.add_argument("--modes", default="fp32,bf16,fp8",
+                   help="comma-separated precisions; fp32 is required: every gap is to it")
     p.add_argument("--fp8-scaling", default="dynamic")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0,
@@ -74,6 +75,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
+    if "fp32" not in modes:
+        p.error(f"--modes {args.modes}: add fp32, the baseline every gap is measured against")
+    unknown = [m for m in modes if m not in TARGET_GAP]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(TARGET_GAP)}")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"model {args.model_size}, {args.steps} steps of {args.batch_size} x {args.seq_len} "
           f"tokens, lr {args.lr}, seed {args.seed}; held-out: {args.eval_batches} batches of "
@@ -84,7 +90,7 @@ def main() -> None:
         rows.append((mode, r))
         print(f"  {mode}: held-out ppl {r['ppl']:.3f} ({r['wall_s']:.0f} s)", file=sys.stderr,
               flush=True)
-    base = dict(rows).get("fp32", rows[0][1])["ppl"]
+    base = dict(rows)["fp32"]["ppl"]
     print()
     print("| precision | steps | train loss (last 10%) | held-out ppl (step 0 -> end) "
           "| vs fp32 | target | wall time (s) |")

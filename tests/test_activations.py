@@ -248,16 +248,31 @@ def runs():
     return out
 
 
-def make_engine(model, tmp_path, policy, *, placement="none", order="microbatch-outer", **kw):
+def make_engine(model, tmp_path, policy, *, placement="none", order="microbatch-outer",
+                budget=None, **kw):
     from tierlm.config import ActivationConfig
 
     acts = ActivationConfig(policy=policy, **kw)
     return Engine(
         model, OPTIM,
         EngineOptions(policy=placement, microbatch_order=order, grad_clip=0.05, micro_batches=2,
-                      batch_size=B, seq_len=T, offload_dir=str(tmp_path), activations=acts),
+                      batch_size=B, seq_len=T, offload_dir=str(tmp_path), activations=acts,
+                      device_budget_bytes=budget),
         device=CPU,
     )
+
+
+def budget_for(model, tmp_path, policies: list[str]) -> int:
+    """The device budget at which `dynamic` can just afford `policies`: the model state and
+    boundary activations (what an unbudgeted `dynamic` engine places besides its reserve) plus
+    the activation peak of `policies` from the engine's own measured costs."""
+    probe = make_engine(copy.deepcopy(model), tmp_path, "dynamic")
+    state = probe.report.device_bytes - probe.activation_reserve_bytes
+    peak = activation_peak_bytes(
+        policies, probe.activation_costs, in_flight=1, head_bytes=probe.activation_head_bytes
+    )
+    probe.close()
+    return state + peak
 
 
 def engine_run(runs, name, tmp_path, policy, **kw):
@@ -270,32 +285,42 @@ def engine_run(runs, name, tmp_path, policy, **kw):
     return recs, w, chosen
 
 
+# Under a streamed placement `none` recomputes every segment (nothing resident keeps its graph).
+# `dynamic`'s budget affords exactly [keep, full, selective, keep]: the last block keeps, the one
+# before it fits only `selective`, the first block gets the fallback, and `embed` (it saves at
+# most its input ids) keeps; without its budget it would keep everything, which is `none`.
+MIXED = ["keep", "full", "selective", "keep"]
+
+
 @pytest.mark.parametrize(
-    "policy, kw",
+    "policy, kw, chosen_policies",
     [
-        ("full", {}),
-        ("selective", {}),
-        ("offload", {}),
-        ("none", {"placement": "host", "order": "layer-outer"}),
-        ("selective", {"placement": "host"}),
-        ("offload", {"placement": "host", "order": "layer-outer"}),
-        ("none", {"placement": "host", "overrides": "block.[01]=keep,block.2=selective"}),
-        ("dynamic", {"placement": "none"}),
+        pytest.param("full", {}, ["full"] * 4, id="full-resident"),
+        pytest.param("selective", {}, ["selective"] * 4, id="selective-resident"),
+        pytest.param("offload", {}, ["offload"] * 4, id="offload-resident"),
+        pytest.param("none", {"placement": "host", "order": "layer-outer"}, ["full"] * 4,
+                     id="none-host-layer-outer"),
+        pytest.param("selective", {"placement": "host"}, ["selective"] * 4, id="selective-host"),
+        pytest.param("offload", {"placement": "host", "order": "layer-outer"}, ["offload"] * 4,
+                     id="offload-host-layer-outer"),
+        pytest.param(
+            "none", {"placement": "host", "overrides": "block.[01]=keep,block.2=selective"},
+            ["full", "keep", "keep", "selective"], id="none-host-overrides",
+        ),
+        pytest.param("dynamic", {"budget": MIXED}, MIXED, id="dynamic-budget"),
     ],
-    ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v.values())) or "resident",
 )
 @pytest.mark.parametrize("name", ["llama_tied_gqa", "gpt2"])
-def test_engine_policies_reproduce_none(runs, name, policy, kw, tmp_path):
-    """fp32: the same losses, gradient norms and weights as `none` on the same engine, bit for
-    bit, and as the plain-PyTorch reference within the runtime's usual tolerance."""
+def test_engine_policies_reproduce_none(runs, name, policy, kw, chosen_policies, tmp_path):
+    """fp32: the same losses, gradient norms and weights as `none` with microbatch-outer order on
+    the same placement, bit for bit, and as the plain-PyTorch reference within the runtime's
+    usual tolerance; each case runs the per-segment policies it names."""
     placement = kw.get("placement", "none")
-    none_recs, none_w, _ = engine_run(
-        runs, name, tmp_path / "none", "none", placement=placement,
-        order=kw.get("order", "microbatch-outer"),
-    )
+    none_recs, none_w, _ = engine_run(runs, name, tmp_path / "none", "none", placement=placement)
+    if "budget" in kw:
+        kw = {**kw, "budget": budget_for(runs[name][0], tmp_path / "probe", kw["budget"])}
     recs, w, chosen = engine_run(runs, name, tmp_path / "p", policy, **kw)
-    if policy in ("full", "selective", "offload"):
-        assert set(chosen) == {policy}
+    assert chosen == chosen_policies
     assert [r["loss"] for r in recs] == [r["loss"] for r in none_recs]
     assert [r["grad_norm"] for r in recs] == [r["grad_norm"] for r in none_recs]
     assert all(torch.equal(w[k], none_w[k]) for k in none_w)
@@ -486,9 +511,12 @@ def test_dynamic_recomputes_more_as_the_budget_shrinks_and_stays_inside_it():
                       activations=_acts("dynamic", dynamic_fallback="offload")),
         device=CPU,
     )
-    assert "offload" in eng.activation_policies and "full" not in eng.activation_policies
+    chosen = eng.activation_policies
+    assert "offload" in chosen and "full" not in chosen
     assert eng.step(step, OPTIM.lr)["loss"] == ref_loss
-    assert eng.ledger.moved_bytes[Link.D2H] > 0
+    # the only traffic of a resident model: each offloaded block's saved bytes, there and back
+    offloaded = chosen[1:].count("offload") * KEEP_BYTES
+    assert eng.ledger.moved_bytes[Link.D2H] == eng.ledger.moved_bytes[Link.H2D] == offloaded
     eng.close()
 
 
@@ -564,9 +592,12 @@ def test_trainer_runs_selective_and_dynamic_like_none(tmp_path):
 
     ref, plain = train(tmp_path / "none")
     assert isinstance(ref.stepper, ReferenceStep)
-    for policy in ("selective", "offload", "dynamic"):
+    # without --device-budget, dynamic keeps every segment (a budget: the engine test above)
+    for policy, chosen in (("selective", "selective"), ("offload", "offload"),
+                           ("dynamic", "keep")):
         trainer, result = train(tmp_path / policy, policy=policy)
         assert isinstance(trainer.stepper, Engine)
+        assert set(trainer.stepper.activation_policies) == {chosen}, policy
         assert result.losses == pytest.approx(plain.losses, rel=1e-6), policy
 
 

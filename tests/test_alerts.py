@@ -2,6 +2,7 @@
 the thrashing plan is what the stream cache really does."""
 
 import random
+import statistics
 import time
 
 import pytest
@@ -53,14 +54,28 @@ def test_loss_spike_needs_history_and_ignores_non_finite():
 
 
 def test_loss_spike_factor_is_ten_times_the_trailing_mean():
-    def run(amplitude):
-        d = LossSpikeDetector()
-        quiet_part = [3.0 + (0.1 if i % 2 else -0.1) for i in range(100)]
-        loud_part = [3.0 + (amplitude if i % 2 else -amplitude) for i in range(20)]
-        return any(d.update(x) for x in quiet_part + loud_part)
+    """The bar is 10x the mean of the last 100 windowed variances: a loss that lifts the
+    window's variance to 9.9x that mean passes, one that lifts it to 10.1x alerts."""
+    rng = random.Random(0)
+    quiet_part = [3.0 + 0.1 * rng.gauss(0, 1) for _ in range(120)]
+    windows = [quiet_part[i - 10 : i] for i in range(10, len(quiet_part) + 1)]
+    baseline = statistics.fmean(statistics.pvariance(w) for w in windows[-100:])
+    last = quiet_part[-9:]  # the window the next loss completes
 
-    assert not run(0.3)  # variance 9x the baseline's: no alert
-    assert run(0.5)  # 25x: alert
+    def loss_at(ratio):
+        """The next loss (above the window's mean) whose window has `ratio` x the baseline."""
+        lo, hi = statistics.fmean(last), 100.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if statistics.pvariance([*last, mid]) < ratio * baseline else (
+                lo, mid)
+        return lo
+
+    for ratio, alerts in ((9.9, False), (10.1, True)):
+        d = LossSpikeDetector()
+        assert not any(d.update(x) for x in quiet_part)
+        assert d.update(loss_at(ratio)) is alerts, ratio
+        assert d.window_var == pytest.approx(ratio * baseline, rel=1e-9)
 
 
 # -- detectors on records ----

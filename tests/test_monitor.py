@@ -54,8 +54,10 @@ def test_metrics_have_every_field_and_a_clean_run_raises_no_alert(policy, corpus
     for r in recs:
         assert set(ALL_FIELDS) <= r.keys(), set(ALL_FIELDS) - r.keys()
         assert r["alerts"] == [] and r["alert_messages"] == []
-        assert r["compute_s"] + r["transfer_wait_s"] + r["update_wait_s"] == pytest.approx(
-            r["step_time_s"])
+        # compute is timed by the stepper around its forward, backward and update work, apart
+        # from the waits: disjoint pieces of the step, so together no longer than it
+        parts = r["compute_s"] + r["transfer_wait_s"] + r["update_wait_s"]
+        assert 0 < r["compute_s"] and parts <= r["step_time_s"]
         assert r["rss_peak_bytes"] >= r["rss_bytes"] > 0
         assert r["fp8_underflow_rate"] is None and r["fp8_underflow_by_layer"] is None
         if not torch.cuda.is_available():
@@ -66,6 +68,13 @@ def test_metrics_have_every_field_and_a_clean_run_raises_no_alert(policy, corpus
     window = losses[-10:]
     mean = sum(window) / 10
     assert recs[-1]["loss_var"] == pytest.approx(sum((x - mean) ** 2 for x in window) / 10)
+    # What the parts leave of the step: the reference only loads batches around its compute
+    # (under 1% of a run measured); the disk engine also lands gradients (D2H, disk writes) in
+    # the step thread, which no part counts (8-11% of a run, up to 42% of one step, measured on
+    # a shared 2-core box). The bounds leave room for a loaded machine; the reference's fails
+    # when its backward and update go untimed (19% covered).
+    covered = sum(r["compute_s"] + r["transfer_wait_s"] + r["update_wait_s"] for r in recs)
+    assert covered >= (0.9 if policy == "none" else 0.5) * sum(r["step_time_s"] for r in recs)
     ledger = [k for k in FIELDS["memory"] + FIELDS["swaps"]
               if k.startswith((*map(str, Tier), *map(str, Link), "segments_"))]
     if policy == "none":  # the reference trainer has no ledger and moves nothing
@@ -73,6 +82,8 @@ def test_metrics_have_every_field_and_a_clean_run_raises_no_alert(policy, corpus
         assert all(r["transfer_wait_s"] == 0.0 for r in recs)
         return
     for r in recs:
+        # with no state on the device every part lies inside the forward and backward sweep
+        assert r["compute_s"] + r["transfer_wait_s"] + r["update_wait_s"] <= r["sweep_s"]
         assert r["disk_peak_bytes"] > 0 and r["device_step_peak_bytes"] > 0
         assert r["h2d_bytes_per_s"] == pytest.approx(r["h2d_bytes"] / r["step_time_s"])
         assert r["disk_read_bytes_per_s"] > 0 and r["disk_write_bytes_per_s"] > 0
@@ -82,13 +93,13 @@ def test_metrics_have_every_field_and_a_clean_run_raises_no_alert(policy, corpus
 
 def _record(step=7, **kw):
     rec = {"step": step, "loss": 2.5, "loss_var": 0.01, "tokens_per_s": 1234.0,
-           "step_time_s": 0.5, "compute_s": 0.3, "transfer_wait_s": 0.15, "update_wait_s": 0.05,
+           "step_time_s": 0.6, "compute_s": 0.3, "transfer_wait_s": 0.15, "update_wait_s": 0.05,
            "device_peak_bytes": 3 * 2**30, "host_peak_bytes": 5 * 2**30,
            "disk_peak_bytes": 20 * 2**30, "rss_peak_bytes": 6 * 2**30, "skipped_steps": 1,
            "segments_fetched": 12, "segments_fetched_planned": 12}
     links = (Link.H2D, Link.D2H, Link.DISK_READ, Link.DISK_WRITE)
     for link, rate in zip(links, (2e9, 1e9, 1.5e9, 1.2e9), strict=True):
-        rec[f"{link}_bytes"] = int(rate * 0.5)
+        rec[f"{link}_bytes"] = int(rate * rec["step_time_s"])
         rec[f"{link}_bytes_per_s"] = rate
     rec.update(kw)
     return rec
@@ -105,7 +116,8 @@ def test_line_view_prints_every_n_steps_with_all_parts():
     assert [ln.split()[1] for ln in lines] == ["1/20", "5/20", "10/20"]
     line = lines[-1]
     for part in ("loss 2.5000", "var 0.01", "eval 2.7500 (step 5)", "1,234 tok/s",
-                 "step 0.500s = compute 0.300 + transfer wait 0.150 + update wait 0.050",
+                 "step 0.600s = compute 0.300 + transfer wait 0.150 + update wait 0.050 + other "
+                 "0.100",
                  "device 3.00 GiB", "host 5.00 GiB", "disk 20.00 GiB", "process RSS 6.00 GiB",
                  "H2D 2.00 GB/s", "D2H 1.00 GB/s", "disk read 1.50 GB/s", "disk write 1.20 GB/s",
                  "fetched 12/step (plan 12)", "skipped 1", "alerts 1 (thrashing 1)", "eta 0:00:"):
@@ -153,7 +165,13 @@ def test_resume_keeps_the_alert_counts_and_the_loss_window(corpus, tmp_path):
     second.train()
     recs = steps_of(tmp_path)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert recs[3]["loss_var"] is not None  # the window continued across the resume
+    # the window continued across the resume: step 4's variance is that of steps 1-4 (the
+    # poisoned step's loss is finite; only its gradient was not)
+    losses = [r["loss"] for r in recs]
+    for n in (4, 6):
+        mean = sum(losses[:n]) / n
+        assert recs[n - 1]["loss_var"] == pytest.approx(
+            sum((x - mean) ** 2 for x in losses[:n]) / n, rel=1e-12)
 
 
 def test_tensorboard_flag_writes_events_or_fails_with_the_install_hint(corpus, tmp_path, capsys):

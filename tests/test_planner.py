@@ -33,11 +33,27 @@ def test_big_model_plans_fit_their_budgets(size, hw, host_gib, batch, seq, accum
     b = usable_budgets(profile)
     assert p.device_total_bytes <= b["device"] <= profile.gpu_memory_bytes
     assert p.host_peak_bytes <= b["host"] and p.disk_bytes <= b["disk"]
-    # full-parameter AdamW: every parameter has master, gradient and two moments somewhere
-    assert sum(16 * n for n in shape.numels) == sum(
-        v for tier in (p.device_by_class, p.host_by_class, p.disk_by_class)
-        for k, v in tier.items() if k in ("master", "optim_state", "grad")
-    ) - sum(p.device_by_class.get("grad", 0) for _ in [0]) * 0 or True
+    # full-parameter AdamW: every parameter's master (4 B), fp32 gradient (4 B) and two moments
+    # (8 B) live on the tier that holds its segment's state, and nowhere else
+    by_class = {Tier.DEVICE: p.device_by_class, Tier.HOST: p.host_by_class,
+                Tier.DISK: p.disk_by_class}
+    state_numel = {t: sum(n for n, pl in zip(shape.numels, p.placements, strict=True)
+                          if pl.state_tier == t) for t in Tier}
+    for tier, classes in by_class.items():
+        assert classes.get("master", 0) == 4 * state_numel[tier], tier
+        assert classes.get("optim_state", 0) == 8 * state_numel[tier], tier
+        if tier != Tier.DEVICE:
+            assert classes.get("grad", 0) == 4 * state_numel[tier], tier
+    # on the device the gradient class also holds the buffer a streamed segment's backward
+    # writes into before it lands on its tier: one at a time (untied presets), the largest
+    streamed = [n for n, pl in zip(shape.numels, p.placements, strict=True)
+                if pl.state_tier != Tier.DEVICE]
+    assert p.device_by_class["grad"] == 4 * state_numel[Tier.DEVICE] + 4 * max(streamed)
+    owned = sum(
+        v for tier, classes in by_class.items() for c, v in classes.items()
+        if c in ("master", "optim_state") or (c == "grad" and tier != Tier.DEVICE)
+    ) + 4 * state_numel[Tier.DEVICE]
+    assert owned == 16 * shape.n_params
     assert p.tokens_per_s > 0 and p.bottleneck
 
 
@@ -133,29 +149,47 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
     led = eng.ledger
     measured = {t: led.peak_tier_bytes[t] for t in (Tier.DEVICE, Tier.HOST)}
     eng.close()
-    assert measured[Tier.DEVICE] == pytest.approx(predicted.device_peak_bytes, rel=0.10)
-    if predicted.host_peak_bytes:
-        assert measured[Tier.HOST] == pytest.approx(predicted.host_peak_bytes, rel=0.10)
+    # The replay allocates what the engine allocates, in the engine's order: exact bytes.
+    assert measured[Tier.DEVICE] == predicted.device_peak_bytes
     assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+    disk_numels = [n for n, pl in zip(shape.numels, placements, strict=True)
+                   if pl.state_tier == Tier.DISK]
+    if not disk_numels:
+        assert measured[Tier.HOST] == predicted.host_peak_bytes
+        return
+    # With state on disk the host peak is staging, and its worst case is a race the prediction
+    # bounds: the next step's forward reads segment a from disk while the update worker stages
+    # segment b (master, gradient, both moments). They overlap or not by thread timing, so the
+    # measured peak lies between the persistent host bytes plus the staging that is certain
+    # (the sweep's, or one update of the largest disk segment) and the predicted worst pair.
+    persistent = sum(v for c, v in predicted.host_by_class.items() if c != "staging")
+    certain = persistent + max(predicted.host_by_class.get("staging", 0), 16 * max(disk_numels))
+    assert certain <= measured[Tier.HOST] <= predicted.host_peak_bytes
 
 
 def test_auto_trains_within_a_host_budget_below_the_naive_need(tmp_path):
     from tierlm.config import from_dict
     from tierlm.train import Trainer
 
-    naive = 16 * 1_417_856  # tiny preset at vocab 4096: master + grad + AdamW state
-    budget = naive // 3
+    vocab = 512
+    n_params = ModelShape.from_config(preset_config("tiny", vocab_size=vocab)).n_params
+    naive = 16 * n_params  # master + grad + AdamW state, all in RAM
+    # The least this model trains in is about half: with all state on disk the host still stages
+    # one disk update and one streamed read (20 x a block's parameters, 46% of the naive need
+    # here: a tiny block is 37% of the model), and the planner leaves 10% of the budget free.
+    budget = naive * 55 // 100
     cfg = from_dict({
-        "model": {"size": "tiny"}, "data": {"seq_len": 32, "vocab_size": 512},
+        "model": {"size": "tiny"}, "data": {"seq_len": 32, "vocab_size": vocab},
         "train": {"max_steps": 3, "batch_size": 2, "eval_batches": 1, "eval_every": 0},
         "memory": {"offload_policy": "auto", "host_budget": str(budget),
                    "device_budget": "6MiB", "hardware": "cpu"},
         "run": {"out": str(tmp_path), "device": "cpu"},
     })
     t = Trainer(cfg, log=lambda _m: None)
+    assert sum(t.plan.numels) == n_params  # the need is the trained model's
     assert any(p.state_tier == Tier.DISK for p in t.plan.placements)
     t.train()
-    assert t.stepper.ledger.peak_tier_bytes[Tier.HOST] <= budget
+    assert t.stepper.ledger.peak_tier_bytes[Tier.HOST] <= min(budget, naive // 2)
     assert t.stepper.ledger.peak_tier_bytes[Tier.DEVICE] <= 6 * 2**20
     t.stepper.close()
 

@@ -515,15 +515,22 @@ def test_trainer_logs_the_table_and_records_fp8_statistics(tmp_path):
         stats = rec["fp8_tensors"]["model.layers.1.self_attn.o_proj.grad"]
         assert set(stats) == {"amax", "scale", "underflow", "overflow"}
         assert stats["amax"] > 0 and math.log2(stats["scale"]).is_integer()
-        assert 0 <= rec["fp8_underflow_rate"] < 0.5 and rec["fp8_overflow_rate"] is not None
-        assert len(rec["fp8_underflow_by_layer"]) == 14 and rec["fp8_switched"] == []
+        by_layer = rec["fp8_underflow_by_layer"]
+        assert len(by_layer) == 14 and rec["fp8_switched"] == []
+        # run-wide: the mean over layers; a layer's: over the values of its three tensors
+        assert rec["fp8_underflow_rate"] == pytest.approx(sum(by_layer.values()) / 14)
+        assert 0 <= rec["fp8_underflow_rate"] < 0.5 and 0 <= rec["fp8_overflow_rate"] <= 1
+        for layer, rate in by_layer.items():
+            parts = [v["underflow"] for k, v in rec["fp8_tensors"].items()
+                     if k.rsplit(".", 1)[0] == layer]
+            assert len(parts) == 3 and min(parts) - 1e-6 <= rate <= max(parts) + 1e-6, layer
     scaler = trainer.fp8.layers["model.layers.0.mlp.up_proj"].compute.scalers.input
     assert scaler.history.numel() == 3  # one amax per training step, none from evaluation
 
 
 def test_planner_predicts_the_compute_copies_and_their_h2d_bytes(tmp_path):
-    """The planner's replay counts what `streamed` measures: the blocks' host compute copies
-    and the bytes that cross per step, per precision (fp8 scales and alignment aside)."""
+    """The planner's replay counts what `streamed` measures, byte for byte: the blocks' host
+    compute copies and the bytes that cross per step, per precision (fp8: with the scales)."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
     from tierlm.memory.tiers import Link, TensorClass, Tier
@@ -541,8 +548,8 @@ def test_planner_predicts_the_compute_copies_and_their_h2d_bytes(tmp_path):
         engine.close()
         plan = evaluate(shape, TrainShape(2, 16, 1, mode), hw, placements, "layer-outer",
                         True, usable_budgets(hw))
-        assert plan.moved_bytes[Link.H2D.value] == pytest.approx(per_step, rel=0.01), mode
-        assert plan.host_by_class.get("compute", 0) == pytest.approx(copies, rel=0.01), mode
+        assert plan.moved_bytes[Link.H2D.value] == per_step, mode
+        assert plan.host_by_class.get("compute", 0) == copies, mode
 
 
 @pytest.mark.parametrize("precision", [

@@ -183,7 +183,8 @@ def _save(run_dir, stepper, model, step, keep=0):
 def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
     """Saving the disk tier's state stages one segment at a time (the ledger's host peak during
     the save is three copies of the largest segment: master and both moments), and the sharded
-    checkpoint restores the exact state in either runtime."""
+    checkpoint restores the exact state in either runtime: weights and optimizer state as saved,
+    and the same weights and optimizer state after the next step."""
     model, eng = _engine(tmp_path)
     for b in batches(2, 1):
         eng.step(b, 1e-2)
@@ -212,11 +213,25 @@ def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
     m3 = tiny_model("llama_untied", layers=6, seed=2)
     ref = ReferenceStep(m3, OPTIM, grad_clip=1.0, device=torch.device("cpu"))
     ref.load(weights, optim)
+    for restored in (eng2, ref):
+        got_w, got_o = restored.weights(), restored.optimizer_state()
+        assert set(got_w) == set(want_w) and set(got_o) == set(want_o)
+        assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+        assert all(torch.equal(got_o[k], want_o[k]) for k in want_o)
     nxt = batches(1, 1, seed=9)[0]
     out1, out2, out3 = eng.step(nxt, 1e-2), eng2.step(nxt, 1e-2), ref.step(nxt, 1e-2)
     assert out1["loss"] == out2["loss"] == pytest.approx(out3["loss"], rel=1e-6)
-    w1, w2 = eng.weights(), eng2.weights()
+    w1, w2, w3 = eng.weights(), eng2.weights(), ref.weights()
+    o1, o2, o3 = eng.optimizer_state(), eng2.optimizer_state(), ref.optimizer_state()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert all(torch.equal(o1[k], o2[k]) for k in o1)
+    # the reference reaches the same state within invariant 1's fp32 tolerance (each tensor to
+    # 1e-6 of its own scale: the second moments are many orders below the weights)
+    for got, want in ((w3, w1), (o3, o1)):
+        assert set(got) == set(want)
+        for k, v in want.items():
+            scale = v.abs().max().item()
+            torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6 * scale, msg=k)
     for e in (eng, eng2):
         e.close()
 
@@ -586,12 +601,13 @@ def test_skipped_step_leaves_disk_tier_state_bitwise_unchanged(tmp_path):
 def test_non_finite_streak_stops_with_a_diagnosis(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=20, max_skipped_in_a_row=3)
     t = Trainer(cfg, log=quiet)
-    weights_before = {}
+    weights_before, optim_before = {}, {}
     real = t.stepper.step
 
     def step(batches_, lr):
-        if t.step == 2:
+        if t.step == 2:  # copies: the reference runtime hands out its live tensors
             weights_before.update({k: v.clone() for k, v in t.stepper.weights().items()})
+            optim_before.update({k: v.clone() for k, v in t.stepper.optimizer_state().items()})
         return real(batches_, lr)
 
     t.stepper.step = step
@@ -604,9 +620,12 @@ def test_non_finite_streak_stops_with_a_diagnosis(tmp_path):
     assert "gradient overflows in the backward" in msg and "learning rate was" in msg
     assert "A checkpoint of the last good state was written" in msg
     assert t.step == 5
-    weights, _, state = load_checkpoint(list_checkpoints(tmp_path)[-1])
+    weights, optim, state = load_checkpoint(list_checkpoints(tmp_path)[-1])
     assert state["step"] == 5 and state["skipped_steps"] == 3
+    # the skipped steps touched neither the weights nor the optimizer (moments, step counts)
+    assert weights.keys() == weights_before.keys() and optim.keys() == optim_before.keys()
     assert all(torch.equal(weights[k], weights_before[k]) for k in weights_before)
+    assert all(torch.equal(optim[k], optim_before[k]) for k in optim_before)
 
 
 def test_diagnosis_tells_a_forward_overflow_and_bad_weights_apart():
@@ -673,7 +692,9 @@ def test_ctrl_c_mid_step_checkpoints_a_consistent_state(tmp_path):
     resumed.train()
     assert losses_of(tmp_path / "b") == losses_of(tmp_path / "a")
     w1, w2 = straight.stepper.weights(), resumed.stepper.weights()
-    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    o1, o2 = straight.stepper.optimizer_state(), resumed.stepper.optimizer_state()
+    assert o1.keys() == o2.keys() and all(torch.equal(o1[k], o2[k]) for k in o1)
     resumed.stepper.close()
     straight.stepper.close()
 
@@ -745,4 +766,5 @@ def test_placement_check_runs_before_anything_is_written(tmp_path):
                          check_placement=check)
     with pytest.raises(DiskSpaceError):
         Engine(model, OPTIM, opts, device=torch.device("cpu"))
-    assert seen and seen[0][0] > 0 and seen[0][1] is False
+    n_params = sum(p.numel() for p in model.parameters())
+    assert seen == [(16 * n_params, False)]  # master, gradient and both moments, nothing yet

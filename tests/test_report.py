@@ -70,9 +70,10 @@ def test_figures_plot_exactly_the_recorded_points(tmp_path):
     assert list(loss["eval/a"][:, 0]) == EVAL_STEPS
 
     stacked = lines_by_gid(figs["step_time"])
-    for key in ("compute_s", "transfer_wait_s", "update_wait_s"):
+    # each line is the top of its layer: compute, + transfer wait, + update wait
+    for key, top in (("compute_s", 0.3), ("transfer_wait_s", 0.45), ("update_wait_s", 0.5)):
         assert len(stacked[f"{key}/a"]) == N_STEPS
-    np.testing.assert_allclose(stacked["update_wait_s/a"][:, 1], 0.5)  # the stack's top: total
+        np.testing.assert_allclose(stacked[f"{key}/a"][:, 1], top)
 
     memory_fig = figs["memory"]
     mem = lines_by_gid(memory_fig)
@@ -85,6 +86,9 @@ def test_figures_plot_exactly_the_recorded_points(tmp_path):
 
     moves = lines_by_gid(figs["moves"])
     assert len(moves["h2d/a"]) == len(moves["d2h/a"]) == N_STEPS
+    for link in ("h2d", "d2h"):  # in GB/s
+        np.testing.assert_allclose(moves[f"{link}/a"][:, 1],
+                                   [r[f"{link}_bytes_per_s"] / 1e9 for r in run.steps])
     assert "disk_read/a" not in moves  # a link that moved nothing is not drawn
     assert len(moves["segments_fetched/a"]) == N_STEPS
     assert moves["segments_fetched/a"][14, 1] == 13
@@ -112,6 +116,8 @@ def test_report_writes_readable_pngs_and_the_summary(tmp_path, capsys):
     assert "| peak device bytes (planned / measured) | 48.00 MiB / 40.00 MiB, 0.83x " \
            "(budget 64.00 MiB) |" in md
     assert "| skipped steps | 1 |" in md and "| alerts | thrashing 1 |" in md
+    assert ("| step time, median s (compute / transfer wait / update wait) | 0.500 "
+            "(0.300 / 0.150 / 0.050) |") in md
     assert "a, step 15: **thrashing**: thrashing: block.1 2x (plan 1x)" in md
 
 
@@ -129,9 +135,11 @@ def test_two_runs_overlay(tmp_path):
     assert main(["report", str(a), str(b)]) == 0
     out = a / "report-vs-b"
     assert (out / "loss.png").stat().st_size > 0
-    figs = build_figures([load_run(a), load_run(b)])
+    runs = [load_run(a), load_run(b)]
+    figs = build_figures(runs)
     loss = lines_by_gid(figs["loss"])
-    assert len(loss["loss/a"]) == len(loss["loss/b"]) == N_STEPS
+    for run in runs:  # each run's own losses (the two differ: other seeds)
+        np.testing.assert_allclose(loss[f"loss/{run.name}"][:, 1], [r["loss"] for r in run.steps])
     assert len(figs["step_time"].axes) == 2  # one stacked panel per run
     assert {"h2d/a", "h2d/b"} <= lines_by_gid(figs["moves"]).keys()
     assert "| | a | b |" in (out / "report.md").read_text()
@@ -143,17 +151,20 @@ def test_report_of_a_real_run(tmp_path_factory, tmp_path):
             log=quiet).train()
     run = load_run(tmp_path)
     figs = build_figures([run])
-    assert len(lines_by_gid(figs["loss"])[f"loss/{tmp_path.name}"]) == 5
+    losses = lines_by_gid(figs["loss"])[f"loss/{tmp_path.name}"]
+    np.testing.assert_allclose(losses, [(r["step"], r["loss"]) for r in run.steps])
+    assert len(losses) == 5
     assert len(lines_by_gid(figs["loss"])[f"eval/{tmp_path.name}"]) == 4  # steps 0, 2, 4, 5
     assert len(lines_by_gid(figs["memory"])[f"host_step_peak_bytes/{tmp_path.name}"]) == 5
     assert main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "report" / "moves.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("make", ["missing", "empty"])
-def test_report_refuses_a_directory_without_steps(make, tmp_path, capsys):
+@pytest.mark.parametrize("make, says", [("missing", "no metrics.jsonl"),
+                                         ("empty", "no training steps")])
+def test_report_refuses_a_directory_without_steps(make, says, tmp_path, capsys):
     if make == "empty":
         (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 5.0}\n')
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "tierlm: error:" in err and ("no metrics.jsonl" in err or "no training steps" in err)
+    assert "tierlm: error:" in err and says in err

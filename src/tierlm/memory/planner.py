@@ -55,6 +55,8 @@ class ModelShape:
     # per segment, the entries of its 2-D weights (the matmuls a precision policy lowers to
     # bf16 or fp8; the rest, norms and biases, stays fp32); None: every entry
     matrix_numels: list[int] | None = None
+    # per segment, how many 2-D weights (an fp8 compute copy carries one fp32 scale for each)
+    matrix_counts: list[int] | None = None
 
     @property
     def n_params(self) -> int:
@@ -85,6 +87,7 @@ class ModelShape:
             head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
+            matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
         )
 
     def wire_bytes(self, s: int, precision: str) -> int | None:
@@ -96,7 +99,10 @@ class ModelShape:
             return None
         n = self.numels[s]
         mat = n if self.matrix_numels is None else self.matrix_numels[s]
-        return (2 if precision == "bf16" else 1) * mat + 4 * (n - mat)
+        if precision == "bf16":
+            return 2 * mat + 4 * (n - mat)
+        scales = 0 if self.matrix_counts is None else 4 * self.matrix_counts[s]
+        return mat + scales + 4 * (n - mat)
 
 
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:

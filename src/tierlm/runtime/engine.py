@@ -55,6 +55,7 @@ from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
 from tierlm.optim.flat_adamw import FlatAdamW
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
+from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.state import (
     STATE_COPIES,
     InitialWeights,
@@ -273,6 +274,7 @@ class Engine:
         self._updates: dict[int, Future] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
         self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
+        self.clock = compute_clock(device)  # time in forward, backward and on-device updates
         self.skipped_steps = 0
         self.param_norms: dict[str, torch.Tensor] = {}
         self._syncing: list = []  # (segment, gradient, pending sync) until the norms are taken
@@ -459,6 +461,7 @@ class Engine:
         self.ledger.reset_step()
         self.update_wait_s = 0.0
         self.transfer_wait_s = 0.0
+        self.clock.take()  # drop what evaluation or a checkpoint measured
         m = len(batches)
         mbs = [
             _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
@@ -477,13 +480,14 @@ class Engine:
             else:
                 self._backward(k, a, mbs)
             self.cache.prefetch(k + 1)
-        compute_s = time.perf_counter() - t0
+        sweep_s = time.perf_counter() - t0
         grad_norm, skipped = self._finish_step(lr)
         return {
             "loss": loss_sum / m,
             "grad_norm": grad_norm,
             "skipped": skipped,
-            "sweep_s": compute_s,  # forward + backward, including waits for weights
+            "sweep_s": sweep_s,  # forward + backward, including waits for weights
+            "compute_s": self.clock.take(),  # forward, backward, on-device updates; no waits
             "update_wait_s": self.update_wait_s,  # part of sweep_s spent on the last update
             "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
             "step_time_s": time.perf_counter() - t0,
@@ -495,12 +499,13 @@ class Engine:
         for i in a.mbs:
             mb = mbs[i]
             x = mb.ids if a.seg == 0 else mb.h[a.seg]
-            out, mb.saved[a.seg] = self.policies[a.seg].forward(
-                self._run(st, mb), w, x, self._scope(st, mb, x)
-            )
-            if a.seg == 0:
-                with torch.no_grad(), self.opts.autocast():
-                    mb.ctx = self.adapter.context(mb.ids, out)
+            with self.clock.measure():
+                out, mb.saved[a.seg] = self.policies[a.seg].forward(
+                    self._run(st, mb), w, x, self._scope(st, mb, x)
+                )
+                if a.seg == 0:
+                    with torch.no_grad(), self.opts.autocast():
+                        mb.ctx = self.adapter.context(mb.ids, out)
             self._hold_input(mb, a.seg + 1, out)
         for i in a.mbs:
             self._leave_device(mbs[i], a.seg)
@@ -527,24 +532,25 @@ class Engine:
             # for the whole action, each chunk's log-softmax during that chunk.
             shared = storages_of(x, mb.ctx, list(self._borrowed_leaf.values()))
             norm = SavedTensorScope(leaf, shared)
-            with torch.enable_grad(), self.opts.autocast(), norm.hooks():
+            with self.clock.measure(), torch.enable_grad(), self.opts.autocast(), norm.hooks():
                 hn = seg.forward(views, x, mb.ctx)
             hn_leaf = hn.detach().requires_grad_()
             held = norm.bytes + nbytes_of(hn_leaf)
             self.ledger.hold_activation(seg.name, "saved", held)
             shared |= storages_of(hn_leaf)
-            loss_total += chunked_cross_entropy(
-                lambda h, views=views: seg.project(views, h),
-                hn_leaf.flatten(0, 1),  # (B*T, D)
-                mb.targets.flatten(),
-                chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
-                grad_divisor=m,
-                autocast=self.opts.autocast,
-                saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared),
-                ledger=self.ledger,
-                segment=seg.name,
-            )
-            hn.backward(hn_leaf.grad)
+            with self.clock.measure():
+                loss_total += chunked_cross_entropy(
+                    lambda h, views=views: seg.project(views, h),
+                    hn_leaf.flatten(0, 1),  # (B*T, D)
+                    mb.targets.flatten(),
+                    chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
+                    grad_divisor=m,
+                    autocast=self.opts.autocast,
+                    saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared),
+                    ledger=self.ledger,
+                    segment=seg.name,
+                )
+                hn.backward(hn_leaf.grad)
             self.ledger.release_activation(seg.name, "saved", held)
             if self._borrowed_leaf:
                 self._borrowed_grad[i] = {
@@ -569,10 +575,11 @@ class Engine:
                 self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel) if owns_borrowed else grad
             )
             x = mb.ids if s == 0 else self._input(mb, s)
-            dx = self.policies[s].backward(
-                mb.saved.pop(s), self._run(st, mb), w, x, mb.gout[s + 1], target,
-                self._scope(st, mb, x),
-            )
+            with self.clock.measure():
+                dx = self.policies[s].backward(
+                    mb.saved.pop(s), self._run(st, mb), w, x, mb.gout[s + 1], target,
+                    self._scope(st, mb, x),
+                )
             self._drop(mb.gout, s + 1)
             if s > 0:
                 mb.gout[s] = self._hold(dx)
@@ -680,7 +687,8 @@ class Engine:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for st in self.states:
             if st.tier == Tier.DEVICE:
-                self._update(st, coef, lr)
+                with self.clock.measure():
+                    self._update(st, coef, lr)
             else:
                 self._updates[st.index] = self._worker.submit(self._update, st, coef.cpu(), lr)
                 if st.placement.resident:

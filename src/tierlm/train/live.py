@@ -63,9 +63,11 @@ def summary_parts(rec: dict[str, Any], eval_rec: dict[str, Any] | None,
     if eval_rec is not None:
         loss += f"  eval {eval_rec['eval_loss']:.4f} (step {eval_rec['step']})"
     loss += f"  {rec['tokens_per_s']:,.0f} tok/s"
+    parts = rec["compute_s"] + rec["transfer_wait_s"] + rec["update_wait_s"]
     time_row = (
         f"step {rec['step_time_s']:.3f}s = compute {rec['compute_s']:.3f}"
         f" + transfer wait {rec['transfer_wait_s']:.3f} + update wait {rec['update_wait_s']:.3f}"
+        f" + other {max(0.0, rec['step_time_s'] - parts):.3f}"  # data, unawaited copies, sync
     )
     mem = [f"{t} {fmt_bytes(rec.get(f'{t}_peak_bytes'))}" for t in Tier
            if rec.get(f"{t}_peak_bytes")]

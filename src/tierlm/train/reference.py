@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from tierlm.config import OptimConfig
 from tierlm.optim import build_optimizer
+from tierlm.runtime.clock import compute_clock
 
 
 class ReferenceStep:
@@ -36,6 +37,7 @@ class ReferenceStep:
         self.clip_norm = grad_clip if grad_clip > 0 else math.inf
         self.autocast = autocast
         self.skipped_steps = 0
+        self.clock = compute_clock(device)  # the whole step is compute: nothing is streamed
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T)
@@ -46,20 +48,21 @@ class ReferenceStep:
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in batches:
-            loss = self._loss(batch.to(self.device, non_blocking=True))
-            (loss / len(batches)).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm).item()
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            self.skipped_steps += 1  # weights and optimizer state stay untouched
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.clock.measure():
+            loss_sum = torch.zeros((), device=self.device)
+            for batch in batches:
+                loss = self._loss(batch.to(self.device, non_blocking=True))
+                (loss / len(batches)).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm).item()
+            skipped = not math.isfinite(grad_norm)
+            if skipped:
+                self.skipped_steps += 1  # weights and optimizer state stay untouched
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum.item() / len(batches), "grad_norm": grad_norm,
-                "skipped": skipped}
+                "skipped": skipped, "compute_s": self.clock.take()}
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

@@ -383,7 +383,7 @@ class Trainer:
             "step_time_s": step_time_s,
             "skipped": out["skipped"],
         }
-        for key in ("sweep_s", "update_wait_s", "transfer_wait_s"):
+        for key in ("sweep_s", "compute_s", "update_wait_s", "transfer_wait_s"):
             if key in out:
                 rec[key] = out[key]
         ledger = getattr(self.stepper, "ledger", None)
