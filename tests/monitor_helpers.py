@@ -33,7 +33,10 @@ def tiny_run_cfg(out: Path, corpus: Path, *, policy: str = "none", **train) -> C
             "data": {"train": str(corpus), "seq_len": 32, "vocab_size": 300},
             "optim": {"lr": 3e-3, "warmup_steps": 2},
             "train": base,
-            "memory": {"offload_policy": policy},
+            # a tiny model streams its state through the disk tier at a rate that really would
+            # wear a drive out in months: a huge rating keeps disk_wear out of the other alerts'
+            # tests (tests/test_wear.py tests it)
+            "memory": {"offload_policy": policy, "disk_endurance_tbw": 1e9},
             "run": {"out": str(out), "device": "cpu", "seed": 3},
         }
     )
