@@ -2,7 +2,9 @@
 """Tokens/s of the tiered runtime against the reference trainer, same model, same batches.
 
 Rows: everything resident on the device (`--offload-policy none` through the runtime), every
-block streamed from host RAM (embed and head resident), and both micro-batch orders. Steps of the
+block streamed from host RAM (embed and head resident), everything streamed, and every segment's
+state on disk in both micro-batch orders, layer-outer with its boundary activations parked in
+host RAM (`--boundary-activations host`); the other rows run `--order`. Steps of the
 reference and the runtime are interleaved so machine noise hits both alike; the table reports
 median step times and the ratio runtime/reference in tokens/s.
 
@@ -19,7 +21,8 @@ import time
 
 import torch
 
-from tierlm.config import OptimConfig
+from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.train.reference import ReferenceStep
@@ -28,6 +31,11 @@ ROWS = [
     ("all resident", dict(policy="none")),
     ("blocks streamed from host", dict(policy="host", resident="embed|head")),
     ("everything streamed from host", dict(policy="host")),
+    ("state on disk, microbatch-outer", dict(policy="disk", microbatch_order="microbatch-outer",
+                                             activations=ActivationConfig(policy="full"))),
+    ("state on disk, layer-outer, boundaries on host",
+     dict(policy="disk", microbatch_order="layer-outer", boundary_tier=Tier.HOST,
+          activations=ActivationConfig(policy="full"))),
 ]
 
 
@@ -72,8 +80,8 @@ def main() -> None:
             eng = Engine(
                 copy.deepcopy(base), optim,
                 EngineOptions(offload_dir=off, batch_size=args.batch_size, seq_len=args.seq_len,
-                              micro_batches=args.micro_batches, microbatch_order=args.order,
-                              **kw),
+                              micro_batches=args.micro_batches,
+                              **{"microbatch_order": args.order, **kw}),
                 device=device,
             )
             ref_t, eng_t = [], []
@@ -83,18 +91,19 @@ def main() -> None:
                 if i >= args.warmup:
                     ref_t.append(rt)
                     eng_t.append(et)
-            h2d = eng.ledger.moved_bytes
+            moved = {link: n / 2**20 for link, n in eng.ledger.moved_bytes.items()}
             rows.append((label, statistics.median(ref_t), statistics.median(eng_t),
-                         h2d["h2d"] / 2**20, h2d["d2h"] / 2**20))
+                         *(moved.get(k, 0.0) for k in ("h2d", "d2h", "disk_read", "disk_write"))))
             eng.close()
 
     print()
     print("| runtime placement | reference step (s) | runtime step (s) | reference tok/s "
-          "| runtime tok/s | runtime / reference | H2D MiB/step | D2H MiB/step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for label, rt, et, h2d, d2h in rows:
+          "| runtime tok/s | runtime / reference | H2D MiB/step | D2H MiB/step "
+          "| disk read MiB/step | disk write MiB/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, rt, et, h2d, d2h, dr, dw in rows:
         print(f"| {label} | {rt:.3f} | {et:.3f} | {tokens / rt:,.0f} | {tokens / et:,.0f} "
-              f"| {rt / et:.3f} | {h2d:.1f} | {d2h:.1f} |")
+              f"| {rt / et:.3f} | {h2d:.1f} | {d2h:.1f} | {dr:.1f} | {dw:.1f} |")
 
 
 if __name__ == "__main__":
