@@ -56,6 +56,7 @@ from tierlm.models import (
     preset_config,
 )
 from tierlm.models.export import source_dtype
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.train.checkpoint import (
@@ -88,6 +89,7 @@ from tierlm.train.safety import (
     storage_failure,
 )
 from tierlm.train.schedule import lr_at
+from tierlm.train.trace import build_step_trace, build_tracer
 
 
 def cache_dir() -> Path:
@@ -143,6 +145,7 @@ def build_stepper(
     offload_subdir: str = "",
     precision: str = "fp32",
     plan: Plan | None = None,
+    tracer: Tracer | NoTracer = NO_TRACER,
 ):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
@@ -187,6 +190,7 @@ def build_stepper(
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
+    options.tracer = tracer  # the step timeline; armed for --monitor.trace_step
     if plan is not None:  # the planner checked the budgets with its own, finer model
         options.placements = plan.placements
         options.microbatch_order = plan.order
@@ -293,14 +297,17 @@ class Trainer:
             if cfg.memory.offload_policy == "auto"
             else None
         )
+        tracer = build_tracer(cfg, self.device, self.world.is_main)
         self.stepper = build_parallel_stepper(
             cfg, self.world, self.model, self.device, self.precision,
             functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight,
-                              precision=self.precision, plan=auto),
+                              precision=self.precision, plan=auto, tracer=tracer),
         )
         self.plan = auto
         if self.plan is None and isinstance(self.stepper, Engine):
             self.plan = predict_for_engine(cfg, self.model.config, self.stepper, self.precision)
+        self.step_trace = build_step_trace(cfg, tracer, self.stepper, self.plan,
+                                           self.model.config, self.precision, self.run_dir, log)
         self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
         self.memory_watch.trim()  # the model as built went to the runtime
         self.nonfinite = NonFiniteGuard(
@@ -480,8 +487,10 @@ class Trainer:
                 run_eval()
             while self.step < end:
                 interrupt.check()
+                self.step_trace.before(self.step + 1)
                 rec = self.train_step()
                 progress.step(rec)  # derived fields, alerts, metrics.jsonl, the live view
+                self.step_trace.after(rec)  # --monitor.trace_step: RUN_DIR/trace.json
                 self.nonfinite.observe(rec)
                 result.losses.append(rec["loss"])
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != end:
