@@ -7,12 +7,14 @@ from collections import Counter, defaultdict
 import pytest
 from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
+from tierlm.cli import main
 from tierlm.config import ConfigError, validate
 from tierlm.memory.disk import DiskTier
 from tierlm.memory.store import Store
 from tierlm.monitor.trace import MEASURED_PID, PREDICTED_PID, NoTracer, TraceEvent, chrome_trace
 from tierlm.train import Trainer
 from tierlm.train.monitor import read_metrics
+from tierlm.train.report import load_run, trace_figures
 
 TRACE_STEP = 2
 M = 2  # micro-batches
@@ -21,6 +23,26 @@ M = 2  # micro-batches
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def traced(corpus, tmp_path_factory):
+    """A disk-tier run of `tiny` with 2 micro-batches, step 2 traced; with the number of copies
+    and disk requests the store made while the tracer was armed."""
+    out = tmp_path_factory.mktemp("traced")
+    cfg = tiny_run_cfg(out, corpus, policy="disk", max_steps=3, grad_accum_steps=M)
+    cfg.monitor.trace_step = TRACE_STEP
+    validate(cfg)
+    t = Trainer(cfg, log=quiet)
+    tracer = t.stepper.tracer
+    counts: Counter = Counter()
+    with pytest.MonkeyPatch.context() as mp:
+        _count_while_armed(mp, Store, "_copy", tracer, counts, "copy")
+        _count_while_armed(mp, Store, "add_to_host", tracer, counts, "copy")
+        _count_while_armed(mp, DiskTier, "_submit", tracer, counts, "disk")
+        t.train()
+    t.stepper.close()
+    return out, t.stepper, counts
 
 
 def _count_while_armed(monkeypatch, cls, method, tracer, counts, key):
@@ -44,20 +66,9 @@ def _rows(trace):
     return names, rows
 
 
-def test_disk_run_traces_every_action_and_transfer(corpus, tmp_path, monkeypatch):
-    cfg = tiny_run_cfg(tmp_path, corpus, policy="disk", max_steps=3, grad_accum_steps=M)
-    cfg.monitor.trace_step = TRACE_STEP
-    validate(cfg)
-    t = Trainer(cfg, log=quiet)
-    tracer = t.stepper.tracer
-    counts: Counter = Counter()  # calls made while the tracer was armed
-    _count_while_armed(monkeypatch, Store, "_copy", tracer, counts, "copy")
-    _count_while_armed(monkeypatch, Store, "add_to_host", tracer, counts, "copy")
-    _count_while_armed(monkeypatch, DiskTier, "_submit", tracer, counts, "disk")
-    t.train()
-    t.stepper.close()
-
-    trace = json.loads((tmp_path / "trace.json").read_text(encoding="utf-8"))
+def test_disk_run_traces_every_action_and_transfer(traced):
+    run_dir, engine, counts = traced
+    trace = json.loads((run_dir / "trace.json").read_text(encoding="utf-8"))
     # the Chrome trace event format: complete events and the metadata naming processes/rows
     assert set(trace) >= {"traceEvents"}
     for e in trace["traceEvents"]:
@@ -82,7 +93,6 @@ def test_disk_run_traces_every_action_and_transfer(corpus, tmp_path, monkeypatch
         by_lane[e["args"]["lane"]].append(e)
 
     # one compute event per scheduled action, in schedule order
-    engine = t.stepper
     seg_names = [st.seg.name for st in engine.states]
     schedule = [a.label(seg_names) for a in engine.schedule(M)]
     actions = [e["name"] for e in by_lane["compute"] if e["cat"] == "action"]
@@ -92,7 +102,7 @@ def test_disk_run_traces_every_action_and_transfer(corpus, tmp_path, monkeypatch
     assert sorted(predicted) == sorted(schedule)
 
     # one event per copy and per disk request made while armed; bytes as the ledger counted
-    rec = next(r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("step") == TRACE_STEP
+    rec = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == TRACE_STEP
                and "loss" in r)
     assert len(by_lane["H2D"]) + len(by_lane["D2H"]) == counts["copy"] > 0
     assert len(by_lane["disk read"]) + len(by_lane["disk write"]) == counts["disk"] > 0
@@ -138,3 +148,20 @@ def test_trace_step_flag_is_checked(corpus, tmp_path):
     cfg.monitor.trace_step = 1
     with pytest.raises(ConfigError, match="--monitor.trace_step.*--offload-policy"):
         validate(cfg)
+
+
+def test_report_draws_the_lanes_and_the_placement(traced, tmp_path):
+    run_dir, engine, _ = traced
+    run = load_run(run_dir)
+    figs = trace_figures([run])
+    assert set(figs) == {"trace", "placement"}
+    drawn = {c.get_gid() for ax in figs["trace"].axes for c in ax.collections}
+    names, rows = _rows(run.trace)
+    process = {MEASURED_PID: "measured", PREDICTED_PID: "predicted"}
+    assert drawn == {f"trace/{process[pid]}/{names[(pid, tid)]}" for pid, tid in rows}
+    bars = {c.get_label() for ax in figs["placement"].axes for c in ax.containers}
+    assert bars == {"disk/master", "disk/optim_state", "disk/grad"}
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "![trace](trace.png)" in md and "![placement](placement.png)" in md
+    assert (tmp_path / "trace.png").stat().st_size > 0
