@@ -509,13 +509,15 @@ class Engine:
         buffer first); returns the gradient target of a head or backward action."""
         st = self.states[a.seg]
         if a.kind == "bwd":
-            grad = self._grad_target(st)
+            with self.tracer.span("compute", "gradient buffer", cat="step"):
+                grad = self._grad_target(st)
             self._weights(k, a.seg)
             return grad
         self._weights(k, a.seg)
         if a.kind == "fwd":
             return None
-        grad = self._grad_target(st)
+        with self.tracer.span("compute", "gradient buffer", cat="step"):
+            grad = self._grad_target(st)
         for owner, _, _ in self.borrowed.values():
             self._weights(k, owner)
         return grad

@@ -53,6 +53,7 @@ class StepTrace:
         """Called with the number the next step will have."""
         if step == self.step:
             self.tracer.arm()
+            self.before_s = time.perf_counter()  # the trainer's step starts now
 
     def after(self, rec: dict[str, Any]) -> None:
         """Called with the step's record, once the monitor has added its fields."""
@@ -62,6 +63,10 @@ class StepTrace:
         self.engine.synchronize()  # the step's own updates, still running in the background
         # the waits `synchronize` itself records are the trace's, not the step's
         events = [e for e in self.tracer.disarm() if e.lane != "wait" or e.start_s < end_s]
+        # the trainer's part of the step before the runtime's (drawing the micro-batches) is
+        # compute in `compute_s` too
+        begin = min((e.start_s for e in events if e.lane == "compute"), default=end_s)
+        events.insert(0, TraceEvent("compute", "draw batches", "step", self.before_s, begin))
         trace = chrome_trace(
             events, self.tracer.origin_s, self.predict(),
             step=self.step,
@@ -69,8 +74,9 @@ class StepTrace:
             predicted_times_s=self.plan.times_s if self.plan is not None else None,
             placement=placement_map(self.engine),
             lanes_note=(
-                "compute: the step less its waits for weights and updates (the trainer's "
-                "compute_s), host clock; wait: those waits; H2D/D2H: store copies (CUDA events "
+                "compute: the step's actions, its begin and finish and the trainer's drawing "
+                "of the batches: the step less its waits for weights and updates (compute_s), "
+                "host clock; wait: those waits; H2D/D2H: store copies (CUDA events "
                 "on a GPU); disk read/write: one event per request, from its first chunk "
                 "starting to its last finishing; cpu update: the optimizer math per segment. "
                 "A lane with events in flight together is split into rows ('disk read 2')."
