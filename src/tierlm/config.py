@@ -272,6 +272,12 @@ class MonitorConfig:
     log_every: int = 10
     """Steps between progress lines when stdout is not a terminal (CI, files); a terminal gets
     a live view redrawn in place."""
+    trace_step: int = 0
+    """Record a timeline of this optimizer step (1-based): every action, wait, copy, disk
+    request and optimizer update with its start and end, beside the planner's predicted
+    timeline of the same step, to RUN_DIR/trace.json (Chrome trace format: open it in
+    ui.perfetto.dev; `tierlm report` draws it). 0: off. Tiered runtime only
+    (--monitor.trace_step)."""
 
 
 @dataclass(kw_only=True)
@@ -612,6 +618,7 @@ def validate(cfg: Config) -> None:
     _positive("train.max_steps", cfg.train.max_steps, "--max-steps")
     _positive("train.eval_batches", cfg.train.eval_batches)
     _positive("monitor.log_every", cfg.monitor.log_every)
+    _check_trace_step(cfg)
     _positive("optim.lr", cfg.optim.lr, "--lr")
     _positive("memory.disk_endurance_tbw", cfg.memory.disk_endurance_tbw, "--disk-endurance-tbw")
     if cfg.data.vocab_size < 260:
@@ -703,6 +710,22 @@ def validate(cfg: Config) -> None:
 
     validate_distributed(cfg)
     _validate_precision(cfg.precision)
+
+
+def _check_trace_step(cfg: Config) -> None:
+    step = cfg.monitor.trace_step
+    if step < 0:
+        raise ConfigError(f"--monitor.trace_step: must be >= 0 (0: off), got {step}")
+    if step > cfg.train.max_steps:
+        raise ConfigError(f"--monitor.trace_step {step} is past the run's last step "
+                          f"(--max-steps {cfg.train.max_steps}); pick a step in 1..max-steps")
+    if step and not uses_tiered_runtime(cfg):
+        raise ConfigError("--monitor.trace_step traces the tiered runtime's actions and moves; "
+                          "add --offload-policy host, disk or tiered (the reference trainer "
+                          "has one opaque step), or drop --monitor.trace_step")
+    if step and cfg.distributed.backend == "fsdp":
+        raise ConfigError("--monitor.trace_step traces the tiered runtime, not FSDP; drop "
+                          "--monitor.trace_step or use --backend engine")
 
 
 def uses_tiered_runtime(cfg: Config) -> bool:

@@ -26,8 +26,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
+
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 
 __all__ = [
     "ALIGN_BYTES",
@@ -172,6 +175,7 @@ class _Request:
         self.lock = threading.Lock()
         self.future: Future[None] = Future()
         self.future.set_running_or_notify_cancel()  # bytes already in flight cannot be cancelled
+        self.span: Any = None  # the trace event, decided when the request is submitted
 
 
 class DiskTier:
@@ -199,7 +203,9 @@ class DiskTier:
         threads: int = 4,
         chunk_bytes: int = 8 << 20,
         direct: bool | None = None,
+        tracer: Tracer | NoTracer = NO_TRACER,
     ) -> None:
+        self.tracer = tracer  # each request is one event, timed in the I/O threads
         if threads < 1:
             raise ValueError(f"DiskTier: threads must be >= 1, got {threads}")
         if chunk_bytes < 1:
@@ -438,6 +444,7 @@ class DiskTier:
         return pieces, tail_bytes, bounce
 
     def _submit(self, req: _Request, work: list[Callable[[], None]]) -> Future[None]:
+        req.span = self.tracer.open(f"disk {req.op}", req.name, cat="disk", bytes=req.nbytes)
         with self._lock:
             for fn in work:
                 self._pool.submit(self._run_piece, req, fn)
@@ -469,7 +476,10 @@ class DiskTier:
             req.pending -= 1
             if req.pending:
                 return
-        elapsed_s = time.perf_counter() - req.start_s if req.start_s is not None else 0.0
+        end_s = time.perf_counter()
+        elapsed_s = end_s - req.start_s if req.start_s is not None else 0.0
+        if req.error is None and req.start_s is not None:
+            req.span.close(req.start_s, end_s)
         req.keepalive = ()
         self._end(req.name)
         with self._lock:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,13 +245,19 @@ def _simulate(
     order: str,
     keep_resident: bool,
     boundary_host: bool = False,
+    *,
+    ledger: Ledger | None = None,
+    on_action: Callable[[int, str, Any], None] = lambda k, phase, action: None,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
-    activation workspace outside it, and the host staging held by a concurrent update."""
+    activation workspace outside it, and the host staging held by a concurrent update.
+    `on_action(k, phase, action)` marks where the replay is (phase "run": action k's waits,
+    compute and gradient landing; "prefetch": the loads it starts for action k+1; "update":
+    after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline)."""
     from tierlm.runtime.cache import StreamCache
     from tierlm.runtime.engine import Action
 
-    ledger = Ledger()
+    ledger = Ledger() if ledger is None else ledger
     store = _CountingStore(ledger)
     n_segs = len(shape.names)
     last = n_segs - 1
@@ -353,6 +360,7 @@ def _simulate(
 
     borrowed: dict[int, _Bytes] = {}
     for k, a in enumerate(actions):
+        on_action(k, "run", a)
         s = a.seg
         final = a.mbs[-1] == m - 1
         if a.kind == "fwd":
@@ -399,8 +407,10 @@ def _simulate(
                     store.free(Tier.DEVICE, TensorClass.GRAD, temp)
             if g is not None:
                 land(s, g, final)
+        on_action(k, "prefetch", a)
         cache.prefetch(k + 1)
 
+    on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and moments, write three back
     update_staging = 0
     for n, p in zip(numels, placements, strict=True):

@@ -19,6 +19,9 @@ from tierlm.crashpoints import crash_point
 from tierlm.memory.disk import DiskTier, aligned_empty
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+
+_LANE = {Link.H2D: "H2D", Link.D2H: "D2H"}
 
 
 def nbytes_of(t: torch.Tensor) -> int:
@@ -31,8 +34,10 @@ class Store:
         device: torch.device,
         ledger: Ledger | None = None,
         offload_dir: str | Path | None = None,
+        tracer: Tracer | NoTracer = NO_TRACER,
     ) -> None:
         self.device = device
+        self.tracer = tracer  # the step timeline (tierlm.monitor.trace): every copy and request
         self.ledger = ledger or Ledger()
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -62,29 +67,47 @@ class Store:
 
     # -- device <-> host --------------------------------------------------------------------------
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+    def to_device(
+        self, dst: torch.Tensor, src: torch.Tensor, what: str = ""
+    ) -> torch.cuda.Event | None:
         """Copy host -> device. On CUDA the copy runs on the side stream and the returned event
-        must be waited on (`wait`) before compute reads `dst`."""
-        return self._copy(dst, src, Link.H2D)
+        must be waited on (`wait`) before compute reads `dst`. `what` names it in the trace."""
+        return self._copy(dst, src, Link.H2D, what)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
-        return self._copy(dst, src, Link.D2H)
+    def to_host(
+        self, dst: torch.Tensor, src: torch.Tensor, what: str = ""
+    ) -> torch.cuda.Event | None:
+        return self._copy(dst, src, Link.D2H, what)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link):
+    def add_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
+        """`dst += src` for a host `dst` and a device `src` on a CPU-only machine, where the add
+        is the D2H move (a GPU stages the copy first: the engine's `_d2h_add`)."""
+        nbytes = nbytes_of(src)
+        t0 = time.perf_counter()
+        with self.tracer.span("D2H", what or "add", cat="transfer", bytes=nbytes):
+            dst.add_(src)
+        self.ledger.record_move(Link.D2H, nbytes, time.perf_counter() - t0)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link, what: str = ""):
+        nbytes = nbytes_of(src)
+        lane = _LANE[link]
         t0 = time.perf_counter()
         if self.copy_stream is None:
-            dst.copy_(src)
-            self.ledger.record_move(link, nbytes_of(src), time.perf_counter() - t0)
+            with self.tracer.span(lane, what or lane, cat="transfer", bytes=nbytes):
+                dst.copy_(src)
+            self.ledger.record_move(link, nbytes, time.perf_counter() - t0)
             return None
         # The side stream must not start before compute finished writing `src` (D2H) or
         # finished reading the previous contents of `dst` (H2D into a recycled buffer).
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
+            with self.tracer.span(lane, what or lane, cat="transfer", stream=self.copy_stream,
+                                  bytes=nbytes):
+                dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         # Async copies are timed by the caller's wait; count the bytes now.
-        self.ledger.record_move(link, nbytes_of(src), 0.0)
+        self.ledger.record_move(link, nbytes, 0.0)
         return event
 
     def wait(self, event: torch.cuda.Event | None) -> None:
@@ -98,7 +121,7 @@ class Store:
         if self._disk is None:
             if self._offload_dir is None:
                 raise ValueError("the disk tier needs --offload-dir")
-            self._disk = DiskTier(self._offload_dir)
+            self._disk = DiskTier(self._offload_dir, tracer=self.tracer)
         return self._disk
 
     def write_file(self, name: str, src: torch.Tensor, cls: TensorClass) -> Future[None]:

@@ -50,8 +50,9 @@ from tierlm.memory.placement import (
     place,
 )
 from tierlm.memory.store import Store, nbytes_of
-from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim.flat_adamw import FlatAdamW
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
@@ -123,6 +124,9 @@ class EngineOptions:
     grad_sync: GradSync = NO_SYNC
     """Data parallelism (tierlm.distributed): started on each segment's complete gradient,
     overlapping the rest of the backward, and waited for before the norm is taken."""
+    tracer: Tracer | NoTracer = NO_TRACER
+    """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
+    updates, recorded while the trainer arms it for --monitor.trace_step."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,9 @@ class Action:
     kind: str  # "fwd" | "head" | "bwd"
     seg: int
     mbs: tuple[int, ...]
+
+    def label(self, names: list[str]) -> str:
+        return f"{self.kind} {names[self.seg]} mb{','.join(map(str, self.mbs))}"
 
 
 @dataclass
@@ -162,7 +169,8 @@ class Engine:
         their segment is in place."""
         self.opts = options
         self.device = device
-        self.store = store or Store(device, offload_dir=options.offload_dir)
+        self.tracer = options.tracer
+        self.store = store or Store(device, offload_dir=options.offload_dir, tracer=self.tracer)
         self.ledger = self.store.ledger
         self.adapter = ModelAdapter(model)
         # host-resident weights stream in the precision they compute in (tierlm.precision)
@@ -319,12 +327,16 @@ class Engine:
         sequence the stream cache is given (monitoring replays it to know the planned fetches)."""
         return [self._needs(a) for a in self.schedule(m)]
 
-    def _needs(self, a: Action) -> list[int]:
-        """Streamed segments whose device copy action `a` reads."""
+    def _reads(self, a: Action) -> list[int]:
+        """Segments whose device copy action `a` reads (the head also reads tied weights)."""
         segs = [a.seg]
         if a.kind == "head":
             segs += [owner for owner, _, _ in self.borrowed.values()]
-        return [s for s in segs if not self.states[s].placement.resident]
+        return segs
+
+    def _needs(self, a: Action) -> list[int]:
+        """Streamed segments whose device copy action `a` reads."""
+        return [s for s in self._reads(a) if not self.states[s].placement.resident]
 
     # -- weights ----
 
@@ -333,7 +345,10 @@ class Engine:
         if fut is not None:
             t0 = time.perf_counter()
             fut.result()  # re-raises a failed update here, in the training thread
-            self.update_wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.update_wait_s += t1 - t0
+            self.tracer.record("wait", f"update {self.states[s].seg.name}", t0, t1,
+                               cat="update wait")
 
     def synchronize(self) -> None:
         """Wait for every pending optimizer update (before eval, checkpoints, export)."""
@@ -345,14 +360,20 @@ class Engine:
         st = self.states[s]
         t0 = time.perf_counter()
         if not st.placement.resident:
+            # a copy still in flight (prefetched) or not started: this call waits for it
+            arrived = s in self.cache.pending or s not in self.cache.entries
             w = self.cache.acquire(k, s)
         else:
+            arrived = st.device_stale
             if st.device_stale:
                 start_load(self.store, st).finish(st.device_weights)
                 st.device_stale = False
             w = st.device_weights
         # Host-side wait: on CUDA an H2D copy the compute stream waits for is not included.
-        self.transfer_wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.transfer_wait_s += t1 - t0
+        if arrived:
+            self.tracer.record("wait", f"weights {st.seg.name}", t0, t1, cat="transfer wait")
         return w
 
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -403,7 +424,8 @@ class Engine:
         self.ledger.hold_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
         if park and self.host_boundaries and s < len(self.states) - 1:
             host = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, t.numel(), t.dtype)
-            mb.parked[s] = (host, self.store.to_host(host.view(t.shape), t), t.shape)
+            what = f"boundary {self.states[s].seg.name}"
+            mb.parked[s] = (host, self.store.to_host(host.view(t.shape), t, what), t.shape)
 
     def _leave_device(self, mb: _MicroBatch, s: int) -> None:
         """Segment `s`'s forward has read its input: the host copy waits for the backward."""
@@ -416,7 +438,8 @@ class Engine:
         if s not in mb.h:
             host, _, shape = mb.parked.pop(s)
             dev = torch.empty(shape, dtype=host.dtype, device=self.device)
-            self.store.wait(self.store.to_device(dev, host.view(shape)))
+            what = f"boundary {self.states[s].seg.name}"
+            self.store.wait(self.store.to_device(dev, host.view(shape), what))
             # pinned host memory goes back to torch's host allocator, which holds it until the
             # copy reading it has finished
             self.store.free(Tier.HOST, TensorClass.ACTIVATION, host)
@@ -456,32 +479,42 @@ class Engine:
     # -- the step ----
 
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
-        """One optimizer step over `batches` (each (B, T+1) token ids) at learning rate `lr`."""
+        """One optimizer step over `batches` (each (B, T+1) token ids) at learning rate `lr`.
+
+        Every action first waits for the weights it reads (the previous update, then the copy:
+        `update_wait_s`, `transfer_wait_s`), then computes; the trace's compute lane is the
+        step less those waits."""
         t0 = time.perf_counter()
-        self.ledger.reset_step()
-        self.update_wait_s = 0.0
-        self.transfer_wait_s = 0.0
-        self.clock.take()  # drop what evaluation or a checkpoint measured
-        m = len(batches)
-        mbs = [
-            _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
-            for b in batches
-        ]
-        actions = self.schedule(m)
-        self.cache.begin(self.stream_plan(m))
-        self.param_norms = {}
+        trace = self.tracer
+        names = [st.seg.name for st in self.states]
+        with trace.span("compute", "begin step", cat="step"):
+            self.ledger.reset_step()
+            self.update_wait_s = 0.0
+            self.transfer_wait_s = 0.0
+            self.clock.take()  # drop what evaluation or a checkpoint measured
+            m = len(batches)
+            mbs = [
+                _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
+                for b in batches
+            ]
+            actions = self.schedule(m)
+            self.cache.begin(self.stream_plan(m))
+            self.param_norms = {}
         loss_sum = 0.0
         for k, a in enumerate(actions):
             self._bring_back(actions[k + 1 : k + 2], mbs)
-            if a.kind == "fwd":
-                self._forward(k, a, mbs)
-            elif a.kind == "head":
-                loss_sum += self._head(k, a, mbs, m)
-            else:
-                self._backward(k, a, mbs)
-            self.cache.prefetch(k + 1)
+            grad = self._prepare(k, a)
+            with trace.span("compute", a.label(names), cat="action", k=k):
+                if a.kind == "fwd":
+                    self._forward(k, a, mbs)
+                elif a.kind == "head":
+                    loss_sum += self._head(k, a, mbs, m, grad)
+                else:
+                    self._backward(k, a, mbs, grad)
+                self.cache.prefetch(k + 1)
         sweep_s = time.perf_counter() - t0
-        grad_norm, skipped = self._finish_step(lr)
+        with trace.span("compute", "finish step", cat="step"):
+            grad_norm, skipped = self._finish_step(lr)
         return {
             "loss": loss_sum / m,
             "grad_norm": grad_norm,
@@ -492,6 +525,25 @@ class Engine:
             "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
             "step_time_s": time.perf_counter() - t0,
         }
+
+    def _prepare(self, k: int, a: Action) -> torch.Tensor | None:
+        """Everything action `a` waits for before it computes: its weights (and the previous
+        update of them), in the order the planner's replay allocates (the backward's gradient
+        buffer first); returns the gradient target of a head or backward action."""
+        st = self.states[a.seg]
+        if a.kind == "bwd":
+            with self.tracer.span("compute", "gradient buffer", cat="step"):
+                grad = self._grad_target(st)
+            self._weights(k, a.seg)
+            return grad
+        self._weights(k, a.seg)
+        if a.kind == "fwd":
+            return None
+        with self.tracer.span("compute", "gradient buffer", cat="step"):
+            grad = self._grad_target(st)
+        for owner, _, _ in self.borrowed.values():
+            self._weights(k, owner)
+        return grad
 
     def _forward(self, k: int, a: Action, mbs: list[_MicroBatch]) -> None:
         st = self.states[a.seg]
@@ -513,14 +565,15 @@ class Engine:
     def _chunk_tokens(self, vocab: int) -> int:
         return self.opts.loss_chunk_tokens or default_chunk_tokens(vocab)
 
-    def _head(self, k: int, a: Action, mbs: list[_MicroBatch], m: int) -> float:
+    def _head(
+        self, k: int, a: Action, mbs: list[_MicroBatch], m: int, grad: torch.Tensor
+    ) -> float:
         """Loss and its gradient at the head's input, chunk by chunk over tokens, so the full
         (tokens x vocab) logits never exist at once."""
         s = a.seg
         st = self.states[s]
         seg: HeadSegment = st.seg  # type: ignore[assignment]
         w = self._weights(k, s)
-        grad = self._grad_target(st)
         loss_total = 0.0
         for i in a.mbs:
             mb = mbs[i]
@@ -561,11 +614,12 @@ class Engine:
         self._land_grad(st, grad, final=a.mbs[-1] == m - 1)
         return loss_total
 
-    def _backward(self, k: int, a: Action, mbs: list[_MicroBatch]) -> None:
+    def _backward(
+        self, k: int, a: Action, mbs: list[_MicroBatch], grad: torch.Tensor
+    ) -> None:
         s = a.seg
         st = self.states[s]
         owns_borrowed = s == 0 and bool(self._borrowed_grad)
-        grad = self._grad_target(st)
         w = self._weights(k, s)  # every policy's backward reads the weights on the device
         for i in a.mbs:
             mb = mbs[i]
@@ -613,8 +667,9 @@ class Engine:
             if final:
                 self._grad_complete(st, grad)
             return
+        what = f"grad {st.seg.name}"
         if st.tier == Tier.HOST:
-            self._d2h_add(st.grad, grad)
+            self._d2h_add(st.grad, grad, what)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
                 self._grad_complete(st, st.grad)
@@ -622,9 +677,9 @@ class Engine:
         staging = self.store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
         if st.grad_written:  # earlier micro-batches of this step: read, add, write back
             self.store.read_file(st.file("grad"), staging).result()
-            self._d2h_add(staging, grad)
+            self._d2h_add(staging, grad, what)
         else:
-            self.store.wait(self.store.to_host(staging, grad))
+            self.store.wait(self.store.to_host(staging, grad, what))
             self._sync_device()
         self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
         if final:
@@ -652,13 +707,12 @@ class Engine:
         for name, view in st.layout.views(grad).items():
             self.param_norms[name] = torch.linalg.vector_norm(view).to(self.device)
 
-    def _d2h_add(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+    def _d2h_add(self, host: torch.Tensor, dev: torch.Tensor, what: str = "") -> None:
         if dev.device.type == "cpu":
-            host.add_(dev)  # the CPU "device": the add is the copy
-            self.ledger.record_move(Link.D2H, nbytes_of(dev))
+            self.store.add_to_host(host, dev, what)  # the CPU "device": the add is the copy
             return
         tmp = self.store.alloc(Tier.HOST, TensorClass.STAGING, dev.numel())
-        self.store.wait(self.store.to_host(tmp, dev))
+        self.store.wait(self.store.to_host(tmp, dev, what))
         self._sync_device()
         host.add_(tmp)
         self.store.free(Tier.HOST, TensorClass.STAGING, tmp)
@@ -697,12 +751,14 @@ class Engine:
 
     def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
         bufs = read_copies(self.store, st, (*STATE_COPIES, "grad"))
-        bufs["grad"].mul_(coef)
-        self.optimizer.update(
-            st.layout.groups(), bufs["master"], bufs["grad"], bufs["exp_avg"],
-            bufs["exp_avg_sq"], st.steps, lr,
-        )
-        self.compute_copies.refresh(self.store, st, bufs["master"])  # quantised once per step
+        lane = "device update" if st.tier == Tier.DEVICE else "cpu update"
+        with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
+            bufs["grad"].mul_(coef)
+            self.optimizer.update(
+                st.layout.groups(), bufs["master"], bufs["grad"], bufs["exp_avg"],
+                bufs["exp_avg_sq"], st.steps, lr,
+            )
+            self.compute_copies.refresh(self.store, st, bufs["master"])  # quantised once a step
         if st.tier == Tier.DISK:
             write_back_copies(self.store, st, bufs, STATE_COPIES)  # the gradient is spent
         else:

@@ -108,7 +108,7 @@ class HostLoad:
         self.store, self.st = store, st
 
     def finish(self, dst: torch.Tensor) -> None:
-        self.store.wait(self.store.to_device(dst, self.st.master))
+        self.store.wait(self.store.to_device(dst, self.st.master, self.st.seg.name))
 
 
 class DiskLoad:
@@ -117,12 +117,13 @@ class DiskLoad:
 
     def __init__(self, store: Store, st: SegmentState) -> None:
         self.store = store
+        self.name = st.seg.name
         self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
         self.future = store.read_file(st.file("master"), self.staging)
 
     def finish(self, dst: torch.Tensor) -> None:
         self.future.result()
-        self.store.wait(self.store.to_device(dst, self.staging))
+        self.store.wait(self.store.to_device(dst, self.staging, self.name))
         if dst.device.type == "cuda":
             torch.cuda.current_stream(dst.device).synchronize()  # before staging is reused
         self.store.free(Tier.HOST, TensorClass.STAGING, self.staging)

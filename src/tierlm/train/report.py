@@ -4,11 +4,14 @@ One run: RUN_DIR/report/. Two runs: the plots overlay them, written to
 RUN_DIR/report-vs-<second run's name>/ (or `--out`). The summary shows, per run: steps,
 final train and held-out loss, tokens/s, the step-time split, skipped steps, alerts, and the
 peak bytes per tier measured by the ledger against the planner's prediction when the run has one
-(a record with `predicted_<tier>_peak_bytes`) and the budget when one was set.
+(a record with `predicted_<tier>_peak_bytes`) and the budget when one was set. A run traced with
+`--monitor.trace_step` (RUN_DIR/trace.json) also gets the step's lanes, measured and predicted,
+and its placement map.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +25,7 @@ from tierlm.memory.tiers import Tier
 from tierlm.train.live import fmt_bytes
 from tierlm.train.monitor import read_metrics
 from tierlm.train.plots import build_figures
+from tierlm.train.trace_plots import placement_figure, trace_figure
 
 DPI = 110
 
@@ -39,6 +43,7 @@ class Run:
     other: list[dict[str, Any]]  # anything else (the planner's predictions, events)
     budgets: dict[str, float] = field(default_factory=dict)  # tier -> bytes, from config.yaml
     planned: dict[str, float] = field(default_factory=dict)  # tier -> predicted peak bytes
+    trace: dict[str, Any] | None = None  # RUN_DIR/trace.json (--monitor.trace_step)
 
 
 def load_run(path: str | Path) -> Run:
@@ -65,6 +70,14 @@ def load_run(path: str | Path) -> Run:
                     run.budgets[str(tier)] = parse_bytes(mem[key])
                 except ConfigError:
                     pass
+    trace_file = path / "trace.json"
+    if trace_file.is_file():
+        try:
+            run.trace = json.loads(trace_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ReportError(
+                f"{trace_file}: not JSON ({exc}); delete it or trace the run again"
+            ) from None
     for rec in other:
         for tier in Tier:
             value = rec.get(f"predicted_{tier}_peak_bytes", rec.get(f"predicted_{tier}_bytes"))
@@ -134,6 +147,12 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     rss = [r["rss_peak_bytes"] for r in run.steps if r.get("rss_peak_bytes")]
     if rss:
         rows.append(("process peak RSS", fmt_bytes(max(rss))))
+    other = (run.trace or {}).get("otherData") or {}
+    if other.get("step") is not None:
+        measured = (other.get("measured_s") or {}).get("step_time_s")
+        predicted = (other.get("predicted_times_s") or {}).get("step")
+        rows.append(("traced step: measured / predicted s", f"{other['step']}: "
+                     + " / ".join("-" if v is None else f"{v:.3f}" for v in (measured, predicted))))
     return rows
 
 
@@ -159,7 +178,34 @@ _CAPTIONS = {
     "moves": "Swap rates: bytes moved per second of step on each link, and segments fetched to "
              "the device per step against the schedule's plan.",
     "fp8_underflow": "Share of values that underflowed to zero when cast to fp8, per layer.",
+    "trace": "The traced step (--monitor.trace_step, RUN_DIR/trace.json; open it in "
+             "ui.perfetto.dev for names and sizes): measured lanes above, the planner's "
+             "predicted lanes below, each on its own time axis. Compute is the step less its "
+             "waits for weights and for the previous update (the wait lane); H2D/D2H are the "
+             "store's copies, disk read/write one bar per request, cpu update the optimizer per "
+             "segment (the step's own updates run after its sweep, behind the next forward). A "
+             "lane with work in flight at once is split into numbered rows. The predicted lanes "
+             "lay the planner's time model out per action: compute shared by FLOPs, each move "
+             "at the profile's link rate, overlapped as the planner assumes.",
+    "placement": "Where each segment's state lives: bytes per tier and tensor class (compute "
+                 "weights on the device for resident segments; streamed ones visit the device "
+                 "only while their action runs).",
 }
+
+
+def trace_figures(runs: list[Run]) -> dict[str, Any]:
+    figs = {}
+    for i, run in enumerate(runs):
+        if run.trace is None:
+            continue
+        suffix = "" if len(runs) == 1 else f"_{i + 1}"
+        other = run.trace.get("otherData") or {}
+        figs[f"trace{suffix}"] = trace_figure(
+            run.trace, f"{run.name}: step {other.get('step', '?')}")
+        if other.get("placement"):
+            figs[f"placement{suffix}"] = placement_figure(
+                other["placement"], f"{run.name}: placement")
+    return figs
 
 
 def alert_section(runs: list[Run]) -> str:
@@ -178,14 +224,15 @@ def alert_section(runs: list[Run]) -> str:
 
 def write_report(runs: list[Run], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    figs = build_figures(runs)
+    figs = {**build_figures(runs), **trace_figures(runs)}
     title = (f"Run report: {runs[0].name}" if len(runs) == 1
              else "Run comparison: " + " vs ".join(r.name for r in runs))
     md = [f"# {title}", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), "",
           summary_table(runs), ""]
     for name, fig in figs.items():
         fig.savefig(out_dir / f"{name}.png", dpi=DPI)
-        md += [f"## {name.replace('_', ' ').capitalize()}", "", _CAPTIONS[name], "",
+        caption = _CAPTIONS.get(name) or _CAPTIONS[name.rsplit("_", 1)[0]]
+        md += [f"## {name.replace('_', ' ').capitalize()}", "", caption, "",
                f"![{name}]({name}.png)", ""]
     md += ["## Alerts", "", alert_section(runs), ""]
     path = out_dir / "report.md"

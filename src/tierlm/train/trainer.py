@@ -57,6 +57,7 @@ from tierlm.models import (
 )
 from tierlm.models.export import source_dtype
 from tierlm.models.load import CheckpointWeights
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.runtime.state import InitialWeights, module_weights
@@ -90,6 +91,7 @@ from tierlm.train.safety import (
     storage_failure,
 )
 from tierlm.train.schedule import lr_at
+from tierlm.train.trace import build_step_trace, build_tracer
 
 
 def cache_dir() -> Path:
@@ -146,6 +148,7 @@ def build_stepper(
     precision: str = "fp32",
     plan: Plan | None = None,
     initial_weights: InitialWeights = module_weights,
+    tracer: Tracer | NoTracer = NO_TRACER,
 ):
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
@@ -191,6 +194,7 @@ def build_stepper(
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
+    options.tracer = tracer  # the step timeline; armed for --monitor.trace_step
     if plan is not None:  # the planner checked the budgets with its own, finer model
         options.placements = plan.placements
         options.microbatch_order = plan.order
@@ -312,15 +316,18 @@ class Trainer:
             if cfg.memory.offload_policy == "auto"
             else None
         )
+        tracer = build_tracer(cfg, self.device, self.world.is_main)
         self.stepper = build_parallel_stepper(
             cfg, self.world, self.model, self.device, self.precision,
             functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight,
                               precision=self.precision, plan=auto,
-                              initial_weights=initial_weights),
+                              initial_weights=initial_weights, tracer=tracer),
         )
         self.plan = auto
         if self.plan is None and isinstance(self.stepper, Engine):
             self.plan = predict_for_engine(cfg, self.model.config, self.stepper, self.precision)
+        self.step_trace = build_step_trace(cfg, tracer, self.stepper, self.plan,
+                                           self.model.config, self.precision, self.run_dir, log)
         self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
         self.memory_watch.trim()  # the model as built went to the runtime
         self.nonfinite = NonFiniteGuard(
@@ -483,8 +490,10 @@ class Trainer:
                 run_eval()
             while self.step < end:
                 interrupt.check()
+                self.step_trace.before(self.step + 1)
                 rec = self.train_step()
                 progress.step(rec)  # derived fields, alerts, metrics.jsonl, the live view
+                self.step_trace.after(rec)  # --monitor.trace_step: RUN_DIR/trace.json
                 self.nonfinite.observe(rec)
                 result.losses.append(rec["loss"])
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != end:

@@ -1,0 +1,167 @@
+"""--monitor.trace_step: a timeline of one step in the Chrome trace event format, measured and
+predicted, whose lanes never overlap and whose compute lane is the step's compute_s."""
+
+import json
+from collections import Counter, defaultdict
+
+import pytest
+from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
+
+from tierlm.cli import main
+from tierlm.config import ConfigError, validate
+from tierlm.memory.disk import DiskTier
+from tierlm.memory.store import Store
+from tierlm.monitor.trace import MEASURED_PID, PREDICTED_PID, NoTracer, TraceEvent, chrome_trace
+from tierlm.train import Trainer
+from tierlm.train.monitor import read_metrics
+from tierlm.train.report import load_run, trace_figures
+
+TRACE_STEP = 2
+M = 2  # micro-batches
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def traced(corpus, tmp_path_factory):
+    """A disk-tier run of `tiny` with 2 micro-batches, step 2 traced; with the number of copies
+    and disk requests the store made while the tracer was armed."""
+    out = tmp_path_factory.mktemp("traced")
+    cfg = tiny_run_cfg(out, corpus, policy="disk", max_steps=3, grad_accum_steps=M)
+    cfg.monitor.trace_step = TRACE_STEP
+    validate(cfg)
+    t = Trainer(cfg, log=quiet)
+    tracer = t.stepper.tracer
+    counts: Counter = Counter()
+    with pytest.MonkeyPatch.context() as mp:
+        _count_while_armed(mp, Store, "_copy", tracer, counts, "copy")
+        _count_while_armed(mp, Store, "add_to_host", tracer, counts, "copy")
+        _count_while_armed(mp, DiskTier, "_submit", tracer, counts, "disk")
+        t.train()
+    t.stepper.close()
+    return out, t.stepper, counts
+
+
+def _count_while_armed(monkeypatch, cls, method, tracer, counts, key):
+    orig = getattr(cls, method)
+
+    def spy(self, *args, **kw):
+        if tracer.armed:
+            counts[key] += 1
+        return orig(self, *args, **kw)
+
+    monkeypatch.setattr(cls, method, spy)
+
+
+def _rows(trace):
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    rows = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            rows[(e["pid"], e["tid"])].append(e)
+    return names, rows
+
+
+def test_disk_run_traces_every_action_and_transfer(traced):
+    run_dir, engine, counts = traced
+    trace = json.loads((run_dir / "trace.json").read_text(encoding="utf-8"))
+    # the Chrome trace event format: complete events and the metadata naming processes/rows
+    assert set(trace) >= {"traceEvents"}
+    for e in trace["traceEvents"]:
+        assert e["ph"] in ("X", "M")
+        if e["ph"] == "X":
+            assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= e.keys()
+            assert e["ts"] >= 0 and e["dur"] >= 0
+    names, rows = _rows(trace)
+    assert set(rows) <= set(names)  # every row is named
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
+        "measured", "predicted"}
+
+    # events in one row never overlap
+    for evs in rows.values():
+        evs.sort(key=lambda e: e["ts"])
+        for a, b in zip(evs, evs[1:], strict=False):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (a, b)
+
+    measured = [e for evs in rows.values() for e in evs if e["pid"] == MEASURED_PID]
+    by_lane = defaultdict(list)
+    for e in sorted(measured, key=lambda e: e["ts"]):
+        by_lane[e["args"]["lane"]].append(e)
+
+    # one compute event per scheduled action, in schedule order
+    seg_names = [st.seg.name for st in engine.states]
+    schedule = [a.label(seg_names) for a in engine.schedule(M)]
+    actions = [e["name"] for e in by_lane["compute"] if e["cat"] == "action"]
+    assert actions == schedule
+    predicted = [e["name"] for evs in rows.values() for e in evs
+                 if e["pid"] == PREDICTED_PID and e["cat"] == "action"]
+    assert sorted(predicted) == sorted(schedule)
+
+    # one event per copy and per disk request made while armed; bytes as the ledger counted
+    rec = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == TRACE_STEP
+               and "loss" in r)
+    assert len(by_lane["H2D"]) + len(by_lane["D2H"]) == counts["copy"] > 0
+    assert len(by_lane["disk read"]) + len(by_lane["disk write"]) == counts["disk"] > 0
+    for lane, key in (("H2D", "h2d_bytes"), ("D2H", "d2h_bytes")):
+        assert sum(e["args"]["bytes"] for e in by_lane[lane]) == rec[key]
+    # the step's own updates, one per segment (all on disk), in forward order, come last
+    updates = [e["name"] for e in by_lane["cpu update"]]
+    assert updates[-len(seg_names):] == [f"update {n}" for n in seg_names]
+
+    # the compute lane is the step less its waits: compute_s
+    compute_s = sum(e["dur"] for e in by_lane["compute"]) / 1e6
+    assert compute_s == pytest.approx(rec["compute_s"], rel=0.05)
+    assert trace["otherData"]["measured_s"]["compute_s"] == rec["compute_s"]
+    placement = trace["otherData"]["placement"]
+    assert [p["segment"] for p in placement] == seg_names
+    assert all(p["state_tier"] == "disk" and p["bytes"]["disk"]["master"] == 4 * p["numel"]
+               for p in placement)
+
+
+def test_rows_split_a_lane_only_where_events_overlap():
+    ev = [TraceEvent("disk read", f"r{i}", "disk", s, e) for i, (s, e) in
+          enumerate([(0.0, 2.0), (1.0, 3.0), (2.0, 4.0), (1.5, 2.5)])]
+    trace = chrome_trace(ev, origin_s=0.0)
+    names, rows = _rows(trace)
+    by_row = {names[k]: sorted(e["name"] for e in v) for k, v in rows.items()}
+    assert by_row == {"disk read": ["r0", "r2"], "disk read 2": ["r1"], "disk read 3": ["r3"]}
+
+
+def test_a_run_without_tracing_holds_the_null_tracer(corpus, tmp_path):
+    t = Trainer(tiny_run_cfg(tmp_path, corpus, policy="disk", max_steps=1), log=quiet)
+    assert isinstance(t.stepper.tracer, NoTracer) and isinstance(t.stepper.store.tracer, NoTracer)
+    t.train()
+    t.stepper.close()
+    assert not (tmp_path / "trace.json").exists()
+
+
+def test_trace_step_flag_is_checked(corpus, tmp_path):
+    cfg = tiny_run_cfg(tmp_path, corpus, policy="disk", max_steps=3)
+    cfg.monitor.trace_step = 4
+    with pytest.raises(ConfigError, match="--monitor.trace_step 4 .*--max-steps 3"):
+        validate(cfg)
+    cfg = tiny_run_cfg(tmp_path, corpus, policy="none", max_steps=3)
+    cfg.monitor.trace_step = 1
+    with pytest.raises(ConfigError, match="--monitor.trace_step.*--offload-policy"):
+        validate(cfg)
+
+
+def test_report_draws_the_lanes_and_the_placement(traced, tmp_path):
+    run_dir, engine, _ = traced
+    run = load_run(run_dir)
+    figs = trace_figures([run])
+    assert set(figs) == {"trace", "placement"}
+    drawn = {c.get_gid() for ax in figs["trace"].axes for c in ax.collections}
+    names, rows = _rows(run.trace)
+    process = {MEASURED_PID: "measured", PREDICTED_PID: "predicted"}
+    assert drawn == {f"trace/{process[pid]}/{names[(pid, tid)]}" for pid, tid in rows}
+    bars = {c.get_label() for ax in figs["placement"].axes for c in ax.containers}
+    assert bars == {"disk/master", "disk/optim_state", "disk/grad"}
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "![trace](trace.png)" in md and "![placement](placement.png)" in md
+    assert (tmp_path / "trace.png").stat().st_size > 0
