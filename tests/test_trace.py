@@ -95,7 +95,7 @@ def test_disk_run_traces_every_action_and_transfer(traced):
     # one compute event per scheduled action, in schedule order
     seg_names = [st.seg.name for st in engine.states]
     schedule = [a.label(seg_names) for a in engine.schedule(M)]
-    actions = [e["name"] for e in by_lane["compute"] if e["cat"] == "action"]
+    actions = [e["name"] for e in by_lane["step"] if e["cat"] == "action"]
     assert actions == schedule
     predicted = [e["name"] for evs in rows.values() for e in evs
                  if e["pid"] == PREDICTED_PID and e["cat"] == "action"]
@@ -112,7 +112,12 @@ def test_disk_run_traces_every_action_and_transfer(traced):
     updates = [e["name"] for e in by_lane["cpu update"]]
     assert updates[-len(seg_names):] == [f"update {n}" for n in seg_names]
 
-    # the compute lane is the step less its waits: compute_s
+    # the compute lane is what the step's compute clock measured: compute_s; every compute
+    # region lies inside one of the step's actions
+    assert by_lane["compute"] and all(e["cat"] == "compute" for e in by_lane["compute"])
+    spans = [(a["ts"], a["ts"] + a["dur"]) for a in by_lane["step"] if a["cat"] == "action"]
+    assert all(any(t0 - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= t1 + 1e-3 for t0, t1 in spans)
+               for e in by_lane["compute"])
     compute_s = sum(e["dur"] for e in by_lane["compute"]) / 1e6
     assert compute_s == pytest.approx(rec["compute_s"], rel=0.05)
     assert trace["otherData"]["measured_s"]["compute_s"] == rec["compute_s"]

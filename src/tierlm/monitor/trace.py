@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 # lanes in the order they are drawn (others follow, alphabetically)
-LANES = ("compute", "wait", "H2D", "D2H", "disk read", "disk write", "cpu update",
+LANES = ("step", "compute", "wait", "H2D", "D2H", "disk read", "disk write", "cpu update",
          "device update")
 MEASURED_PID = 1
 PREDICTED_PID = 2

@@ -6,7 +6,8 @@ without waiting, disk writes and bookkeeping, and the parts would add up whateve
 stepper wraps its forward, backward and on-device update work in `measure()` and reports
 `take()` once per step. On CPU that is the wall time inside the regions. On CUDA a kernel runs
 after its launch returns, so the clock records events on the current stream around each region
-and sums their elapsed times when the step is over.
+and sums their elapsed times when the step is over. Each region is also a span on the trace's
+`compute` lane (tierlm.monitor.trace), so that lane is exactly what `compute_s` counts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+
 
 class ComputeClock(Protocol):
     def measure(self) -> contextlib.AbstractContextManager[None]: ...
@@ -28,8 +31,9 @@ class ComputeClock(Protocol):
 
 
 class WallClock:
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer | NoTracer = NO_TRACER) -> None:
         self._s = 0.0
+        self.tracer = tracer
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
@@ -37,7 +41,9 @@ class WallClock:
         try:
             yield
         finally:
-            self._s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self._s += t1 - t0
+            self.tracer.record("compute", "compute", t0, t1, cat="compute")
 
     def take(self) -> float:
         s, self._s = self._s, 0.0
@@ -45,8 +51,9 @@ class WallClock:
 
 
 class CudaEventClock:
-    def __init__(self) -> None:
+    def __init__(self, tracer: Tracer | NoTracer = NO_TRACER) -> None:
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.tracer = tracer
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
@@ -54,7 +61,9 @@ class CudaEventClock:
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         try:
-            yield
+            with self.tracer.span("compute", "compute", cat="compute",
+                                  stream=torch.cuda.current_stream()):
+                yield
         finally:
             end.record()
             self._events.append((start, end))
@@ -66,5 +75,7 @@ class CudaEventClock:
         return sum(a.elapsed_time(b) for a, b in events) / 1000  # ms -> s
 
 
-def compute_clock(device: torch.device) -> ComputeClock:
-    return CudaEventClock() if device.type == "cuda" else WallClock()
+def compute_clock(
+    device: torch.device, tracer: Tracer | NoTracer = NO_TRACER
+) -> ComputeClock:
+    return CudaEventClock(tracer) if device.type == "cuda" else WallClock(tracer)

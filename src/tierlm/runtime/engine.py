@@ -282,7 +282,8 @@ class Engine:
         self._updates: dict[int, Future] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
         self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
-        self.clock = compute_clock(device)  # time in forward, backward and on-device updates
+        # time in forward, backward and on-device updates (also the trace's compute lane)
+        self.clock = compute_clock(device, options.tracer)
         self.skipped_steps = 0
         self.param_norms: dict[str, torch.Tensor] = {}
         self._syncing: list = []  # (segment, gradient, pending sync) until the norms are taken
@@ -487,7 +488,7 @@ class Engine:
         t0 = time.perf_counter()
         trace = self.tracer
         names = [st.seg.name for st in self.states]
-        with trace.span("compute", "begin step", cat="step"):
+        with trace.span("step", "begin step", cat="step"):
             self.ledger.reset_step()
             self.update_wait_s = 0.0
             self.transfer_wait_s = 0.0
@@ -504,7 +505,7 @@ class Engine:
         for k, a in enumerate(actions):
             self._bring_back(actions[k + 1 : k + 2], mbs)
             grad = self._prepare(k, a)
-            with trace.span("compute", a.label(names), cat="action", k=k):
+            with trace.span("step", a.label(names), cat="action", k=k):
                 if a.kind == "fwd":
                     self._forward(k, a, mbs)
                 elif a.kind == "head":
@@ -513,7 +514,7 @@ class Engine:
                     self._backward(k, a, mbs, grad)
                 self.cache.prefetch(k + 1)
         sweep_s = time.perf_counter() - t0
-        with trace.span("compute", "finish step", cat="step"):
+        with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
         return {
             "loss": loss_sum / m,
@@ -532,14 +533,14 @@ class Engine:
         buffer first); returns the gradient target of a head or backward action."""
         st = self.states[a.seg]
         if a.kind == "bwd":
-            with self.tracer.span("compute", "gradient buffer", cat="step"):
+            with self.tracer.span("step", "gradient buffer", cat="step"):
                 grad = self._grad_target(st)
             self._weights(k, a.seg)
             return grad
         self._weights(k, a.seg)
         if a.kind == "fwd":
             return None
-        with self.tracer.span("compute", "gradient buffer", cat="step"):
+        with self.tracer.span("step", "gradient buffer", cat="step"):
             grad = self._grad_target(st)
         for owner, _, _ in self.borrowed.values():
             self._weights(k, owner)

@@ -65,8 +65,8 @@ class StepTrace:
         events = [e for e in self.tracer.disarm() if e.lane != "wait" or e.start_s < end_s]
         # the trainer's part of the step before the runtime's (drawing the micro-batches) is
         # compute in `compute_s` too
-        begin = min((e.start_s for e in events if e.lane == "compute"), default=end_s)
-        events.insert(0, TraceEvent("compute", "draw batches", "step", self.before_s, begin))
+        begin = min((e.start_s for e in events if e.lane == "step"), default=end_s)
+        events.insert(0, TraceEvent("step", "draw batches", "step", self.before_s, begin))
         trace = chrome_trace(
             events, self.tracer.origin_s, self.predict(),
             step=self.step,

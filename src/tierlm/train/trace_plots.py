@@ -16,7 +16,7 @@ from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import LANES, MEASURED_PID, PREDICTED_PID
 from tierlm.train.plots import WIDTH_IN, byte_unit
 
-LANE_COLOR = {"compute": "tab:blue", "wait": "tab:gray", "H2D": "tab:purple",
+LANE_COLOR = {"step": "tab:olive", "compute": "tab:blue", "wait": "tab:gray", "H2D": "tab:purple",
               "D2H": "tab:pink", "disk read": "tab:green", "disk write": "tab:red",
               "cpu update": "tab:orange", "device update": "tab:cyan"}
 CLASS_COLOR = {TensorClass.COMPUTE: "tab:blue", TensorClass.MASTER: "tab:orange",
