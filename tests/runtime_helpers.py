@@ -47,6 +47,21 @@ def reference_run(model, steps, lrs, clip: float):
     return out, weights
 
 
+def reference_cases(steps: int) -> dict:
+    """Reference runs keyed by (model, micro-batches, clip): (base model, batches, lrs, step
+    records, final weights), for the tiny tied-GQA Llama and GPT-2 at M in {1, 4}."""
+    out = {}
+    for name in ("llama_tied_gqa", "gpt2"):
+        base = tiny_model(name, layers=3)
+        for m in (1, 4):
+            step_batches = batches(steps, m)
+            lrs = [OPTIM.lr * (1 - 0.1 * i) for i in range(steps)]
+            for clip in (0.0, 0.05):
+                recs, weights = reference_run(copy.deepcopy(base), step_batches, lrs, clip)
+                out[(name, m, clip)] = (base, step_batches, lrs, recs, weights)
+    return out
+
+
 def assert_close_run(losses, ref_losses, weights, ref_weights, *, rel=1e-6, atol=1e-6):
     for a, b in zip(losses, ref_losses, strict=True):
         assert math.isclose(a, b, rel_tol=rel), (losses, ref_losses)

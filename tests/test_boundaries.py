@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
+from runtime_helpers import OPTIM, assert_close_run, batches, reference_cases, tiny_model
 
 from tierlm.config import ActivationConfig
 from tierlm.memory.placement import place
@@ -31,16 +31,7 @@ def engine(model, tmp_path, **kw) -> Engine:
 
 @pytest.fixture(scope="module")
 def references():
-    out = {}
-    for name in ("llama_tied_gqa", "gpt2"):
-        base = tiny_model(name, layers=3)
-        for m in (1, 4):
-            steps = batches(STEPS, m)
-            lrs = [OPTIM.lr * (1 - 0.1 * i) for i in range(STEPS)]
-            for clip in (0.0, 0.05):
-                recs, weights = reference_run(copy.deepcopy(base), steps, lrs, clip)
-                out[(name, m, clip)] = (base, steps, lrs, recs, weights)
-    return out
+    return reference_cases(STEPS)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])

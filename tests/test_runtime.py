@@ -9,7 +9,7 @@ from runtime_helpers import (
     OPTIM,
     assert_close_run,
     batches,
-    reference_run,
+    reference_cases,
     tiny_model,
 )
 
@@ -47,17 +47,7 @@ def tiered_budget(model, m: int, order: str) -> int:
 
 @pytest.fixture(scope="module")
 def references():
-    """Reference runs keyed by (model, micro-batches, clip)."""
-    out = {}
-    for name in ("llama_tied_gqa", "gpt2"):
-        base = tiny_model(name, layers=3)
-        for m in (1, 4):
-            steps = batches(STEPS, m)
-            lrs = [OPTIM.lr * (1 - 0.1 * i) for i in range(STEPS)]
-            for clip in (0.0, 0.05):
-                recs, weights = reference_run(copy.deepcopy(base), steps, lrs, clip)
-                out[(name, m, clip)] = (base, steps, lrs, recs, weights)
-    return out
+    return reference_cases(STEPS)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])

@@ -767,64 +767,55 @@ class Engine:
 
     # -- evaluation and state ----
 
+    def _streamed_head(self, ids: torch.Tensor, read) -> object:
+        """One forward of `ids` outside training, streaming the segments as the step does:
+        `read(views, hn)` is called under autocast with the head's parameter views and its
+        normed input (B, T, D); its result is returned."""
+        self.synchronize()
+        n = len(self.states)
+        actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
+        self.cache.begin([self._needs(a) for a in actions])
+        h, ctx = ids, None
+        for k, a in enumerate(actions):
+            st = self.states[a.seg]
+            w = self._weights(k, a.seg)
+            with self.opts.autocast():
+                if a.kind == "fwd":
+                    h = st.seg.forward(st.layout.views(w), h, ctx)
+                    if a.seg == 0:
+                        ctx = self.adapter.context(ids, h)
+                else:
+                    views = self._views(k, a.seg, w)
+                    out = read(views, st.seg.forward(views, h, ctx))
+        self.cache.drop_all()
+        return out
+
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean token loss of one (B, T+1) batch, streaming weights as the step does."""
-        self.synchronize()
         ids, targets = batch[:, :-1].to(self.device), batch[:, 1:].to(self.device)
-        n = len(self.states)
-        actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
-        self.cache.begin([self._needs(a) for a in actions])
-        h, ctx = ids, None
-        for k, a in enumerate(actions):
-            st = self.states[a.seg]
-            w = self._weights(k, a.seg)
-            with self.opts.autocast():
-                if a.kind == "fwd":
-                    h = st.seg.forward(st.layout.views(w), h, ctx)
-                    if a.seg == 0:
-                        ctx = self.adapter.context(ids, h)
-                else:
-                    views = self._views(k, a.seg, w)
-                    hn = st.seg.forward(views, h, ctx).flatten(0, 1)
-                    t = targets.flatten()
-                    step = self._chunk_tokens(self.adapter.model.config.vocab_size)
-                    total = sum(
-                        F.cross_entropy(
-                            st.seg.project(views, hn[c : c + step]).float(),
-                            t[c : c + step],
-                            reduction="sum",
-                        ).item()
-                        for c in range(0, t.numel(), step)
-                    )
-        self.cache.drop_all()
-        return total / targets.numel()
+        head = self.states[-1].seg
+        t = targets.flatten()
+        step = self._chunk_tokens(self.adapter.model.config.vocab_size)
+
+        def loss_sum(views, hn) -> float:
+            hn = hn.flatten(0, 1)  # (B*T, D)
+            return sum(
+                F.cross_entropy(head.project(views, hn[c : c + step]).float(), t[c : c + step],
+                                reduction="sum").item()
+                for c in range(0, t.numel(), step)
+            )
+
+        return self._streamed_head(ids, loss_sum) / targets.numel()
 
     @torch.no_grad()
     def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """(V,) fp32 logits after the last token of `ids` (1, T): one forward streaming the
-        segments as the step does, projecting only the last position (sampling never builds
-        the whole model)."""
-        self.synchronize()
-        ids = ids.to(self.device)
-        n = len(self.states)
-        actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
-        self.cache.begin([self._needs(a) for a in actions])
-        h, ctx = ids, None
-        for k, a in enumerate(actions):
-            st = self.states[a.seg]
-            w = self._weights(k, a.seg)
-            with self.opts.autocast():
-                if a.kind == "fwd":
-                    h = st.seg.forward(st.layout.views(w), h, ctx)
-                    if a.seg == 0:
-                        ctx = self.adapter.context(ids, h)
-                else:
-                    views = self._views(k, a.seg, w)
-                    hn = st.seg.forward(views, h, ctx)[0, -1:]  # (1, D)
-                    logits = st.seg.project(views, hn)[0].float()
-        self.cache.drop_all()
-        return logits
+        """(V,) fp32 logits after the last token of `ids` (1, T), projecting only the last
+        position (sampling never builds the whole model)."""
+        head = self.states[-1].seg
+        return self._streamed_head(
+            ids.to(self.device), lambda views, hn: head.project(views, hn[0, -1:])[0].float()
+        )
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Current fp32 weights by the model's parameter names (CPU copies)."""
