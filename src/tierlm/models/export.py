@@ -161,7 +161,7 @@ def _write_shard(path: Path, tensors: list[SourceTensor], dtype: torch.dtype) ->
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -169,7 +169,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(tmp: Path, out_dir: Path) -> None:
+def publish_dir(tmp: Path, out_dir: Path) -> None:
     """Rename the complete `tmp` to `out_dir`. POSIX cannot rename over a non-empty directory,
     so an existing export is moved aside first and deleted after (a crash between the renames
     leaves it in the `.old` sibling)."""
@@ -185,7 +185,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
 
 
 def write_hf_model(
@@ -254,8 +254,8 @@ def write_hf_model(
             if not f.name.endswith(".safetensors"):
                 with f.open("rb") as fh:
                     os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        _publish(tmp, out_dir)
+        fsync_dir(tmp)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

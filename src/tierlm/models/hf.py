@@ -18,6 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from tierlm.models.export import publish_dir
+
 # Our own progress display owns the terminal; transformers' per-shard bars only add noise.
 hf_logging.disable_progress_bar()
 
@@ -215,18 +217,7 @@ def export_hf(model: PreTrainedModel, tokenizer: Any | None, out_dir: str | Path
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp_dir)
         _fsync_tree(tmp_dir)
-        if out_dir.exists():
-            old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            old_dir.rmdir()  # only the unique name is wanted; rename needs the target absent
-            os.rename(out_dir, old_dir)
-            try:
-                os.rename(tmp_dir, out_dir)
-            except BaseException:
-                os.rename(old_dir, out_dir)
-                raise
-            shutil.rmtree(old_dir, ignore_errors=True)
-        else:
-            os.rename(tmp_dir, out_dir)
+        publish_dir(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

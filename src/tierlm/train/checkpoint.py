@@ -65,6 +65,7 @@ from tierlm.models.export import (
     DEFAULT_MAX_SHARD_BYTES,
     SourceTensor,
     export_dtype,
+    fsync_dir,
     natural_key,
     source_dtype,
     write_hf_model,
@@ -345,14 +346,6 @@ class DCPTensors(Mapping[str, torch.Tensor]):
         return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def state_shards(stepper: Any) -> Iterable[Shard]:
     """A stepper's state shard by shard (`stepper.state_shards()`); a stepper without that
     method gives its whole state as one shard."""
@@ -414,7 +407,7 @@ def _write_contents(
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     with (tmp / MANIFEST).open("rb") as fh:
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 def checkpoint_bytes(path: Path) -> int:
@@ -506,7 +499,7 @@ def _publish(tmp: Path, final: Path, run_dir: Path, keep: int) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep > 0:
         prune_checkpoints(run_dir, keep)
 
