@@ -612,6 +612,7 @@ def plan(
     device_budget: int | None = None,
     host_budget: int | None = None,
     orders: tuple[str, ...] = ("microbatch-outer", "layer-outer"),
+    park_boundaries: bool = True,
 ) -> Plan:
     """The fastest predicted plan that fits; if none fits, the closest one with `fits=False`
     and `problems` saying what would make it fit."""
@@ -621,8 +622,10 @@ def plan(
     fallback: Plan | None = None
     # kept graphs pin their boundary inputs on the device: parking them on the host goes with
     # recomputing every segment
+    # (park_boundaries False: the run's activation policy keeps graphs somewhere)
     variants = [(order, keep, host) for order in (orders if train.micro_batches > 1 else orders[:1])
-                for keep, host in ((True, False), (False, False), (False, True))]
+                for keep, host in ((True, False), (False, False), (False, True))
+                if park_boundaries or not host]
     for order, keep, host in variants:
         placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
                                      train.precision, parked_bytes(shape, train, order, host))
