@@ -435,8 +435,9 @@ class Engine:
             self._drop_input(mb, s)
 
     def _input(self, mb: _MicroBatch, s: int) -> torch.Tensor:
-        """Segment `s`'s boundary input for its backward, brought back from the host."""
-        if s not in mb.h:
+        """Segment `s`'s boundary input for its backward: brought back if it was parked (the
+        forward of `s` always ran since it was produced, so it is on the host by now)."""
+        if s in mb.parked:
             host, _, shape = mb.parked.pop(s)
             dev = torch.empty(shape, dtype=host.dtype, device=self.device)
             what = f"boundary {self.states[s].seg.name}"
@@ -445,10 +446,6 @@ class Engine:
             # copy reading it has finished
             self.store.free(Tier.HOST, TensorClass.ACTIVATION, host)
             self._hold_input(mb, s, dev, park=False)  # the backward uses and drops it
-            return dev
-        if s in mb.parked:  # the forward's device copy is still here (no segment ran since)
-            self.store.wait(mb.parked[s][1])
-            self.store.free(Tier.HOST, TensorClass.ACTIVATION, mb.parked.pop(s)[0])
         return mb.h[s]
 
     def _drop_input(self, mb: _MicroBatch, s: int) -> None:
@@ -483,8 +480,8 @@ class Engine:
         """One optimizer step over `batches` (each (B, T+1) token ids) at learning rate `lr`.
 
         Every action first waits for the weights it reads (the previous update, then the copy:
-        `update_wait_s`, `transfer_wait_s`), then computes; the trace's compute lane is the
-        step less those waits."""
+        `update_wait_s`, `transfer_wait_s`), then computes; `compute_s` is what the compute
+        clock measured inside the actions (also the trace's compute lane)."""
         t0 = time.perf_counter()
         trace = self.tracer
         names = [st.seg.name for st in self.states]
@@ -504,14 +501,14 @@ class Engine:
         loss_sum = 0.0
         for k, a in enumerate(actions):
             self._bring_back(actions[k + 1 : k + 2], mbs)
-            grad = self._prepare(k, a)
+            w, grad = self._prepare(k, a)
             with trace.span("step", a.label(names), cat="action", k=k):
                 if a.kind == "fwd":
-                    self._forward(k, a, mbs)
+                    self._forward(a, mbs, w)
                 elif a.kind == "head":
-                    loss_sum += self._head(k, a, mbs, m, grad)
+                    loss_sum += self._head(k, a, mbs, m, w, grad)
                 else:
-                    self._backward(k, a, mbs, grad)
+                    self._backward(a, mbs, w, grad)
                 self.cache.prefetch(k + 1)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
@@ -527,28 +524,29 @@ class Engine:
             "step_time_s": time.perf_counter() - t0,
         }
 
-    def _prepare(self, k: int, a: Action) -> torch.Tensor | None:
+    def _prepare(
+        self, k: int, a: Action
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Everything action `a` waits for before it computes: its weights (and the previous
         update of them), in the order the planner's replay allocates (the backward's gradient
-        buffer first); returns the gradient target of a head or backward action."""
+        buffer first). Returns the weights and, for a head or backward action, the gradient
+        target."""
         st = self.states[a.seg]
         if a.kind == "bwd":
             with self.tracer.span("step", "gradient buffer", cat="step"):
                 grad = self._grad_target(st)
-            self._weights(k, a.seg)
-            return grad
-        self._weights(k, a.seg)
+            return self._weights(k, a.seg), grad
+        w = self._weights(k, a.seg)
         if a.kind == "fwd":
-            return None
+            return w, None
         with self.tracer.span("step", "gradient buffer", cat="step"):
             grad = self._grad_target(st)
         for owner, _, _ in self.borrowed.values():
             self._weights(k, owner)
-        return grad
+        return w, grad
 
-    def _forward(self, k: int, a: Action, mbs: list[_MicroBatch]) -> None:
+    def _forward(self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor) -> None:
         st = self.states[a.seg]
-        w = self._weights(k, a.seg)
         for i in a.mbs:
             mb = mbs[i]
             x = mb.ids if a.seg == 0 else mb.h[a.seg]
@@ -567,14 +565,14 @@ class Engine:
         return self.opts.loss_chunk_tokens or default_chunk_tokens(vocab)
 
     def _head(
-        self, k: int, a: Action, mbs: list[_MicroBatch], m: int, grad: torch.Tensor
+        self, k: int, a: Action, mbs: list[_MicroBatch], m: int, w: torch.Tensor,
+        grad: torch.Tensor,
     ) -> float:
         """Loss and its gradient at the head's input, chunk by chunk over tokens, so the full
         (tokens x vocab) logits never exist at once."""
         s = a.seg
         st = self.states[s]
         seg: HeadSegment = st.seg  # type: ignore[assignment]
-        w = self._weights(k, s)
         loss_total = 0.0
         for i in a.mbs:
             mb = mbs[i]
@@ -616,12 +614,12 @@ class Engine:
         return loss_total
 
     def _backward(
-        self, k: int, a: Action, mbs: list[_MicroBatch], grad: torch.Tensor
+        self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor, grad: torch.Tensor
     ) -> None:
+        """`w`: the weights on the device, which every policy's backward reads."""
         s = a.seg
         st = self.states[s]
         owns_borrowed = s == 0 and bool(self._borrowed_grad)
-        w = self._weights(k, s)  # every policy's backward reads the weights on the device
         for i in a.mbs:
             mb = mbs[i]
             # The owner of tied weights first sums its own and the head's contribution for this
