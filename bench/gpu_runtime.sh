@@ -40,7 +40,7 @@ check() {  # check NAME SECONDS COMMAND...: run under a time limit, logged to $L
 }
 
 if [ "$SMOKE" = 1 ]; then
-  CASES=("tiny::300" "tiny::300")  # size:cap GiB (empty: no cap):seconds per run
+  CASES=("tiny::300" "small::300")  # size:cap GiB (empty: no cap):seconds per run
   SHAPE=(--device cpu --batch-size 2 --seq-len 64 --data.vocab_size 2048)
   MB=1
 else
