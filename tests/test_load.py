@@ -189,3 +189,48 @@ def test_cli_train_from_a_checkpoint_on_the_disk_tier_streams_it(tmp_path, capsy
     assert "offload policy disk" in printed and "sample: " in printed
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert exported.get_input_embeddings().weight is exported.get_output_embeddings().weight
+
+
+def test_runtime_from_a_preset_initialises_one_segment_at_a_time(tmp_path):
+    """The engine built from a preset skeleton holds the weights build_model gives, and while
+    it is built at most one segment's initial weights are alive: each segment's tensors are
+    dropped once packed, before the next is drawn."""
+    import weakref
+
+    from tierlm.models import build_model, preset_config
+    from tierlm.models.init import preset_skeleton
+
+    config = preset_config("tiny")
+    skeleton, source = preset_skeleton(config, seed=3)
+    live: list[weakref.ref] = []
+    peak_bytes = 0
+    segment_bytes = []
+
+    def counted(seg):
+        nonlocal peak_bytes
+        values = source(seg)
+        held = sum(t.nbytes for t in (r() for r in live) if t is not None)
+        segment_bytes.append(sum(t.nbytes for t in values.values()))
+        peak_bytes = max(peak_bytes, held + segment_bytes[-1])
+        live.extend(weakref.ref(t) for t in values.values())
+        return values
+
+    engine = Engine(skeleton, OPTIM, EngineOptions(policy="disk", offload_dir=str(tmp_path / "a")),
+                    device=torch.device("cpu"), initial_weights=counted)
+    ref = Engine(build_model(config, seed=3), OPTIM,
+                 EngineOptions(policy="disk", offload_dir=str(tmp_path / "b")),
+                 device=torch.device("cpu"))
+    try:
+        assert len(segment_bytes) == len(engine.states)
+        assert peak_bytes == max(segment_bytes)  # one segment, never two
+        assert peak_bytes < sum(segment_bytes) / 2
+        ref_weights = ref.weights()
+        for n, w in engine.weights().items():
+            assert torch.equal(w, ref_weights[n]), n
+        steps = batches(1, 2, t=8)
+        losses = [engine.step([b % config.vocab_size for b in s], 1e-2)["loss"] for s in steps]
+        ref_losses = [ref.step([b % config.vocab_size for b in s], 1e-2)["loss"] for s in steps]
+        assert losses == ref_losses
+    finally:
+        engine.close()
+        ref.close()

@@ -276,3 +276,51 @@ def test_export_writes_tokenizer(tmp_path: Path) -> None:
     out = export_hf(build_model(tiny_hf_configs()["gpt2"], seed=0), tokenizer, tmp_path / "out")
     reloaded = AutoTokenizer.from_pretrained(out)
     assert reloaded("hello world")["input_ids"] == [1, 2]
+
+
+def _segment_configs() -> dict:
+    configs = tiny_hf_configs()
+    return {"tiny": preset_config("tiny"), "small": preset_config("small"),
+            "llama_tied_gqa": configs["llama_tied_gqa"], "qwen2": configs["qwen2"]}
+
+
+@pytest.mark.parametrize("name", list(_segment_configs()))
+def test_preset_weights_segment_by_segment_equal_build_model(name: str) -> None:
+    """The segment-by-segment source yields build_model's parameters bit for bit (tied
+    embeddings and q/k/v biases included), leaves torch's generator where build_model leaves
+    it, and gives the same values when segments are asked for again or out of order."""
+    from tierlm.models.adapters import ModelAdapter
+    from tierlm.models.init import preset_skeleton
+
+    config = _segment_configs()[name]
+    ref = build_model(config, seed=7)
+    end_state = torch.get_rng_state()
+    ref_params = dict(ref.named_parameters())
+    torch.manual_seed(1234)  # whatever the generator held before, the seed decides
+    skeleton, source = preset_skeleton(config, seed=7)
+    assert all(p.is_meta for p in skeleton.parameters())
+    for (n, b), ref_b in zip(skeleton.named_buffers(), ref.buffers(), strict=True):
+        assert torch.equal(b, ref_b), n
+    segments = ModelAdapter(skeleton).segments
+    got = {}
+    for seg in segments:
+        got.update(source(seg))
+    assert torch.equal(torch.get_rng_state(), end_state)
+    assert got.keys() == ref_params.keys()
+    for n, p in ref_params.items():
+        assert torch.equal(got[n], p.detach()), n
+
+    # a fresh source asked for the head first, then block.0 (the dynamic activation probe asks
+    # for embed and block.0 before the runtime walks every segment)
+    _, again = preset_skeleton(config, seed=7)
+    for seg in (segments[-1], segments[1], segments[0], *segments):
+        for n, t in again(seg).items():
+            assert torch.equal(t, ref_params[n].detach()), (seg.name, n)
+    assert torch.equal(torch.get_rng_state(), end_state)
+
+
+def test_preset_weights_refuse_a_family_they_cannot_replay() -> None:
+    from tierlm.models.init import preset_skeleton
+
+    with pytest.raises(ValueError, match="Llama family"):
+        preset_skeleton(tiny_hf_configs()["gpt2"], seed=0)

@@ -200,7 +200,9 @@ class MemoryConfig:
     """Hardware profile for the planner: auto (detect this machine), or one of rtx3090,
     rtx4090, rtx4060ti-16g, rtx5090, a100-40g, a100-80g, h100-80g, h200, cpu (--hardware)."""
     gpu_memory: str | None = None
-    """GPU memory size overriding the profile's, e.g. 24GiB (--gpu-memory)."""
+    """GPU memory size overriding the profile's, e.g. 24GiB; a CUDA run also caps its own
+    allocations there (set_per_process_memory_fraction), so a larger card models this one
+    (--gpu-memory)."""
     host_memory: str | None = None
     """Host RAM size overriding the profile's, e.g. 64GiB (--host-memory)."""
     disk_budget: str | None = None

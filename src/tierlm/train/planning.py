@@ -28,6 +28,17 @@ def hardware_for(cfg: Config) -> HardwareProfile:
     )
 
 
+def cap_gpu_memory(cfg: Config, device: torch.device) -> None:
+    """`--gpu-memory` on a CUDA run also caps what this process may allocate on the GPU
+    (`torch.cuda.set_per_process_memory_fraction`), so a large card stands in for the smaller
+    one the plan is made for; an allocation past the cap raises CUDA's out-of-memory error."""
+    if device.type != "cuda" or not cfg.memory.gpu_memory:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = parse_bytes(cfg.memory.gpu_memory, "--gpu-memory")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+
+
 def resolve_precision(
     mode: str, device: torch.device | None, hw: HardwareProfile | None, *,
     fp8_emulate: bool = False,

@@ -56,6 +56,7 @@ from tierlm.models import (
     preset_config,
 )
 from tierlm.models.export import source_dtype
+from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.precision import prepare_precision
@@ -74,6 +75,7 @@ from tierlm.train.checkpoint import (
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.planning import (
+    cap_gpu_memory,
     plan_auto,
     predict_for_engine,
     prediction_record,
@@ -223,6 +225,7 @@ class Trainer:
         self.cfg = cfg
         self.log = log
         self.device = resolve_device(cfg.run.device)
+        cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         run_dir, resume_ckpt = self.world.main_first(
             lambda: resume_point(cfg.run.resume, cfg.run.out, log)
         )
@@ -259,8 +262,8 @@ class Trainer:
         # Built on the CPU: the reference step moves it to the device, the tiered runtime
         # moves its segments where the placement says. FSDP ranks other than 0 build it on the
         # meta device (no memory): they take their shards of rank 0's weights. The tiered
-        # runtime reads a checkpoint's weights itself, segment by segment, into a skeleton
-        # (parameters on meta): the whole model is never in RAM at once.
+        # runtime reads a checkpoint's weights (or initialises a preset's) itself, segment by
+        # segment, into a skeleton (parameters on meta): the whole model is never in RAM at once.
         on_meta = (cfg.distributed.backend == "fsdp" and self.world.distributed
                    and not self.world.is_main)
         streamed = runs_engine(cfg, self.world.distributed)
@@ -280,8 +283,11 @@ class Trainer:
             model_cfg = preset_config(
                 cfg.model.size, vocab_size=len(self.tokenizer), max_seq_len=cfg.data.seq_len
             )
-            self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
-                                     seed=cfg.run.seed)
+            if streamed:  # initialised segment by segment as the runtime asks (models.init)
+                self.model, initial_weights = preset_skeleton(model_cfg, seed=cfg.run.seed)
+            else:
+                self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
+                                         seed=cfg.run.seed)
         # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
         # the stored dtype unless --export-dtype says otherwise
         self.source_dtype = source_dtype(cfg.model.path) if cfg.model.path else "float32"
