@@ -129,7 +129,7 @@ EXAMPLE_VALUES = {
     "--boundary-activations": "host",
     "--export-dtype": "bfloat16",
 }
-# fp8 flags only make sense with --precision fp8.
+# fp8 flags only make sense with --precision fp8 (auto: checked once resolved).
 NEEDS_FP8 = {
     "--fp8-scaling", "--fp8-history", "--fp8-layers", "--bf16-layers", "--fp32-layers",
     "--fp8-emulate",
@@ -162,6 +162,17 @@ def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
     default = getattr(getattr(Config(), section), key)
     assert value != default
     assert str(value) == EXAMPLE_VALUES[flag] or value == float(EXAMPLE_VALUES[flag])
+
+
+def test_precision_defaults_to_auto_and_named_modes_refuse_flags_they_ignore():
+    assert Config().precision.mode == "auto"
+    assert parse("--fp8-history", "4").precision.fp8_history == 4  # auto: checked at resolution
+    with pytest.raises(ConfigError, match="--fp8-history has no effect with --precision bf16; "
+                       "use --precision fp8"):
+        parse("--precision", "bf16", "--fp8-history", "4")
+    with pytest.raises(ConfigError, match="--fp32-layers has no effect with --precision fp32; "
+                       "use --precision bf16 or fp8"):
+        parse("--precision", "fp32", "--fp32-layers", "q_proj")
 
 
 def test_flags_override_yaml_and_dotted_flags_work(tmp_path):

@@ -1,6 +1,7 @@
 """The planner: big-model plans fit their budgets, predictions match the ledger, auto never OOMs."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -240,14 +241,56 @@ def test_named_profiles_and_overrides():
 
 
 def test_precision_auto_takes_bf16_only_where_native():
+    from tierlm.config import PrecisionConfig
     from tierlm.train.planning import resolve_precision
 
-    assert resolve_precision("auto", torch.device("cpu"), None) == "fp32"
-    assert resolve_precision("auto", None, PROFILES["rtx3090"]) == "bf16"
+    auto = PrecisionConfig(mode="auto")
+    assert resolve_precision(auto, torch.device("cpu"), None).mode == "fp32"
+    assert resolve_precision(auto, None, PROFILES["rtx3090"]).mode == "bf16"
+    assert resolve_precision(auto, None, PROFILES["cpu"]).mode == "fp32"
     # fp8 only where the profile has fp8 units, or where the user asks for emulation
-    assert resolve_precision("auto", None, PROFILES["rtx4090"]) == "fp8"
-    assert resolve_precision("auto", torch.device("cpu"), None, fp8_emulate=True) == "fp8"
-    assert resolve_precision("bf16", torch.device("cpu"), None) == "bf16"
+    got = resolve_precision(auto, None, PROFILES["rtx4090"])
+    assert got.mode == "fp8" and got.describe() == "precision: auto -> fp8 (rtx4090 has fp8 units)"
+    emulate = PrecisionConfig(mode="auto", fp8_emulate=True)
+    assert resolve_precision(emulate, torch.device("cpu"), None).mode == "fp8"
+    # FSDP has no fp8: auto stops at bf16 there
+    assert resolve_precision(auto, None, PROFILES["rtx4090"], backend="fsdp").mode == "bf16"
+    bf16 = resolve_precision(PrecisionConfig(mode="bf16"), torch.device("cpu"), None)
+    assert bf16.mode == "bf16" and bf16.why is None
+
+
+@pytest.mark.parametrize("flags, flag, resolved", [
+    ({"fp8_history": 4}, "--fp8-history", "fp32"),
+    ({"fp8_scaling": "delayed"}, "--fp8-scaling delayed", "fp32"),
+    ({"fp8_layers": "lm_head"}, "--fp8-layers", "fp32"),
+    ({"bf16_layers": "down_proj"}, "--bf16-layers", "fp32"),
+    ({"fp8_emulate": True}, "--fp8-emulate", "bf16"),  # --backend fsdp: no fp8
+])
+def test_precision_auto_refuses_flags_its_choice_ignores(flags, flag, resolved):
+    from tierlm.config import ConfigError, PrecisionConfig
+    from tierlm.train.planning import resolve_precision
+
+    p = PrecisionConfig(mode="auto", **flags)
+    backend = "fsdp" if resolved == "bf16" else "engine"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(flag)} has no effect: --precision auto "
+                       rf"resolved to {resolved} here \(.*\); add --precision (bf16 or )?fp8"):
+        resolve_precision(p, torch.device("cpu"), None, backend=backend)
+    # the same flags are fine where auto takes fp8
+    assert resolve_precision(p, None, PROFILES["rtx4090"]).mode == "fp8"
+
+
+@pytest.mark.parametrize("hw, resolved", [("rtx4090", "fp8"), ("rtx3090", "bf16"),
+                                          ("cpu", "fp32")])
+def test_plan_without_precision_resolves_auto_against_the_profile(hw, resolved, capsys):
+    import json
+
+    assert main(["plan", "--model-size", "tiny", "--hardware", hw]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(f"precision: auto -> {resolved} ({hw}")
+    assert f"--precision {resolved}" in out  # the train flags pin what was planned
+    assert main(["plan", "--model-size", "tiny", "--hardware", hw, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["precision"]["requested"] == "auto" and data["precision"]["resolved"] == resolved
 
 
 def test_fp8_plans_count_fp8_matmul_rate_and_halved_weight_traffic():

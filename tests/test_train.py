@@ -147,6 +147,37 @@ def test_cli_train_end_to_end_then_export(tmp_path, capsys):
         assert torch.equal(a(x).logits, b(x).logits)
 
 
+def test_default_precision_is_auto_and_runs_fp32_on_cpu(tmp_path):
+    import yaml
+
+    from tierlm.config import Config
+
+    cfg = tiny_cfg(tmp_path, max_steps=1)
+    assert cfg.precision.mode == "auto" == Config().precision.mode
+    logged: list[str] = []
+    t = Trainer(cfg, log=logged.append)
+    assert t.precision == "fp32" and t.cfg.precision.mode == "fp32"
+    assert logged[0] == "precision: auto -> fp32 (device cpu: no fp8 units, no native bf16)"
+    assert not any(type(m).__name__ == "PrecisionLinear"
+                   for m in t.model.modules())  # fp32: the model is left as built
+    with t.stepper.autocast() as ctx:  # no autocast: fp32 matmuls
+        assert ctx is None
+    saved = (tmp_path / "config.yaml").read_text()
+    assert saved.startswith("# precision: auto -> fp32 (")  # the run says what auto chose
+    assert yaml.safe_load(saved)["precision"]["mode"] == "fp32"  # and resumes with it
+    t.stepper.close()
+
+
+def test_fp8_only_flag_under_auto_names_the_flag(tmp_path):
+    from tierlm.config import ConfigError
+
+    cfg = tiny_cfg(tmp_path, max_steps=1)
+    cfg.precision.fp8_history = 4
+    with pytest.raises(ConfigError, match=r"--fp8-history has no effect: --precision auto "
+                       r"resolved to fp32 here \(device cpu.*\); add --precision fp8"):
+        Trainer(cfg, log=quiet)
+
+
 def test_bf16_autocast_and_full_checkpointing_train(tmp_path):
     cfg = tiny_cfg(tmp_path, max_steps=3)
     cfg.precision.mode = "bf16"

@@ -113,11 +113,13 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
-    mode: Literal["auto", "fp32", "bf16", "fp8"] = "fp32"
+    mode: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     """Compute precision, master weights always fp32: fp32; bf16 (autocast, with embeddings,
     norms and the output head kept in fp32); fp8 (as bf16, plus fp8 matmuls for the attention
-    and MLP projections); auto takes fp8 where the device has fp8 units (CUDA sm_89+, or with
-    --fp8-emulate), else bf16 where it computes bf16 natively, else fp32 (--precision)."""
+    and MLP projections); auto (the default) takes fp8 where the device has fp8 units (CUDA
+    sm_89+, or with --fp8-emulate; bf16 at most under --backend fsdp), else bf16 where it
+    computes bf16 natively, else fp32 (a CPU); `tierlm plan` resolves it against the
+    --hardware profile. The run logs and saves what auto resolved to (--precision)."""
     fp8_scaling: Literal["dynamic", "delayed", "fixed"] = "dynamic"
     """How fp8 activations and gradients are scaled before the cast: dynamic (by the tensor's
     current amax), delayed (by the largest amax of the last fp8_history steps) or fixed
@@ -591,9 +593,6 @@ def _validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.fp8_overflow_steps: must be >= 0, got {p.fp8_overflow_steps}")
     if not 0 <= p.fp8_overflow_fraction < 1:
         raise ConfigError("precision.fp8_overflow_fraction: must be in [0, 1)")
-    # flags that only mean something for some modes; auto is resolved later, so it allows all
-    needs = {"--fp8-layers": ("fp8",), "--bf16-layers": ("bf16", "fp8"),
-             "--fp32-layers": ("bf16", "fp8")}
     for flag, value in (("--fp8-layers", p.fp8_layers), ("--bf16-layers", p.bf16_layers),
                         ("--fp32-layers", p.fp32_layers)):
         if value is None:
@@ -602,14 +601,46 @@ def _validate_precision(p: PrecisionConfig) -> None:
             re.compile(value)
         except re.error as exc:
             raise ConfigError(f"{flag}: {value!r} is not a regex: {exc}") from None
-        if p.mode not in (*needs[flag], "auto"):
-            raise ConfigError(f"{flag} has no effect with --precision {p.mode}; use --precision "
-                              f"{' or '.join(needs[flag])}")
-    for flag, off in (("--fp8-scaling " + p.fp8_scaling, p.fp8_scaling == "dynamic"),
-                      ("--fp8-emulate", not p.fp8_emulate)):
-        if not off and p.mode not in ("fp8", "auto"):
-            raise ConfigError(f"{flag} has no effect with --precision {p.mode}; add "
-                              "--precision fp8")
+    if p.mode != "auto":  # auto is checked once resolved (tierlm.train.planning)
+        check_precision_flags(p, p.mode)
+
+
+_FP8 = ("fp8",)
+_LOW = ("bf16", "fp8")
+
+
+def mode_only_flags(p: PrecisionConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """The precision flags `p` sets that only mean something under some compute precisions:
+    (the flag as the user gave it, those precisions)."""
+    d = PrecisionConfig()
+    table = (
+        ("--fp8-layers", p.fp8_layers, d.fp8_layers, _FP8),
+        ("--bf16-layers", p.bf16_layers, d.bf16_layers, _LOW),
+        ("--fp32-layers", p.fp32_layers, d.fp32_layers, _LOW),
+        ("--fp8-scaling " + p.fp8_scaling, p.fp8_scaling, d.fp8_scaling, _FP8),
+        ("--fp8-history", p.fp8_history, d.fp8_history, _FP8),
+        ("--precision.fp8_input_scale", p.fp8_input_scale, d.fp8_input_scale, _FP8),
+        ("--precision.fp8_grad_scale", p.fp8_grad_scale, d.fp8_grad_scale, _FP8),
+        ("--precision.fp8_overflow_steps", p.fp8_overflow_steps, d.fp8_overflow_steps, _FP8),
+        ("--precision.fp8_overflow_fraction", p.fp8_overflow_fraction,
+         d.fp8_overflow_fraction, _FP8),
+        ("--fp8-emulate", p.fp8_emulate, d.fp8_emulate, _FP8),
+    )
+    return [(flag, modes) for flag, value, default, modes in table if value != default]
+
+
+def check_precision_flags(p: PrecisionConfig, mode: str, auto_why: str | None = None) -> None:
+    """Refuse a flag that the compute precision `mode` would silently ignore. `auto_why`: `mode`
+    is what --precision auto resolved to, and why (the error says so)."""
+    for flag, modes in mode_only_flags(p):
+        if mode in modes:
+            continue
+        wanted = " or ".join(modes)
+        if auto_why is None:
+            raise ConfigError(f"{flag} has no effect with --precision {mode}; use --precision "
+                              f"{wanted}")
+        raise ConfigError(f"{flag} has no effect: --precision auto resolved to {mode} here "
+                          f"({auto_why}); add --precision {wanted}, or drop {flag.split()[0]}")
 
 
 def validate(cfg: Config) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tierlm.config import Config, parse_bytes
+from tierlm.config import Config, PrecisionConfig, check_precision_flags, parse_bytes
 from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.planner import ModelShape, Plan, TrainShape, plan
 from tierlm.memory.tiers import Link
@@ -39,25 +40,57 @@ def cap_gpu_memory(cfg: Config, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
 
 
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The run's compute precision (fp32 | bf16 | fp8) and, when --precision auto chose it,
+    why."""
+
+    mode: str
+    why: str | None = None  # None: the user named the precision
+
+    def describe(self) -> str:
+        return f"precision: auto -> {self.mode} ({self.why})" if self.why else (
+            f"precision: {self.mode}")
+
+
 def resolve_precision(
-    mode: str, device: torch.device | None, hw: HardwareProfile | None, *,
-    fp8_emulate: bool = False,
-) -> str:
+    p: PrecisionConfig, device: torch.device | None, hw: HardwareProfile | None, *,
+    backend: str = "engine",
+) -> PrecisionChoice:
     """`auto`: fp8 where the device has fp8 units (CUDA sm_89+; a profile with
     `fp8_matmul_flops`) or the user asked for emulation (`--fp8-emulate`), else bf16 where the
-    device computes it natively, else fp32."""
-    if mode != "auto":
-        return mode
+    device computes it natively, else fp32; at most bf16 under `--backend fsdp` (no fp8 there).
+    Judged against `device` at train time, against the profile `hw` when planning. A flag the
+    resolved precision would ignore (`--fp8-history` under bf16, ...) is an error."""
+    if p.mode != "auto":
+        return PrecisionChoice(p.mode)
+    mode, why = _auto_precision(device, hw)
+    if mode != "fp8" and p.fp8_emulate:
+        mode, why = "fp8", f"--fp8-emulate on {why}"
+    if mode == "fp8" and backend == "fsdp":
+        mode, why = "bf16", f"{why}; bf16 at most: --backend fsdp has no fp8"
+    check_precision_flags(p, mode, auto_why=why)
+    return PrecisionChoice(mode, why)
+
+
+def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> tuple[str, str]:
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 9):
+            return "fp8", f"{name} (sm_{major}{minor}) has fp8 units"
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"{name} (sm_{major}{minor}) computes bf16, has no fp8 units"
+        return "fp32", f"{name} (sm_{major}{minor}) has no bf16 or fp8 units"
     if device is not None:
-        cuda = device.type == "cuda"
-        fp8 = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
-        native = cuda and torch.cuda.is_bf16_supported()
-    else:
-        fp8 = hw is not None and hw.fp8_matmul_flops is not None
-        native = hw is not None and not hw.device_is_cpu
-    if fp8 or fp8_emulate:
-        return "fp8"
-    return "bf16" if native else "fp32"
+        return "fp32", f"device {device.type}: no fp8 units, no native bf16"
+    if hw is None:
+        raise ValueError("resolve_precision: give the device or the hardware profile")
+    if hw.fp8_matmul_flops is not None:
+        return "fp8", f"{hw.name} has fp8 units"
+    if hw.device_is_cpu:
+        return "fp32", f"{hw.name}: a CPU profile, no fp8 units, no native bf16"
+    return "bf16", f"{hw.name} computes bf16, has no fp8 units"
 
 
 def train_shape(cfg: Config, precision: str) -> TrainShape:
@@ -112,14 +145,17 @@ def print_plan(cfg: Config, *, as_json: bool = False) -> int:
     from tierlm.memory.planner import describe
 
     hw = hardware_for(cfg)
-    precision = resolve_precision(cfg.precision.mode, None, hw,
-                                  fp8_emulate=cfg.precision.fp8_emulate)
+    choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend)
+    precision = choice.mode
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
     wear = DiskWear(write_bytes_per_step=p.moved_bytes.get(Link.DISK_WRITE.value, 0),
                     step_s=p.step_s, endurance_tbw=cfg.memory.disk_endurance_tbw)
     if as_json:
-        print(json.dumps({**p.to_json(), "disk_wear": wear.to_json()}, indent=1))
+        print(json.dumps({**p.to_json(), "disk_wear": wear.to_json(),
+                          "precision": {"requested": cfg.precision.mode, "resolved": precision,
+                                        "why": choice.why}}, indent=1))
     else:
+        print(choice.describe())
         print(describe(p, shape, train, hw, run_flags=_input_flags(cfg, precision)))
         if wear.write_bytes_per_step:
             print(wear.describe())

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -222,10 +222,17 @@ class Trainer:
         self.world = join_world(cfg)  # torchrun's processes, or this one alone
         if not self.world.is_main:
             log = quiet  # rank 0 logs, writes metrics and checkpoints for the whole run
-        self.cfg = cfg
         self.log = log
         self.device = resolve_device(cfg.run.device)
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
+        choice = resolve_precision(cfg.precision, self.device, None,
+                                   backend=cfg.distributed.backend)
+        log(choice.describe())
+        # from here on the run is configured with what auto chose: config.yaml and the
+        # checkpoints record it, so a resume elsewhere continues in the same precision
+        cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
+        self.cfg = cfg
+        self.precision = choice.mode
         run_dir, resume_ckpt = self.world.main_first(
             lambda: resume_point(cfg.run.resume, cfg.run.out, log)
         )
@@ -235,7 +242,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.world.is_main:
             (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
+                (f"# {choice.describe()}\n" if choice.why else "")
+                + yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
             )
 
         corpus = load_corpus(
@@ -311,9 +319,6 @@ class Trainer:
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
                               device_is_cpu=self.device.type == "cpu",
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
-        self.precision = resolve_precision(
-            cfg.precision.mode, self.device, None, fp8_emulate=cfg.precision.fp8_emulate
-        )
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
