@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import multiprocessing as mp
 import os
 import socket
@@ -466,13 +467,16 @@ def _fsdp(world: World, path: str) -> dict:
         if i == 2:  # checkpoint after step 3
             ckpt = save(3)
             saved = _numpy(step.weights())
+            saved_optim = _numpy(step.optimizer_state())
     final = _numpy(step.weights())
     weights, optim, _ = load_checkpoint(ckpt)
     resumed = build()
     resumed.load(weights, optim)
+    loaded_optim = _numpy(resumed.optimizer_state())
     resumed_losses = [resumed.step(_mine(world, b), LR)["loss"] for b in all_batches[3:]]
     return {"losses": losses, "weights": final, "resumed": resumed_losses,
-            "resumed_weights": _numpy(resumed.weights()), "ckpt": str(ckpt), "saved": saved}
+            "resumed_weights": _numpy(resumed.weights()), "ckpt": str(ckpt), "saved": saved,
+            "saved_optim": saved_optim, "loaded_optim": loaded_optim}
 
 
 def test_fsdp_matches_one_process_and_resumes(tmp_path):
@@ -495,6 +499,11 @@ def test_fsdp_matches_one_process_and_resumes(tmp_path):
         assert r["resumed"] == pytest.approx(r["losses"][3:], rel=0, abs=1e-6)
         for k, v in r["weights"].items():
             np.testing.assert_allclose(r["resumed_weights"][k], v, rtol=0, atol=1e-6, err_msg=k)
+        # the full AdamW state, keyed as the other steppers key it, survives the dcp round trip
+        assert {f"{n}.{slot}" for n in r["weights"] for slot in ("exp_avg", "exp_avg_sq",
+                                                                 "step")} == r["saved_optim"].keys()
+        for k, v in r["saved_optim"].items():
+            assert np.array_equal(r["loaded_optim"][k], v), k
 
     # torch.distributed.checkpoint files of both ranks, all under the manifest
     ckpt = Path(ranks[0]["ckpt"])
@@ -614,3 +623,66 @@ def test_sync_strategies_need_several_processes():
     for flags in ({"distributed.sparse_grad_ratio": 0.05}, {"distributed.sync_every": 2}):
         with pytest.raises(ConfigError, match="--nproc N"):
             join_world(resolve(None, flags))
+
+
+# -- the stepper protocol ----
+
+def _stepper_classes():
+    from tierlm.distributed.fsdp import FSDPStep
+    from tierlm.train.reference import ReferenceStep
+
+    return [ReferenceStep, Engine, DataParallelStep, FSDPStep]
+
+
+@pytest.mark.parametrize("cls", _stepper_classes(), ids=lambda c: c.__name__)
+def test_every_stepper_implements_the_protocol_itself(cls):
+    from tierlm.runtime.stepper import Stepper
+
+    assert issubclass(cls, Stepper) and not inspect.isabstract(cls)
+    assert not hasattr(cls, "__getattr__")  # nothing reaches another object unannounced
+
+
+def test_capabilities_are_declared_not_probed():
+    from tierlm.train.reference import ReferenceStep
+
+    ref = ReferenceStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"))
+    assert (ref.engine, ref.ledger, ref.cache, ref.fp8_stats, ref.save_sharded) == (None,) * 5
+    dp = _dp(World.single(), DenseSync())
+    try:
+        engine = dp.engine
+        assert engine.engine is engine and engine.save_sharded is None
+        # the wrapper's capabilities are its engine's, and nothing else of the engine leaks
+        assert dp.ledger is engine.ledger and dp.cache is engine.cache
+        assert not hasattr(dp, "states") and not hasattr(dp, "opts")
+    finally:
+        dp.close()
+
+
+def _trainer_run(out: str, world: World) -> list[dict]:
+    """A 2-step data-parallel training run through the trainer; rank 0's metrics records."""
+    from tierlm.config import from_dict
+    from tierlm.train import Trainer
+    from tierlm.train.monitor import read_metrics
+
+    cfg = from_dict({
+        "model": {"size": "tiny"},
+        "data": {"seq_len": 16, "vocab_size": 300},
+        "train": {"max_steps": 2, "batch_size": 1, "eval_every": 0, "eval_batches": 1},
+        "run": {"out": out, "device": "cpu", "seed": 3},
+        "distributed": {"timeout_s": 60},
+    })
+    trainer = Trainer(cfg, log=lambda msg: None)
+    assert isinstance(trainer.stepper, DataParallelStep)
+    trainer.train()
+    trainer.stepper.close()
+    return read_metrics(trainer.run_dir / "metrics.jsonl") if world.is_main else []
+
+
+def test_data_parallel_runs_keep_the_predicted_vs_measured_record(tmp_path):
+    """The planner's prediction for the engine a data-parallel stepper drives is checked
+    against that engine's ledger, as in a single-process tiered run."""
+    rank0, _ = run_ranks(lambda w: _trainer_run(str(tmp_path / "run"), w))
+    (rec,) = [r for r in rank0 if "predicted_device_peak_bytes" in r]
+    assert rec["step"] == 2  # everything on the device (--offload-policy none): host holds 0
+    assert rec["predicted_device_peak_bytes"] > 0 and rec["measured_device_peak_bytes"] > 0
+    assert rec["predicted_host_peak_bytes"] >= 0 and rec["measured_host_peak_bytes"] >= 0

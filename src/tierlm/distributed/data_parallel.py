@@ -5,8 +5,10 @@ segment's finished gradient to the sync strategy while the backward goes on (the
 `EngineOptions.grad_sync`), so dense and top-k ranks step with identical gradients and stay
 bitwise identical; delayed sync averages weights after the step instead.
 
-This wrapper answers the same calls as the engine (`step`, `eval_loss`, `state_shards`,
-`load`, ...) and adds what spans ranks: the logged loss is the mean over ranks, evaluation
+This wrapper is a `Stepper` (tierlm.runtime.stepper) like the engine, and forwards each of its
+calls explicitly: the engine's ledger, stream cache and placement are its capabilities
+(`engine` is the wrapped engine, so the planner's prediction is checked in data-parallel runs
+too). It adds what spans ranks: the logged loss is the mean over ranks, evaluation
 splits each batch's rows over the ranks, and checkpoints gather the state that differs between
 ranks (error-feedback residuals; under delayed sync every rank's weights and moments) into
 rank 0's checkpoint under `dp.rank<r>.` keys in the optimizer files.
@@ -21,6 +23,10 @@ import torch
 from tierlm.config import ConfigError
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
+from tierlm.memory.ledger import Ledger
+from tierlm.runtime.cache import StreamCache
+from tierlm.runtime.engine import Engine
+from tierlm.runtime.stepper import Stepper
 
 _PREFIX = "dp"
 
@@ -42,17 +48,20 @@ class Prefixed(Mapping[str, torch.Tensor]):
         return len(self._keys)
 
 
-class DataParallelStep:
-    def __init__(self, engine, strategy, world: World, comm: Comm) -> None:
+class DataParallelStep(Stepper):
+    def __init__(self, engine: Engine, strategy, world: World, comm: Comm) -> None:
         self.engine = engine
         self.strategy = strategy
         self.world = world
         self.comm = comm
 
-    def __getattr__(self, name: str):  # ledger, cache, opts, states, ... are the engine's
-        if name == "engine":  # not set yet (copy, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    @property
+    def ledger(self) -> Ledger:  # network bytes land in it too (setup.build_parallel_stepper)
+        return self.engine.ledger
+
+    @property
+    def cache(self) -> StreamCache:
+        return self.engine.cache
 
     @property
     def skipped_steps(self) -> int:
@@ -81,7 +90,22 @@ class DataParallelStep:
         nll, total = self.comm.mean_of([self.engine.eval_loss(mine) * tokens, tokens])
         return nll / total
 
+    def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's forward: every rank holds the same weights (delayed sync: its own)."""
+        return self.engine.next_token_logits(ids)
+
+    def synchronize(self) -> None:
+        self.engine.synchronize()
+
     # -- checkpoints ----
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's weights."""
+        return self.engine.weights()
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state."""
+        return self.engine.optimizer_state()
 
     def state_shards(self) -> Iterator[tuple[str, dict, dict]]:
         """Rank 0's engine state, segment by segment, then what differs between ranks. Every

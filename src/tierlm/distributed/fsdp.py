@@ -49,6 +49,7 @@ from torch.distributed.fsdp import (
 from tierlm.config import ConfigError, OptimConfig
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
+from tierlm.runtime.stepper import Stepper
 from tierlm.train.checkpoint import CheckpointError, DCPTensors
 from tierlm.train.reference import ReferenceStep
 
@@ -72,7 +73,7 @@ def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
     )
 
 
-class FSDPStep:
+class FSDPStep(Stepper):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -172,6 +173,13 @@ class FSDPStep:
         key them: a whole model per rank, so only for the end-of-run sample."""
         full = get_model_state_dict(self.model, options=_FULL)
         return {n: full[n].detach().cpu() for n in self._param_names()}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Full AdamW state on every rank (CPU copies), keyed `<name>.<slot>` as the other
+        runtimes key it: a whole model's state per rank, like `weights`."""
+        full = get_optimizer_state_dict(self.model, self.ref.optimizer, options=_FULL)["state"]
+        return {f"{n}.{slot}": v.detach().cpu() for n in self._param_names() if n in full
+                for slot, v in full[n].items()}
 
     def state_shards(self) -> Iterator[tuple[str, dict[str, torch.Tensor], dict]]:
         """This rank's part of the weights (no gather), for the non-finite check."""

@@ -68,6 +68,7 @@ from tierlm.runtime.state import (
     start_load,
     write_back_copies,
 )
+from tierlm.runtime.stepper import Stepper
 
 
 def _empty_parameter(p: torch.nn.Parameter) -> None:
@@ -152,7 +153,7 @@ class _MicroBatch:
     saved: dict[int, object] = field(default_factory=dict)  # activation policy handles
 
 
-class Engine:
+class Engine(Stepper):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -350,6 +351,10 @@ class Engine:
             self.update_wait_s += t1 - t0
             self.tracer.record("wait", f"update {self.states[s].seg.name}", t0, t1,
                                cat="update wait")
+
+    @property
+    def engine(self) -> Engine:  # the placement the planner predicts is this one's
+        return self
 
     def synchronize(self) -> None:
         """Wait for every pending optimizer update (before eval, checkpoints, export)."""

@@ -70,6 +70,7 @@ from tierlm.models.export import (
     source_dtype,
     write_hf_model,
 )
+from tierlm.runtime.stepper import Shard
 
 FORMAT_VERSION = 2
 DCP_FORMAT_VERSION = 3  # tensors in torch.distributed.checkpoint files (FSDP runs)
@@ -81,7 +82,6 @@ _LEFTOVER = re.compile(r"\.(step_\d+)\.(tmp|old|del)-\d+")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 # One state shard: (name, weights by parameter name, optimizer state by "<name>.<state>").
-Shard = tuple[str, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
 
 
 class CheckpointError(RuntimeError):
@@ -344,15 +344,6 @@ class DCPTensors(Mapping[str, torch.Tensor]):
             raise CheckpointError(f"checkpoint {self.path}: cannot read {sorted(out)[:3]} from "
                                   f"its dcp shards ({type(exc).__name__})") from exc
         return out
-
-
-def state_shards(stepper: Any) -> Iterable[Shard]:
-    """A stepper's state shard by shard (`stepper.state_shards()`); a stepper without that
-    method gives its whole state as one shard."""
-    shards = getattr(stepper, "state_shards", None)
-    if shards is not None:
-        return shards()
-    return iter([("", stepper.weights(), stepper.optimizer_state())])
 
 
 def _shard_file(kind: str, shard: str) -> str:

@@ -19,6 +19,7 @@ import torch
 
 from tierlm.config import Config, ConfigError
 from tierlm.memory.tiers import Link
+from tierlm.runtime.stepper import Stepper
 from tierlm.train.alerts import (
     Alert,
     Alerts,
@@ -138,7 +139,7 @@ def check_monitor_deps(cfg: Config) -> None:
 
 
 class SkippedSteps:
-    def __init__(self, stepper: Any) -> None:
+    def __init__(self, stepper: Stepper) -> None:
         self.stepper = stepper
 
     def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
@@ -232,7 +233,7 @@ class Monitor:
 
 def build_monitor(
     cfg: Config,
-    stepper: Any,
+    stepper: Stepper,
     device: torch.device,
     run_dir: Path,
     metrics: MetricsLog,
@@ -245,12 +246,13 @@ def build_monitor(
         SkippedSteps(stepper),
     ]
     detectors: list[Alert] = [LossSpike(), NonFinite()]
-    if getattr(stepper, "cache", None) is not None:
+    if stepper.cache is not None:
         detectors.append(Thrashing())
     summaries: list[Callable[[], str | None]] = []  # logged when the run's view closes
-    request_bytes = disk_segment_bytes(stepper)
-    if request_bytes:
-        ref = probe_disk_Bps(stepper.opts.offload_dir, request_bytes)
+    engine = stepper.engine
+    request_bytes = disk_segment_bytes(engine)
+    if engine is not None and request_bytes:
+        ref = probe_disk_Bps(engine.opts.offload_dir, request_bytes)
         log(f"disk probe ({request_bytes / 2**20:.1f} MiB requests): write "
             f"{fmt_rate(ref['disk_write'])}, read {fmt_rate(ref['disk_read'])}; the disk_slow "
             "alert compares the run with these")

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 import torch
@@ -24,6 +24,10 @@ from tierlm.memory.store import Store
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.train.alerts import planned_fetches
 from tierlm.train.nvml import GpuSampler
+
+if TYPE_CHECKING:
+    from tierlm.runtime.engine import Engine
+    from tierlm.runtime.stepper import Stepper
 
 LOSS_WINDOW = 10  # steps in `loss_var`; the loss-spike rule uses the same window
 
@@ -204,19 +208,17 @@ class Gpu:
         return self.sampler.sample()
 
 
-def build_probes(stepper: Any, device: torch.device, gpu: GpuSampler, micro_batches: int):
+def build_probes(stepper: Stepper, device: torch.device, gpu: GpuSampler, micro_batches: int):
     """The probes for this run, in the order their fields are added."""
-    ledger = getattr(stepper, "ledger", None)
-    cache = getattr(stepper, "cache", None)
-    fp8 = getattr(stepper, "fp8_stats", None)
+    engine = stepper.engine  # the tiered runtime: its schedule plans the stream's fetches
     return [
         StepTime(),
         LossWindow(),
-        Moves(ledger, gpu.pcie_peak_Bps),
+        Moves(stepper.ledger, gpu.pcie_peak_Bps),
         HostMemory(),
         CudaMemory(device) if device.type == "cuda" else NoCuda(),
-        StreamFetches(stepper, micro_batches) if cache is not None else NoStream(),
-        Fp8Stats(fp8) if fp8 is not None else NoFp8(),
+        StreamFetches(engine, micro_batches) if engine is not None else NoStream(),
+        Fp8Stats(stepper.fp8_stats) if stepper.fp8_stats is not None else NoFp8(),
         Gpu(gpu),
     ]
 
@@ -224,10 +226,12 @@ def build_probes(stepper: Any, device: torch.device, gpu: GpuSampler, micro_batc
 PROBE_REQUEST_CAP_BYTES = 32 << 20
 
 
-def disk_segment_bytes(engine: Any) -> int:
+def disk_segment_bytes(engine: Engine | None) -> int:
     """The size of the run's disk requests (the largest disk-resident segment's fp32 copy), for
-    the probe: capped, since larger requests only run faster, so the probe stays ~a second."""
-    sizes = [st.numel * 4 for st in getattr(engine, "states", []) if st.tier == Tier.DISK]
+    the probe: capped, since larger requests only run faster, so the probe stays ~a second.
+    0 without the tiered runtime (`engine` None): nothing on disk."""
+    states = engine.states if engine is not None else []
+    sizes = [st.numel * 4 for st in states if st.tier == Tier.DISK]
     return min(max(sizes, default=0), PROBE_REQUEST_CAP_BYTES)
 
 

@@ -1,8 +1,9 @@
 """The reference step: plain PyTorch, the whole model on one device.
 
 This is the numerical reference the tiered runtime must reproduce (ARCHITECTURE.md invariant 1),
-so it stays simple and exact. It and `tierlm.runtime.Engine` answer the same calls (`step`,
-`eval_loss`, `weights`, `optimizer_state`, `load`), so the trainer never asks which one it has.
+so it stays simple and exact. It and `tierlm.runtime.Engine` are `Stepper`s
+(tierlm.runtime.stepper): the trainer never asks which one it has. It has none of the optional
+capabilities (no ledger, no stream cache, no engine).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch.nn.functional as F
 from tierlm.config import OptimConfig
 from tierlm.optim import build_optimizer
 from tierlm.runtime.clock import compute_clock
+from tierlm.runtime.stepper import Stepper
 
 
-class ReferenceStep:
+class ReferenceStep(Stepper):
     def __init__(
         self,
         model: torch.nn.Module,

@@ -25,6 +25,7 @@ from tierlm.memory.placement import COMPUTE_B
 from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
+from tierlm.runtime.stepper import Stepper
 
 TRACE_FILE = "trace.json"
 TIME_KEYS = ("step_time_s", "compute_s", "transfer_wait_s", "update_wait_s", "sweep_s")
@@ -90,11 +91,13 @@ class StepTrace:
                  "ui.perfetto.dev, or run tierlm report)")
 
 
-def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Any, plan: Plan | None,
-                     model_config: Any, precision: str, run_dir: Path,
+def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
+                     plan: Plan | None, model_config: Any, precision: str, run_dir: Path,
                      log: Callable[[str], None]) -> StepTrace | NoStepTrace:
     if not isinstance(tracer, Tracer):
         return NoStepTrace()
+    if stepper.engine is None:  # config validation allows tracing only the tiered runtime
+        raise ValueError("--monitor.trace_step: this run's stepper is not the tiered runtime")
 
     def predict() -> list[TraceEvent]:
         if plan is None:
@@ -105,7 +108,7 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Any, plan:
         shape = ModelShape.from_config(model_config)
         return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
-    return StepTrace(cfg.monitor.trace_step, tracer, stepper, run_dir, predict, plan, log)
+    return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)
 
 
 def placement_map(engine: Any) -> list[dict[str, Any]]:

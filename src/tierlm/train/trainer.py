@@ -62,6 +62,7 @@ from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.runtime.state import InitialWeights, module_weights
+from tierlm.runtime.stepper import Stepper
 from tierlm.train.checkpoint import (
     TrainState,
     check_tensor_format,
@@ -71,7 +72,6 @@ from tierlm.train.checkpoint import (
     resume_point,
     save_checkpoint,
     save_sharded_checkpoint,
-    state_shards,
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.planning import (
@@ -151,7 +151,7 @@ def build_stepper(
     plan: Plan | None = None,
     initial_weights: InitialWeights = module_weights,
     tracer: Tracer | NoTracer = NO_TRACER,
-):
+) -> Stepper:
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
     offload, dynamic, per-segment overrides: the runtime with everything resident), or always
@@ -335,8 +335,9 @@ class Trainer:
                               initial_weights=initial_weights, tracer=tracer),
         )
         self.plan = auto
-        if self.plan is None and isinstance(self.stepper, Engine):
-            self.plan = predict_for_engine(cfg, self.model.config, self.stepper, self.precision)
+        if self.plan is None and self.stepper.engine is not None:
+            self.plan = predict_for_engine(cfg, self.model.config, self.stepper.engine,
+                                           self.precision)
         self.step_trace = build_step_trace(cfg, tracer, self.stepper, self.plan,
                                            self.model.config, self.precision, self.run_dir, log)
         self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
@@ -345,7 +346,7 @@ class Trainer:
             cfg.train.max_skipped_in_a_row, precision=self.precision,
             grad_clip=cfg.optim.grad_clip, save=self.save,
             # each FSDP rank checks its own shard; the save that follows is collective
-            weights_finite=lambda: self.world.all_agree(all_finite(state_shards(self.stepper))),
+            weights_finite=lambda: self.world.all_agree(all_finite(self.stepper.state_shards())),
         )
 
         self.step = 0
@@ -404,9 +405,8 @@ class Trainer:
         for key in ("sweep_s", "compute_s", "update_wait_s", "transfer_wait_s"):
             if key in out:
                 rec[key] = out[key]
-        ledger = getattr(self.stepper, "ledger", None)
-        if ledger is not None:
-            rec.update(ledger.snapshot())
+        if self.stepper.ledger is not None:
+            rec.update(self.stepper.ledger.snapshot())
         rec.update(self.fp8.end_step(self.step))  # may switch layers to bf16, or stop the run
         rec.update(self.memory_watch.sample())
         return rec
@@ -441,7 +441,7 @@ class Trainer:
 
     def save(self) -> Path | None:
         fp8 = self.world.gather_to_main(self.fp8.state_dict())  # collective: before any return
-        sharded = getattr(self.stepper, "save_sharded", None) is not None  # FSDP
+        sharded = self.stepper.save_sharded is not None  # FSDP
         if not self.world.is_main and not sharded:  # the others only take part in the gathers
             drain(self.stepper.state_shards())
             return None
@@ -461,7 +461,7 @@ class Trainer:
             )
         return save_checkpoint(
             self.run_dir,
-            shards=state_shards(self.stepper),  # one segment in RAM at a time
+            shards=self.stepper.state_shards(),  # one segment in RAM at a time
             model_config=self.model.config,
             tokenizer=self.tokenizer,
             state=state,
@@ -471,8 +471,7 @@ class Trainer:
 
     def _report_prediction(self) -> None:
         """Predicted (planner) vs measured (ledger) peak bytes per tier, logged and recorded."""
-        engine = self.stepper if isinstance(self.stepper, Engine) else None
-        rec = prediction_record(self.plan, engine, self.step)
+        rec = prediction_record(self.plan, self.stepper.engine, self.step)
         self.metrics.write(rec)
         for tier in ("device", "host"):
             measured = rec.get(f"measured_{tier}_peak_bytes")
