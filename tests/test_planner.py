@@ -259,6 +259,26 @@ def test_precision_auto_takes_bf16_only_where_native():
     assert bf16.mode == "bf16" and bf16.why is None
 
 
+@pytest.mark.parametrize("capability, bf16, resolved, why", [
+    ((8, 9), True, "fp8", "GPU (sm_89) has fp8 units"),
+    ((8, 6), True, "bf16", "GPU (sm_86) computes bf16, has no fp8 units"),
+    ((7, 5), False, "fp32", "GPU (sm_75) has no bf16 or fp8 units"),
+])
+def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkeypatch):
+    """The device rule at train time (the GPU's own answers stood in for: no CUDA here)."""
+    from tierlm.config import PrecisionConfig
+    from tierlm.train.planning import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    cuda = torch.device("cuda")
+    got = resolve_precision(PrecisionConfig(mode="auto"), cuda, None)
+    assert got.describe() == f"precision: auto -> {resolved} ({why})"
+    fsdp = resolve_precision(PrecisionConfig(mode="auto"), cuda, None, backend="fsdp")
+    assert fsdp.mode == ("bf16" if resolved == "fp8" else resolved)
+
+
 @pytest.mark.parametrize("flags, flag, resolved", [
     ({"fp8_history": 4}, "--fp8-history", "fp32"),
     ({"fp8_scaling": "delayed"}, "--fp8-scaling delayed", "fp32"),
