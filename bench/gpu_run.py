@@ -105,9 +105,7 @@ def run(label: str, steps: int, flags: list[str]) -> dict:
             predicted_device_peak_bytes=plan.device_peak_bytes,
             predicted_host_peak_bytes=plan.host_peak_bytes,
         )
-    close = getattr(trainer.stepper, "close", None)
-    if close is not None:
-        close()
+    trainer.stepper.close()  # every stepper has it (tierlm.runtime.stepper)
     return out
 
 
