@@ -398,7 +398,7 @@ def _resume(world: World, path: str, sync) -> dict:
         dp.step(_mine(world, step_batches), LR)
     if world.is_main:
         ckpt = save_checkpoint(Path(path), shards=dp.state_shards(),
-                               model_config=dp.adapter.model.config, tokenizer=None,
+                               model_config=dp.engine.adapter.model.config, tokenizer=None,
                                state=TrainState(step=2, sampler={}, run_config={}))
     else:
         drain(dp.state_shards())
