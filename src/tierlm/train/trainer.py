@@ -227,7 +227,8 @@ class Trainer:
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         choice = resolve_precision(cfg.precision, self.device, None,
                                    backend=cfg.distributed.backend)
-        log(choice.describe())
+        if choice.why:  # a named precision is logged with the layer table
+            log(choice.describe())
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
