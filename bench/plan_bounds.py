@@ -10,10 +10,11 @@ time, so the table says which constraint costs what:
   PCIe and the CPU update.
 - `update overlaps whole step`: the optimizer update of step i may run behind all of step i+1
   (its forward and backward), not only behind its forward; one disk still serves both, so the
-  step is at least the sweep's and the update's disk time together. Exact clipped AdamW cannot do this:
-  step i+1's forward of segment s needs segment s's updated weights, and the update cannot start
-  before step i's backward has produced the global gradient norm. This row is the bound for
-  any schedule that keeps exact clipping but moves the disk traffic freely through the step.
+  step is at least the sweep's and the update's disk time together. Exact clipped AdamW cannot
+  do this: step i+1's forward of segment s needs segment s's updated weights, and the update
+  cannot start before step i's backward has produced the global gradient norm. This row is
+  the bound for any schedule that keeps exact clipping but moves the disk traffic freely
+  through the step.
 - `+ gradients off disk`: as the previous row, and disk-tier gradients never touch the disk
   (they would wait in the host RAM the boundary activations free during the backward).
 - `disk floor`: the fewest disk seconds any exact plan needs with this RAM: master and both
