@@ -303,7 +303,7 @@ def _simulate(
 
     streamed = {i: numels[i] for i in range(n_segs) if not placements[i].resident}
     top = sorted(streamed.values(), reverse=True)[:2]
-    cache = StreamCache(store, streamed, sum(top) * 4, Load)  # type: ignore[arg-type]
+    cache = StreamCache(store, streamed.__getitem__, sum(top) * 4, Load)  # type: ignore[arg-type]
     groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
     actions = []
     for mbs in groups:
