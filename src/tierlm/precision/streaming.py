@@ -168,16 +168,21 @@ class ComputeCopies:
         """Device bytes of segment `st`'s weights once its compute copy is next refreshed."""
         return st.numel * 4 if st.compute_format is None else self.layout_nbytes(st.layout)
 
-    def attach(self, store: Store, st) -> None:
-        """Give segment state `st` (runtime/state.py) its compute copy, if its state is off the
-        device and any weight of it computes in less than fp32: in host RAM (`st.wire`) or in
-        its file on disk. A resident segment's device copy becomes the compute copy too."""
+    def choose_format(self, st) -> None:
+        """Before segment state `st` (runtime/state.py) is placed: give it a compute-copy
+        format if its state is off the device and any weight of it computes in less than fp32
+        (`init_state` then leaves a resident segment's device copy to `attach`)."""
         if not self.enabled or st.tier == Tier.DEVICE:
             return
         kinds = _slot_kinds(self.model, st.layout)
-        if all(k == "fp32" for k in kinds):
+        if any(k != "fp32" for k in kinds):
+            st.compute_format = ComputeFormat(st.layout, kinds)
+
+    def attach(self, store: Store, st) -> None:
+        """After `init_state`: fill the compute copy of `st`, in host RAM (`st.wire`) or in its
+        file on disk, and a resident segment's device copy from it."""
+        if st.compute_format is None:
             return
-        st.compute_format = ComputeFormat(st.layout, kinds)
         if st.tier == Tier.HOST:
             self._alloc_wire(store, st)
             st.compute_format.encode(st.master, st.wire)
@@ -188,7 +193,6 @@ class ComputeCopies:
             source = self._write_file(store, st, master, keep=True)
             store.free(Tier.HOST, TensorClass.STAGING, master)
         if st.placement.resident:
-            store.free(Tier.DEVICE, TensorClass.COMPUTE, st.device_weights)
             st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE,
                                             st.compute_format.nbytes, dtype=torch.uint8)
             store.wait(store.to_device(st.device_weights, source, st.seg.name))

@@ -250,6 +250,7 @@ class Engine:
         ):
             st = SegmentState(index=i, seg=seg, layout=lay, placement=plc)
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
+            self.compute_copies.choose_format(st)
             # packed straight into the segment's tier (or the disk tier's staging), tensor by
             # tensor from the source, before the next segment is read
             init_state(self.store, st, functools.partial(lay.pack, initial_weights(seg)),

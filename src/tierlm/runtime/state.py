@@ -107,7 +107,7 @@ def init_state(
         st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
     if st.tier == Tier.DEVICE:
         st.device_weights = st.master  # fp32: the master is what the matmuls read
-    elif st.placement.resident:
+    elif st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
         st.device_weights.copy_(initial)
     if st.tier == Tier.DISK:
