@@ -84,12 +84,15 @@ def test_compute_precision_slots_are_small_and_change_no_bit(tmp_path, mode, ord
 
 
 def test_gpt2_transposed_weights_and_bf16_biases(tmp_path):
-    """GPT-2's Conv1D weights are stored transposed and its biases cross in bf16."""
+    """GPT-2's Conv1D weights are stored transposed and its biases cross in bf16; evaluation
+    reads the slots too."""
     for mode in ("bf16", "fp8"):
         a = run(tmp_path, mode, "layer-outer", 2, copies=True, name="gpt2")
         b = run(tmp_path, mode, "layer-outer", 2, copies=False, name="gpt2")
         assert_same(a, b)
         assert "bf16" in a[0].states[2].compute_format.kinds
+        held_out = batches(1, 1, seed=7)[0][0]  # evaluation streams the same slots
+        assert a[0].eval_loss(held_out) == b[0].eval_loss(held_out)
         a[0].close(), b[0].close()
 
 
