@@ -141,17 +141,18 @@ def test_planner_replays_host_boundaries(spec, order, tmp_path):
 
 
 def test_planner_parks_boundaries_only_where_every_segment_recomputes():
-    """The 7B design point picks layer-outer with parked boundaries; a run whose activation
-    policy keeps graphs (selective, overrides) must not be handed that plan."""
+    """7B in bf16 on a 4090 with 32 GiB of RAM picks parked boundaries; a run whose activation
+    policy keeps graphs (selective, overrides) must not be handed that plan. (With 64 GiB the
+    compute copies in compute precision leave room to keep the boundaries on the device.)"""
     from tierlm.memory.hardware import resolve
     from tierlm.memory.planner import ModelShape, TrainShape, plan
     from tierlm.models import preset_config
 
     shape = ModelShape.from_config(preset_config("7b"))
-    hw = resolve("rtx4090", host_memory_bytes=64 * 2**30, disk_budget_bytes=200 * 2**30)
-    train = TrainShape(4, 2048, 8, "fp8")
+    hw = resolve("rtx4090", host_memory_bytes=32 * 2**30, disk_budget_bytes=200 * 2**30)
+    train = TrainShape(4, 2048, 8, "bf16")
     parked = plan(shape, train, hw)
-    assert parked.fits and parked.boundary_on_host and parked.order == "layer-outer"
+    assert parked.fits and parked.boundary_on_host
     assert not parked.keep_resident_activations  # parking goes with recomputing everything
     kept = plan(shape, train, hw, park_boundaries=False)
     assert kept.fits and not kept.boundary_on_host

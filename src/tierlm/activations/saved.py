@@ -52,18 +52,27 @@ def storages_of(*objs: object) -> set[int]:
 
 @dataclass(frozen=True)
 class WeightRef:
-    """A saved view of the segment's flat weights, by position instead of by memory."""
+    """A saved view of the segment's flat weights, by position instead of by memory. The view
+    may have another dtype than the flat weights (a compute copy's bf16 or E4M3 entries,
+    tierlm.precision.streaming): its offset is kept in bytes."""
 
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int  # elements from the start of the flat weights
+    byte_offset: int  # from the start of the flat weights
+    dtype: torch.dtype
 
     @classmethod
     def of(cls, t: torch.Tensor, flat: torch.Tensor) -> WeightRef:
-        return cls(tuple(t.size()), tuple(t.stride()), t.storage_offset() - flat.storage_offset())
+        start = t.storage_offset() * t.element_size() - flat.storage_offset() * flat.element_size()
+        return cls(tuple(t.size()), tuple(t.stride()), start, t.dtype)
 
     def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.detach().as_strided(self.size, self.stride, flat.storage_offset() + self.offset)
+        start = flat.storage_offset() * flat.element_size() + self.byte_offset
+        if self.dtype == flat.dtype:
+            return flat.detach().as_strided(self.size, self.stride, start // flat.element_size())
+        out = torch.empty(0, dtype=self.dtype, device=flat.device)
+        return out.set_(flat.untyped_storage(), start // self.dtype.itemsize, self.size,
+                        self.stride)
 
 
 class SavedTensorScope:

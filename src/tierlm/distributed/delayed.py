@@ -64,8 +64,8 @@ class Delayed(NoSync):
 
 def average_weights(engine, comm: Comm, moments: tuple[str, ...] = ()) -> None:
     """Replace every segment's master weights by their mean over ranks (in fp32), and each of
-    `moments` ("exp_avg", "exp_avg_sq") by its mean sent in bf16, wherever they live; mark
-    device copies stale (the same write-back `Engine.load` does)."""
+    `moments` ("exp_avg", "exp_avg_sq") by its mean sent in bf16, wherever they live; re-encode
+    the compute copies and mark device copies stale (the same write-back `Engine.load` does)."""
     engine.synchronize()  # the last step's updates must be in the masters
     for st in engine.states:
         bufs = read_copies(engine.store, st, ("master", *moments))
@@ -78,6 +78,7 @@ def average_weights(engine, comm: Comm, moments: tuple[str, ...] = ()) -> None:
             wire = bufs[name].to(torch.bfloat16)
             comm.all_reduce_sum(wire)
             bufs[name].copy_(wire).div_(comm.size)
+        engine.compute_copies.refresh(engine.store, st, master)  # what streams is re-encoded
         write_back_copies(engine.store, st, bufs)
         if st.device_weights is not None and st.device_weights is not st.master:
             st.device_stale = True

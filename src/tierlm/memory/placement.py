@@ -14,12 +14,16 @@ A placement that cannot fit its budgets is refused before training with the numb
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 from tierlm.memory.tiers import Tier
 
-# Bytes per parameter by tensor class in the fp32 runtime.
+# Bytes per parameter by tensor class in the fp32 runtime. With --precision bf16/fp8 a segment
+# whose state is off the device holds its compute copy instead of fp32 compute weights
+# (tierlm.precision.streaming: ~2 or ~1 bytes per parameter), on the device, in host RAM or on
+# disk, and `place` is given each segment's compute-copy bytes.
 COMPUTE_B = 4
 STATE_B = 16  # master 4 (which is also the compute copy on the device tier) + grad 4 + m 4 + v 4
 STREAM_SLOTS = 2  # the segment running and the one being prefetched
@@ -51,35 +55,44 @@ class PlacementReport:
     disk_bytes: int
 
 
-def _stream_bytes(numels: list[int], placements: list[SegmentPlacement]) -> int:
-    """Device bytes the streaming window needs: compute copies for the slots and one gradient."""
-    streamed = sorted(
-        (n for n, p in zip(numels, placements, strict=True) if not p.resident), reverse=True
-    )
+def _stream_bytes(
+    numels: list[int], compute: list[int], placements: list[SegmentPlacement]
+) -> int:
+    """Device bytes the streaming window needs: compute copies for the slots and one gradient
+    (fp32)."""
+    streamed = [(c, n) for n, c, p in zip(numels, compute, placements, strict=True)
+                if not p.resident]
     if not streamed:
         return 0
-    return sum(streamed[:STREAM_SLOTS]) * COMPUTE_B + streamed[0] * 4
+    slots = sorted((c for c, _ in streamed), reverse=True)[:STREAM_SLOTS]
+    return sum(slots) + max(n for _, n in streamed) * 4
 
 
 def _account(
-    numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0
+    numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0,
+    compute_bytes: list[int] | None = None,
 ) -> PlacementReport:
+    """`compute_bytes`: per segment, the bytes of its compute copy (None: fp32, COMPUTE_B per
+    parameter); a copy smaller than fp32 is kept besides the master, in host RAM or on disk."""
+    compute = compute_bytes or [n * COMPUTE_B for n in numels]
     device, host, disk = activation_bytes, 0, 0
-    for n, p in zip(numels, placements, strict=True):
+    for n, c, p in zip(numels, compute, placements, strict=True):
+        own_copy = c if c != n * COMPUTE_B else 0  # fp32 streams the master itself
         if p.state_tier == Tier.DEVICE:
             device += n * STATE_B
         elif p.state_tier == Tier.HOST:
-            host += n * STATE_B
-            device += n * COMPUTE_B if p.resident else 0
+            host += n * STATE_B + own_copy
+            device += c if p.resident else 0
         else:
             disk += n * (STATE_B - 4)  # master, m, v; the gradient file too (below)
-            disk += n * 4
-            device += n * COMPUTE_B if p.resident else 0
-    device += _stream_bytes(numels, placements)
-    disk_numels = [n for n, p in zip(numels, placements, strict=True) if p.state_tier == Tier.DISK]
-    if disk_numels:
+            disk += n * 4 + own_copy
+            device += c if p.resident else 0
+    device += _stream_bytes(numels, compute, placements)
+    on_disk = [(n, c) for n, c, p in zip(numels, compute, placements, strict=True)
+               if p.state_tier == Tier.DISK]
+    if on_disk:
         # staging for one update (master, grad, m, v) and one streamed read
-        host += max(disk_numels) * (STATE_B + COMPUTE_B)
+        host += max(n * STATE_B + c for n, c in on_disk)
     return PlacementReport(placements, device, host, disk)
 
 
@@ -93,15 +106,18 @@ def place(
     host_budget_bytes: int | None = None,
     activation_bytes: int = 0,
     placements: list[SegmentPlacement] | None = None,
+    compute_bytes: list[int] | None = None,
 ) -> PlacementReport:
     """Choose a placement per segment and check it against the budgets.
 
     `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
     reserved before any weights are placed. `placements`: a placement chosen elsewhere (the
-    planner); it is only accounted and checked.
+    planner); it is only accounted and checked. `compute_bytes`: each segment's compute-copy
+    bytes where a precision policy shrinks them (see `_account`).
     """
+    account = functools.partial(_account, compute_bytes=compute_bytes)
     if placements is not None:
-        report = _account(numels, placements, activation_bytes)
+        report = account(numels, placements, activation_bytes)
         _check(report, device_budget_bytes, host_budget_bytes, policy)
         return report
     pattern = re.compile(resident) if resident else None
@@ -116,17 +132,18 @@ def place(
         placements = [SegmentPlacement(pinned(n), tier) for n in names]
     elif policy == "tiered":
         placements = _tiered(
-            names, numels, pinned, device_budget_bytes, host_budget_bytes, activation_bytes
+            names, numels, pinned, device_budget_bytes, host_budget_bytes, activation_bytes,
+            account,
         )
     else:
         raise PlacementError(f"--offload-policy {policy}: unknown policy")
-    report = _account(numels, placements, activation_bytes)
+    report = account(numels, placements, activation_bytes)
     _check(report, device_budget_bytes, host_budget_bytes, policy)
     return report
 
 
 def _tiered(
-    names, numels, pinned, device_budget, host_budget, activation_bytes
+    names, numels, pinned, device_budget, host_budget, activation_bytes, account=_account
 ) -> list[SegmentPlacement]:
     # Order of preference for the device: segments the user pinned, then embed and head (their
     # reload is the costliest per use), then blocks from the last one back (backward reaches
@@ -144,14 +161,14 @@ def _tiered(
         for i in order:
             trial = list(placements)
             trial[i] = SegmentPlacement(True, Tier.DEVICE)
-            if _account(numels, trial, activation_bytes).device_bytes <= device_budget:
+            if account(numels, trial, activation_bytes).device_bytes <= device_budget:
                 placements = trial
     else:
         placements = [SegmentPlacement(True, Tier.DEVICE) for _ in names]
     if host_budget is not None:
         # Spill host-state segments to disk, earliest blocks first, until the host fits.
         for i in range(len(names)):
-            if _account(numels, placements).host_bytes <= host_budget:
+            if account(numels, placements).host_bytes <= host_budget:
                 break
             if placements[i].state_tier == Tier.HOST:
                 placements[i] = SegmentPlacement(False, Tier.DISK)

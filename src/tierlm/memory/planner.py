@@ -29,7 +29,7 @@ import torch
 
 from tierlm.memory.hardware import GiB, HardwareProfile
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.placement import SegmentPlacement, gib
+from tierlm.memory.placement import STREAM_SLOTS, SegmentPlacement, gib
 from tierlm.memory.tiers import Link, TensorClass, Tier
 
 SAFETY_MARGIN = 0.10  # of each budget, left free for fragmentation, the CUDA context, kernels
@@ -92,10 +92,12 @@ class ModelShape:
         )
 
     def wire_bytes(self, s: int, precision: str) -> int | None:
-        """Bytes of segment `s`'s compute copy, the form its weights cross to the device in
-        when its state is in host RAM (tierlm.precision.streaming): block matmul weights in
-        bf16 (2 bytes) or fp8 (1 byte + a scale), norms and biases in fp32. None where the fp32
-        master itself crosses: fp32 runs, and the embeddings and head (sensitive, fp32)."""
+        """Bytes of segment `s`'s compute copy, the form its weights are kept in (host RAM or
+        a disk file), cross to the device in and are held there in when its state is off the
+        device (tierlm.precision.streaming): block matmul weights in bf16 (2 bytes) or fp8 (1
+        byte + a scale), norms and biases in fp32 (the runtime's padding of each entry to 16
+        bytes aside). None where the fp32 master itself is used: fp32 runs, and the embeddings and
+        head (sensitive, fp32)."""
         if precision not in ("bf16", "fp8") or s in (0, len(self.numels) - 1):
             return None
         n = self.numels[s]
@@ -216,14 +218,15 @@ class Plan:
 class _Bytes:
     """Stands in for a tensor in the replay: only its size matters."""
 
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, itemsize: int = 4) -> None:
         self._numel = numel
+        self._itemsize = itemsize
 
     def numel(self) -> int:
         return self._numel
 
     def element_size(self) -> int:
-        return 4
+        return self._itemsize
 
 
 class _CountingStore:
@@ -231,11 +234,29 @@ class _CountingStore:
         self.ledger = ledger
 
     def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
-        self.ledger.allocate(tier, cls, numel * 4)
-        return _Bytes(numel)
+        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize)
+        self.ledger.allocate(tier, cls, t.numel() * t.element_size())
+        return t
 
     def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
-        self.ledger.release(tier, cls, t.numel() * 4)
+        self.ledger.release(tier, cls, t.numel() * t.element_size())
+
+
+def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int | None]:
+    """Per segment, the bytes of the compute copy the runtime keeps for it (state off the
+    device, bf16/fp8 runs), None where its fp32 master serves (tierlm.precision.streaming)."""
+    return [None if p.state_tier == Tier.DEVICE else shape.wire_bytes(s, precision)
+            for s, p in enumerate(placements)]
+
+
+def _disk_update_bytes(
+    numels: list[int], copies: list[int | None], placements
+) -> tuple[int, int]:
+    """Disk bytes (read, written) by one step's updates of disk-tier segments: master, grad
+    and moments read; master and moments written, and the compute copy re-encoded."""
+    on_disk = [(n, c) for n, c, p in zip(numels, copies, placements, strict=True)
+               if p.state_tier == Tier.DISK]
+    return sum(16 * n for n, _ in on_disk), sum(12 * n + (c or 0) for n, c in on_disk)
 
 
 def _simulate(
@@ -266,9 +287,9 @@ def _simulate(
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
     tied = shape.tied_numel
 
-    # bytes each segment's weights cross in: the compute copy for host state, else fp32
-    wire = [shape.wire_bytes(s, train.precision) if p.state_tier == Tier.HOST else None
-            for s, p in enumerate(placements)]
+    # bytes each segment's weights are held on the device in and cross in: the compute copy
+    # for host and disk state, else fp32
+    wire = _compute_copies(shape, train.precision, placements)
     h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
 
     for s, (n, p) in enumerate(zip(numels, placements, strict=True)):  # persistent state
@@ -281,29 +302,31 @@ def _simulate(
             if wire[s] is not None:
                 ledger.allocate(Tier.HOST, TensorClass.COMPUTE, wire[s])
             if p.resident:
-                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, n * 4)
+                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
         else:
             for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
                 ledger.allocate(Tier.DISK, cls, n * 4)
+            if wire[s] is not None:  # its compute file
+                ledger.allocate(Tier.DISK, TensorClass.COMPUTE, wire[s])
             if p.resident:
-                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, n * 4)
+                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
 
     class Load:
         def __init__(self, s: int) -> None:
             self.s = s
             self.staging = None
-            if placements[s].state_tier == Tier.DISK:
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, numels[s])
-                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+            if placements[s].state_tier == Tier.DISK:  # the compute file, or the master
+                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, h2d[s], torch.uint8)
+                ledger.record_move(Link.DISK_READ, h2d[s])
 
         def finish(self, dst) -> None:
             ledger.record_move(Link.H2D, h2d[self.s])
             if self.staging is not None:
                 store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
-    streamed = {i: numels[i] for i in range(n_segs) if not placements[i].resident}
-    top = sorted(streamed.values(), reverse=True)[:2]
-    cache = StreamCache(store, streamed, sum(top) * 4, Load)  # type: ignore[arg-type]
+    streamed = {i: h2d[i] for i in range(n_segs) if not placements[i].resident}
+    top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
+    cache = StreamCache(store, streamed.__getitem__, sum(top), Load)  # type: ignore[arg-type]
     groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
     actions = []
     for mbs in groups:
@@ -324,7 +347,7 @@ def _simulate(
         if p.resident and p.state_tier != Tier.DEVICE:
             ledger.record_move(Link.H2D, h2d[s])
             if p.state_tier == Tier.DISK:
-                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+                ledger.record_move(Link.DISK_READ, h2d[s])
 
     acts: dict[tuple[int, int], _Bytes] = {}
     parked: dict[tuple[int, int], _Bytes] = {}  # boundary inputs waiting on the host
@@ -411,13 +434,14 @@ def _simulate(
         cache.prefetch(k + 1)
 
     on_action(len(actions), "update", None)
-    # the optimizer update: disk segments read master, grad and moments, write three back
-    update_staging = 0
-    for n, p in zip(numels, placements, strict=True):
-        if p.state_tier == Tier.DISK:
-            ledger.record_move(Link.DISK_READ, 16 * n)
-            ledger.record_move(Link.DISK_WRITE, 12 * n)
-            update_staging = max(update_staging, 16 * n)
+    # the optimizer update: disk segments read master, grad and moments, write three back (and
+    # their compute copy)
+    update_read, update_write = _disk_update_bytes(numels, wire, placements)
+    ledger.record_move(Link.DISK_READ, update_read)
+    ledger.record_move(Link.DISK_WRITE, update_write)
+    update_staging = max([16 * n + (c or 0) for n, c, p in zip(numels, wire, placements,
+                                                                 strict=True)
+                          if p.state_tier == Tier.DISK], default=0)
 
     # workspace outside the ledger: graphs kept by resident segments for the micro-batches in
     # flight, one segment's recompute, and one chunk of logits (+ its gradient) at the head
@@ -467,9 +491,8 @@ def _times(
     forward = compute * 2 * (block_params + head_params) / (flops / tokens)
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
-    update_read = sum(16 * n for n, p in zip(shape.numels, placements, strict=True)
-                      if p.state_tier == Tier.DISK)
-    update_write = update_read * 3 // 4
+    update_read, update_write = _disk_update_bytes(
+        shape.numels, _compute_copies(shape, train.precision, placements), placements)
     sweep_disk = (
         (moved.get(Link.DISK_READ.value, 0) - update_read) / hw.disk_read_Bps
         + (moved.get(Link.DISK_WRITE.value, 0) - update_write) / hw.disk_write_Bps
@@ -529,18 +552,24 @@ def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=F
     return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host)
 
 
-def _update_overlap_bytes(numels: list[int], placements: list[SegmentPlacement]) -> int:
+def _update_overlap_bytes(
+    numels: list[int], placements: list[SegmentPlacement], copies: list[int | None]
+) -> int:
     """Host staging while the background update overlaps the next forward. Updates run in
     forward order; the forward of segment a waits for a's update, then reads a's weights
     (disk: through a staging buffer) while the worker updates the next segment b (disk: master,
     gradient and both moments staged). So the peak is the worst such pair."""
     order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
 
-    def read(i: int) -> int:
-        return 4 * numels[i] if placements[i].state_tier == Tier.DISK else 0
+    def read(i: int) -> int:  # the compute file, or the fp32 master
+        if placements[i].state_tier != Tier.DISK:
+            return 0
+        return 4 * numels[i] if copies[i] is None else copies[i]
 
-    def update(i: int) -> int:
-        return 16 * numels[i] if placements[i].state_tier == Tier.DISK else 0
+    def update(i: int) -> int:  # master, gradient, moments; the compute copy it encodes
+        if placements[i].state_tier != Tier.DISK:
+            return 0
+        return 16 * numels[i] + (copies[i] or 0)
 
     pairs = [update(order[0])] if order else [0]
     pairs += [read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
@@ -552,7 +581,9 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
     host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
-                    host_persistent + _update_overlap_bytes(shape.numels, placements))
+                    host_persistent + _update_overlap_bytes(
+                        shape.numels, placements,
+                        _compute_copies(shape, train.precision, placements)))
     moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
     times = _times(shape, train, hw, placements, keep, moved)
 

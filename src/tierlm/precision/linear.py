@@ -11,17 +11,59 @@ the matmul differs. Its `compute` is one of:
   in fp32.
 - `Fp8Linear`: E4M3 input and weight, E5M2 output gradient, per-tensor scales, fp32
   accumulation; the weight gradient is returned in fp32.
+
+A weight (or bias) may come in its stored compute form (`Stored`: the tiered runtime's device
+copy, tierlm.precision.streaming): the tensor the layer is called with is then an fp32
+stand-in without values that only carries the gradient back to the fp32 master's flat gradient
+(autograd would round a gradient to the dtype of the tensor it flows into), and the matmul reads
+the stored bf16 values, or the stored E4M3 values with their scale, instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tierlm.precision.formats import E4M3, E5M2
 from tierlm.precision.matmul import Fp8Matmul
 from tierlm.precision.scaling import DynamicScaling, ScalingRule, TensorScaler
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A weight in the form its compute copy holds it: bf16 values, or E4M3 values and the
+    reciprocal of their (power-of-two) scale, a 0-dim fp32 tensor."""
+
+    values: torch.Tensor
+    inv_scale: torch.Tensor | None = None
+
+    def t(self) -> Stored:
+        return Stored(self.values.t(), self.inv_scale)
+
+
+# stand-in tensor -> the stored form it stands for (weak: a run's views die with the run)
+_STORED = WeakIdKeyDictionary()
+
+
+def stand_in(grad_sink: torch.Tensor, stored: Stored) -> torch.Tensor:
+    """Mark `grad_sink` (an fp32 tensor of the weight's shape, without values of its own) as
+    standing for `stored` in the layers below."""
+    _STORED[grad_sink] = stored
+    return grad_sink
+
+
+def stored_of(t: torch.Tensor | None) -> Stored | None:
+    return None if t is None else _STORED.get(t)
+
+
+def _bf16_of(t: torch.Tensor) -> torch.Tensor:
+    """t's values in bf16: the stored bf16 copy where `t` stands in for one."""
+    stored = stored_of(t)
+    return t.to(torch.bfloat16) if stored is None else stored.values
 
 
 class Fp32Linear:
@@ -61,9 +103,8 @@ class _Bf16LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b):
-        bf16 = torch.bfloat16
-        xb, wb = x.to(bf16), w.to(bf16)
-        out = F.linear(xb, wb, None if b is None else b.to(bf16))
+        xb, wb = x.to(torch.bfloat16), _bf16_of(w)
+        out = F.linear(xb, wb, None if b is None else _bf16_of(b))
         ctx.save_for_backward(xb, wb)
         ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, w.dtype, b is not None
         return out
@@ -116,10 +157,15 @@ class _Fp8LinearFn(torch.autograd.Function):
     def forward(ctx, x, w, b, scalers: Fp8LayerScalers, mm: Fp8Matmul, out_dtype):
         x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
         x8, x_inv = scalers.input.quantize(x2, mm.cast)
-        w8, w_inv = scalers.weight.quantize(w, mm.cast)  # (out, in)
+        stored = stored_of(w)
+        if stored is None:
+            w8, w_inv = scalers.weight.quantize(w, mm.cast)  # (out, in)
+        else:  # quantised already, with the scale `quantize` would choose (streaming.py)
+            w8, w_inv = scalers.weight.stored(stored.values, stored.inv_scale, mm.cast)
         out = mm(x8, w8.t(), x_inv, w_inv, out_dtype)  # (tokens, out)
         if b is not None:
-            out = out + b.to(out_dtype)
+            b_stored = stored_of(b)
+            out = out + (b if b_stored is None else b_stored.values).to(out_dtype)
         ctx.save_for_backward(x8, w8, x_inv, w_inv)
         ctx.scalers, ctx.mm = scalers, mm
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
@@ -173,7 +219,12 @@ class PrecisionLinear(nn.Module):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """The layer on given tensors (the tiered runtime's head passes its own views)."""
-        return self.compute(x, weight.t() if self.transposed else weight, bias)
+        if self.transposed:
+            stored = stored_of(weight)
+            weight = weight.t()
+            if stored is not None:
+                stand_in(weight, stored.t())
+        return self.compute(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.functional(x, self.weight, self.bias)

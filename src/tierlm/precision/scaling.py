@@ -135,6 +135,29 @@ class TensorScaler:
             self.count += x.numel()
         return x8, scale.reciprocal()
 
+    def stored(
+        self, x8: torch.Tensor, inv_scale: torch.Tensor, cast=to_fp8
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `quantize` returns, for an E4M3 tensor `x8` quantised already with a dynamic
+        power-of-two scale (a streamed weight's compute copy): its values in the form `cast`
+        gives (the fp8 tensor itself, or its values in fp32 for the emulation) and its 1 /
+        scale. The statistics are the ones `quantize` would record for the decoded tensor
+        x8 * inv_scale: its amax, the dynamic scale of that amax (the stored scale, or twice
+        it where rounding took the amax down to a power of two: either multiplies out to the
+        same products), and no underflow, the decoded values being on the grid already."""
+        if self.recording:
+            # E4M3 magnitudes order as their low seven bits do: the amax without decoding
+            top = (x8.view(torch.uint8) & 0x7F).amax().view(x8.dtype).float()
+            amax = top * inv_scale
+            zero = torch.zeros((), dtype=torch.int64, device=x8.device)
+            if self.step_amax is None:
+                self.step_amax, self.underflow, self.overflow = amax, zero, zero
+            else:
+                self.step_amax = torch.maximum(self.step_amax, amax)
+            self.last_scale = self.rule.scale(self, amax)
+            self.count += x8.numel()
+        return (x8 if cast is to_fp8 else x8.float()), inv_scale
+
     def end_step(self) -> tuple[torch.Tensor, int] | None:
         """The step's [amax, scale, underflowed, overflowed] (device tensor) and the number of
         values cast; None when the tensor was not used this step. Starts the next step."""

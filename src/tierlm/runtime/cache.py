@@ -4,6 +4,9 @@ The engine knows the whole step's order of segment uses before it starts (the sc
 function of the segments, the micro-batch count and the micro-batch order), so eviction picks
 the cached segment whose next use is furthest away (Belady's rule), and prefetch loads the next
 action's segments whenever they fit without evicting anything needed sooner.
+
+A slot is a byte buffer of the segment's device copy: its compute copy in the precision its
+weights compute in (tierlm.precision.streaming), or fp32.
 """
 
 from __future__ import annotations
@@ -27,19 +30,22 @@ class StreamCache:
     def __init__(
         self,
         store: Store,
-        numels: dict[int, int],
+        nbytes: Callable[[int], int],
         capacity_bytes: int,
         start_load: Callable[[int], PendingLoad],
         ready: Callable[[int], bool] = lambda s: True,
     ) -> None:
         self.store = store
-        self.numels = numels  # streamed segment -> parameter count (fp32 compute copies)
+        # streamed segment -> bytes of its device copy, asked when its slot is taken (after its
+        # update: a layer switched from fp8 to bf16 changes it)
+        self.nbytes = nbytes
         self.capacity_bytes = capacity_bytes
         self.start_load = start_load
         self.ready = ready  # False while the segment's optimizer update is still running
         self.entries: dict[int, torch.Tensor] = {}
         self.pending: dict[int, PendingLoad] = {}
         self.used_bytes = 0
+        self._held: dict[int, int] = {}  # cached segment -> bytes its slot was allocated with
         self.loads = 0  # segments fetched (the "swap" count)
         self.fetches: dict[int, int] = {}  # per segment, since the last `begin` (one step)
         self._uses: dict[int, list[int]] = {}
@@ -60,7 +66,7 @@ class StreamCache:
         return uses[i] if i < len(uses) else math.inf
 
     def _bytes(self, s: int) -> int:
-        return self.numels[s] * 4
+        return self.nbytes(s)
 
     def _make_room(self, nbytes: int, k: int, protect: set[int]) -> None:
         while self.used_bytes + nbytes > self.capacity_bytes:
@@ -73,8 +79,9 @@ class StreamCache:
             self.drop(max(victims, key=lambda s: self._next_use(s, k)))
 
     def _reserve(self, s: int) -> torch.Tensor:
-        buf = self.store.alloc(Tier.DEVICE, TensorClass.COMPUTE, self.numels[s])
-        self.used_bytes += self._bytes(s)
+        buf = self.store.alloc(Tier.DEVICE, TensorClass.COMPUTE, self._bytes(s), torch.uint8)
+        self._held[s] = self._bytes(s)
+        self.used_bytes += self._held[s]
         self.entries[s] = buf
         self.loads += 1
         self.fetches[s] = self.fetches.get(s, 0) + 1
@@ -94,10 +101,10 @@ class StreamCache:
         if k >= len(self._needs):
             return
         for s in self._needs[k]:
-            if s in self.entries or self.used_bytes + self._bytes(s) > self.capacity_bytes:
+            if s in self.entries or not self.ready(s):
+                continue  # not ready: its weights are still being updated; acquire waits
+            if self.used_bytes + self._bytes(s) > self.capacity_bytes:
                 continue
-            if not self.ready(s):
-                continue  # its weights are still being updated; acquire will wait for them
             load = self.start_load(s)
             self._reserve(s)
             self.pending[s] = load
@@ -109,7 +116,7 @@ class StreamCache:
         if s in self.pending:
             self.pending.pop(s).finish(buf)  # complete the copy before the buffer is released
         self.store.free(Tier.DEVICE, TensorClass.COMPUTE, buf)
-        self.used_bytes -= self._bytes(s)
+        self.used_bytes -= self._held.pop(s)
 
     def drop_all(self) -> None:
         for s in list(self.entries):

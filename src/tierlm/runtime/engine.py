@@ -43,7 +43,6 @@ from tierlm.config import ActivationConfig, OptimConfig
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
-    COMPUTE_B,
     STREAM_SLOTS,
     PlacementReport,
     SegmentPlacement,
@@ -65,6 +64,7 @@ from tierlm.runtime.state import (
     init_state,
     module_weights,
     read_copies,
+    reload_resident,
     start_load,
     write_back_copies,
 )
@@ -174,7 +174,8 @@ class Engine(Stepper):
         self.store = store or Store(device, offload_dir=options.offload_dir, tracer=self.tracer)
         self.ledger = self.store.ledger
         self.adapter = ModelAdapter(model)
-        # host-resident weights stream in the precision they compute in (tierlm.precision)
+        # weights whose state is off the device are held, moved and computed from in the
+        # precision they compute in (tierlm.precision.streaming)
         self.compute_copies = ComputeCopies(model)
         self.optimizer = FlatAdamW(optim)
         self.has_dropout = any(
@@ -229,6 +230,7 @@ class Engine(Stepper):
             host_budget_bytes=options.host_budget_bytes,
             activation_bytes=self.activation_bytes + reserve,
             placements=options.placements,
+            compute_bytes=[self.compute_copies.layout_nbytes(lay) for lay in layouts],
         )
         options.check_placement(self.report)
         budget = options.device_budget_bytes
@@ -249,6 +251,7 @@ class Engine(Stepper):
         ):
             st = SegmentState(index=i, seg=seg, layout=lay, placement=plc)
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
+            self.compute_copies.choose_format(st)
             # packed straight into the segment's tier (or the disk tier's staging), tensor by
             # tensor from the source, before the next segment is read
             init_state(self.store, st, functools.partial(lay.pack, initial_weights(seg)),
@@ -260,15 +263,14 @@ class Engine(Stepper):
                 _empty_parameter(p)
             self.states.append(st)
 
-        streamed = {st.index: st.numel for st in self.states if not st.placement.resident}
-        top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
         self.cache = StreamCache(
             self.store,
-            streamed,
-            sum(top) * COMPUTE_B,
+            lambda s: self.states[s].device_nbytes(),  # asked when a slot is taken
+            0,  # sized by _size_cache
             lambda s: start_load(self.store, self.states[s]),
             ready=lambda s: s not in self._updates or self._updates[s].done(),
         )
+        self._size_cache()
         self.borrowed: dict[str, tuple[int, int, int]] = {}  # name -> (owner, offset, numel)
         head = self.states[-1]
         for name, owner in head.seg.borrowed.items():
@@ -294,6 +296,13 @@ class Engine(Stepper):
         self.norm_order = [
             s.name for s in sorted(slots, key=lambda s: (not s.decay, model_order[s.name]))
         ]
+
+    def _size_cache(self) -> None:
+        """Room for the STREAM_SLOTS largest streamed device copies, in the format their next
+        refresh gives them (a layer switched from fp8 to bf16 grows its segment's copy)."""
+        sizes = [self.compute_copies.nbytes(st) for st in self.states
+                 if not st.placement.resident]
+        self.cache.capacity_bytes = sum(sorted(sizes, reverse=True)[:STREAM_SLOTS])
 
     # -- schedule ----
 
@@ -372,7 +381,7 @@ class Engine(Stepper):
         else:
             arrived = st.device_stale
             if st.device_stale:
-                start_load(self.store, st).finish(st.device_weights)
+                reload_resident(self.store, st)
                 st.device_stale = False
             w = st.device_weights
         # Host-side wait: on CUDA an H2D copy the compute stream waits for is not included.
@@ -380,12 +389,12 @@ class Engine(Stepper):
         self.transfer_wait_s += t1 - t0
         if arrived:
             self.tracer.record("wait", f"weights {st.seg.name}", t0, t1, cat="transfer wait")
-        return w
+        return st.flat(w)
 
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as
         leaves of their own whose gradients `_head` collects for the owner."""
-        views = self.states[s].layout.views(flat)
+        views = self.states[s].views(flat)
         self._borrowed_leaf = {}
         if s == len(self.states) - 1:
             for name, (owner, off, n) in self.borrowed.items():
@@ -464,7 +473,7 @@ class Engine(Stepper):
 
         def run(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             with self.opts.autocast():
-                return st.seg.forward(st.layout.views(flat), x, mb.ctx)
+                return st.seg.forward(st.views(flat), x, mb.ctx)
 
         return run
 
@@ -501,6 +510,8 @@ class Engine(Stepper):
                 for b in batches
             ]
             actions = self.schedule(m)
+            if self.compute_copies.enabled:
+                self._size_cache()
             self.cache.begin(self.stream_plan(m))
             self.param_norms = {}
         loss_sum = 0.0
@@ -784,7 +795,7 @@ class Engine(Stepper):
             w = self._weights(k, a.seg)
             with self.opts.autocast():
                 if a.kind == "fwd":
-                    h = st.seg.forward(st.layout.views(w), h, ctx)
+                    h = st.seg.forward(st.views(w), h, ctx)
                     if a.seg == 0:
                         ctx = self.adapter.context(ids, h)
                 else:

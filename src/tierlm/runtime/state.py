@@ -13,7 +13,7 @@ from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import Segment
 from tierlm.optim.flat_adamw import new_step_counter
-from tierlm.precision.streaming import WireLoad
+from tierlm.precision.streaming import ComputeFormat, WireLoad
 
 STATE_COPIES = ("master", "exp_avg", "exp_avg_sq")
 # the ledger class of each state copy's file on the disk tier
@@ -51,10 +51,11 @@ class SegmentState:
     device_weights: torch.Tensor | None = None  # resident compute copy (or the master itself)
     device_stale: bool = False  # the resident copy predates the last update
     grad_written: bool = False  # disk: this step's gradient file holds a partial sum
-    # Host compute copy in the precision each weight computes in (tierlm.precision.streaming),
-    # streamed instead of the fp32 master; None: stream the master.
+    # The compute copy in the precision each weight computes in (tierlm.precision.streaming):
+    # its format (None: the segment streams and computes from its fp32 master) and, for host
+    # state, the host copy (disk state keeps it in its `compute` file).
+    compute_format: ComputeFormat | None = None
     wire: torch.Tensor | None = None
-    compute_format: object | None = None
 
     @property
     def numel(self) -> int:
@@ -66,6 +67,23 @@ class SegmentState:
 
     def file(self, copy: str) -> str:
         return f"{self.seg.name}/{copy}.bin"
+
+    def device_nbytes(self) -> int:
+        """Bytes of the segment's weights on the device: its compute copy, or fp32."""
+        return self.numel * 4 if self.compute_format is None else self.compute_format.nbytes
+
+    def flat(self, copy: torch.Tensor) -> torch.Tensor:
+        """The flat weights the segment's actions take, from its device copy `copy` (a stream
+        slot's bytes, or the resident copy)."""
+        if self.compute_format is None:
+            return copy.view(torch.float32)
+        return self.compute_format.flat(copy)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter tensors of one run of the segment on `flat` (or a leaf of it)."""
+        if self.compute_format is None:
+            return self.layout.views(flat)
+        return self.compute_format.views(flat)
 
 
 def init_state(
@@ -89,7 +107,7 @@ def init_state(
         st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
     if st.tier == Tier.DEVICE:
         st.device_weights = st.master  # fp32: the master is what the matmuls read
-    elif st.placement.resident:
+    elif st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
         st.device_weights.copy_(initial)
     if st.tier == Tier.DISK:
@@ -108,22 +126,30 @@ class HostLoad:
         self.store, self.st = store, st
 
     def finish(self, dst: torch.Tensor) -> None:
-        self.store.wait(self.store.to_device(dst, self.st.master, self.st.seg.name))
+        self.store.wait(self.store.to_device(dst.view(torch.float32), self.st.master,
+                                             self.st.seg.name))
 
 
 class DiskLoad:
-    """Streamed weights read from the master file into host staging, then one H2D copy. The disk
-    read starts at construction so prefetching overlaps it with compute."""
+    """Streamed weights read from the segment's file into host staging, then one H2D copy: its
+    compute copy (bf16/fp8 runs) or else its fp32 master. The disk read starts at construction
+    so prefetching overlaps it with compute."""
 
     def __init__(self, store: Store, st: SegmentState) -> None:
         self.store = store
         self.name = st.seg.name
-        self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
-        self.future = store.read_file(st.file("master"), self.staging)
+        if st.compute_format is None:
+            self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
+            self.future = store.read_file(st.file("master"), self.staging)
+        else:
+            self.staging = store.alloc(Tier.HOST, TensorClass.STAGING,
+                                       st.compute_format.nbytes, dtype=torch.uint8)
+            self.future = store.read_file(st.file("compute"), self.staging)
 
     def finish(self, dst: torch.Tensor) -> None:
         self.future.result()
-        self.store.wait(self.store.to_device(dst, self.staging, self.name))
+        self.store.wait(self.store.to_device(dst.view(self.staging.dtype), self.staging,
+                                             self.name))
         if dst.device.type == "cuda":
             torch.cuda.current_stream(dst.device).synchronize()  # before staging is reused
         self.store.free(Tier.HOST, TensorClass.STAGING, self.staging)
@@ -133,6 +159,17 @@ def start_load(store: Store, st: SegmentState):
     if st.tier == Tier.DISK:
         return DiskLoad(store, st)
     return WireLoad(store, st) if st.wire is not None else HostLoad(store, st)
+
+
+def reload_resident(store: Store, st: SegmentState) -> None:
+    """Bring a resident segment's device copy up to date after an update of its host or disk
+    state (reallocated first where its compute copy changed format)."""
+    nbytes = st.device_nbytes()
+    if st.device_weights.numel() * st.device_weights.element_size() != nbytes:
+        store.free(Tier.DEVICE, TensorClass.COMPUTE, st.device_weights)
+        st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, nbytes,
+                                        dtype=torch.uint8)
+    start_load(store, st).finish(st.device_weights)
 
 
 def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:

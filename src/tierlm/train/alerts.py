@@ -268,7 +268,7 @@ class Alerts:
 class _NoBytes:
     """A store that allocates nothing: the dry run below moves no data."""
 
-    def alloc(self, tier: Tier, cls: Any, numel: int) -> torch.Tensor:
+    def alloc(self, tier: Tier, cls: Any, numel: int, dtype: Any = None) -> torch.Tensor:
         return torch.empty(0)
 
     def free(self, tier: Tier, cls: Any, t: torch.Tensor) -> None:
@@ -286,7 +286,7 @@ def planned_fetches(cache: StreamCache, plan: list[list[int]]) -> dict[int, int]
     segments of action k acquired in order, then the prefetch for action k + 1. Running the real
     class keeps the plan and the cache from drifting apart."""
     no_store: Any = _NoBytes()
-    dry = StreamCache(no_store, cache.numels, cache.capacity_bytes, lambda s: _NoLoad())
+    dry = StreamCache(no_store, cache.nbytes, cache.capacity_bytes, lambda s: _NoLoad())
     dry.begin(plan)
     for k, segs in enumerate(plan):
         for s in segs:

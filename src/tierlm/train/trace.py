@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from tierlm.config import Config
-from tierlm.memory.placement import COMPUTE_B
 from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
@@ -127,9 +126,11 @@ def placement_map(engine: Any) -> list[dict[str, Any]]:
         add(tier, TensorClass.OPTIM, 8 * n)
         add(tier, TensorClass.GRAD, 4 * n)
         if st.placement.resident and tier != Tier.DEVICE:
-            add(Tier.DEVICE, TensorClass.COMPUTE, COMPUTE_B * n)
+            add(Tier.DEVICE, TensorClass.COMPUTE, st.device_nbytes())
         if st.wire is not None:
             add(Tier.HOST, TensorClass.COMPUTE, st.wire.numel() * st.wire.element_size())
+        elif st.compute_format is not None:  # disk state: its compute file
+            add(Tier.DISK, TensorClass.COMPUTE, st.compute_format.nbytes)
         out.append({"segment": st.seg.name, "numel": n, "resident": st.placement.resident,
                     "state_tier": str(tier), "bytes": held})
     return out
