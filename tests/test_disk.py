@@ -125,6 +125,30 @@ def test_overwrite_replaces_content_and_length(tier):
     tier.sync("m")
 
 
+def test_parts_at_offsets_keep_the_rest_of_the_file(tier):
+    # a file written chunk by chunk (the runtime's staging), the last part ending unaligned
+    n, part = 5 * 1024 + 7, 2 * 1024  # fp32 elements: parts are 8 KiB, O_DIRECT-aligned
+    whole = _random(n, torch.float32, _buffer(tier, n, torch.float32))
+    for lo in range(0, n, part):
+        tier.write("parts", _copy_aligned(whole[lo : lo + part]), lo * 4).result()
+    new = _copy_aligned(_random(part, torch.float32) + 1)
+    tier.write("parts", new, part * 4).result()  # rewrite the middle part only
+    expect = whole.clone()
+    expect[part : 2 * part] = new
+    back = _buffer(tier, n, torch.float32)
+    tier.read_sync("parts", back)
+    assert torch.equal(_bits(back), _bits(expect))
+    tail = _buffer(tier, n - 2 * part, torch.float32)
+    tier.read("parts", tail, 2 * part * 4).result()
+    assert torch.equal(_bits(tail), _bits(expect[2 * part :]))
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        tier.read("parts", tail, 100)
+
+
+def _copy_aligned(t: torch.Tensor) -> torch.Tensor:
+    return aligned_empty(t.numel(), t.dtype).copy_(t)
+
+
 def test_zero_elements(tier):
     tier.write_sync("empty", _buffer(tier, 0, torch.float32))
     assert (tier.root / "empty").exists()

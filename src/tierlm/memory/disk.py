@@ -260,12 +260,16 @@ class DiskTier:
             raise ValueError(f"DiskTier: name must be a relative path inside root, got {name!r}")
         return self.root / name
 
-    def write(self, name: str, src: torch.Tensor) -> Future[None]:
-        """Write the bytes of contiguous CPU tensor `src` to file `name` (created or replaced)."""
+    def write(self, name: str, src: torch.Tensor, offset_bytes: int | None = None) -> Future[None]:
+        """Write the bytes of contiguous CPU tensor `src` to file `name`: the whole file (created
+        or replaced) when `offset_bytes` is None, else into the file at that offset (a multiple
+        of ALIGN_BYTES; the file is created or grows if the bytes end past it, never shrinks)."""
         self._check_tensor(src, "write")
+        self._check_offset(offset_bytes, "write")
         path = self.path(name)
         nbytes = src.nbytes
-        file_bytes = _round_up(nbytes, ALIGN_BYTES) if self.direct else nbytes
+        start = offset_bytes or 0
+        file_bytes = _round_up(start + nbytes, ALIGN_BYTES) if self.direct else start + nbytes
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = self._begin(name, create=True)
@@ -275,12 +279,12 @@ class DiskTier:
             size = os.fstat(fd).st_size
             if size < file_bytes:
                 _preallocate(fd, file_bytes)
-            elif size > file_bytes:
+            elif size > file_bytes and offset_bytes is None:
                 os.ftruncate(fd, file_bytes)
         except OSError as exc:
             self._end(name)
             return self._failed(exc, "write", path, file_bytes)
-        pieces, tail_bytes, bounce = self._pieces(src.data_ptr(), nbytes)
+        pieces, tail_bytes, bounce = self._pieces(src.data_ptr(), nbytes, start)
         if bounce is not None:
             # The partial last block goes through a zero-padded aligned buffer, so O_DIRECT never
             # reads past the end of `src`.
@@ -291,9 +295,11 @@ class DiskTier:
         req.keepalive = (src,) if bounce is None else (src, bounce)
         return self._submit(req, [partial(_pwrite_all, fd, bufs, off) for bufs, off, _ in pieces])
 
-    def read(self, name: str, dst: torch.Tensor) -> Future[None]:
-        """Fill contiguous CPU tensor `dst` with the first `dst.nbytes` bytes of file `name`."""
+    def read(self, name: str, dst: torch.Tensor, offset_bytes: int = 0) -> Future[None]:
+        """Fill contiguous CPU tensor `dst` with `dst.nbytes` bytes of file `name` from
+        `offset_bytes` on (ALIGN_BYTES-aligned)."""
         self._check_tensor(dst, "read")
+        self._check_offset(offset_bytes, "read")
         path = self.path(name)
         nbytes = dst.nbytes
         try:
@@ -307,15 +313,16 @@ class DiskTier:
         except OSError as exc:
             self._end(name)
             return self._failed(exc, "read", path, nbytes)
-        if size < nbytes:
+        if size < offset_bytes + nbytes:
             self._end(name)
             err = DiskIOError(
                 errno.EIO,
-                f"read {path}: file is {size} bytes, shorter than the {nbytes} bytes requested",
+                f"read {path}: file is {size} bytes, shorter than the {nbytes} bytes requested "
+                f"at offset {offset_bytes}",
                 str(path),
             )
             return self._failed(err, "read", path, nbytes)
-        pieces, tail_bytes, bounce = self._pieces(dst.data_ptr(), nbytes)
+        pieces, tail_bytes, bounce = self._pieces(dst.data_ptr(), nbytes, offset_bytes)
         req = _Request("read", name, path, nbytes, len(pieces))
         req.keepalive = (dst,) if bounce is None else (dst, bounce)
 
@@ -418,10 +425,16 @@ class DiskTier:
             if not self._inflight[name]:
                 del self._inflight[name]
 
+    def _check_offset(self, offset_bytes: int | None, op: str) -> None:
+        if offset_bytes is not None and (offset_bytes < 0 or offset_bytes % ALIGN_BYTES):
+            raise ValueError(f"DiskTier.{op}: offset_bytes must be a non-negative multiple of "
+                             f"{ALIGN_BYTES}, got {offset_bytes}")
+
     def _pieces(
-        self, address: int, nbytes: int
+        self, address: int, nbytes: int, start: int = 0
     ) -> tuple[list[tuple[list[memoryview], int, int]], int, torch.Tensor | None]:
-        """Split [0, nbytes) into chunks: (buffers, file offset, bytes needed) each.
+        """Split [0, nbytes) into chunks: (buffers, file offset, bytes needed) each, the file
+        offsets counted from `start`.
 
         With O_DIRECT, a partial last block is routed through an aligned bounce buffer (returned
         with its length), appended to the last chunk's buffers.
@@ -430,7 +443,7 @@ class DiskTier:
         pieces = []
         for lo in range(0, direct_bytes, self.chunk_bytes):
             length = min(self.chunk_bytes, direct_bytes - lo)
-            pieces.append(([_memory(address + lo, length)], lo, length))
+            pieces.append(([_memory(address + lo, length)], start + lo, length))
         tail_bytes = nbytes - direct_bytes
         bounce = None
         if tail_bytes:
@@ -440,7 +453,7 @@ class DiskTier:
                 bufs, lo, need = pieces[-1]
                 pieces[-1] = ([*bufs, tail], lo, need + tail_bytes)
             else:
-                pieces.append(([tail], 0, tail_bytes))
+                pieces.append(([tail], start, tail_bytes))
         return pieces, tail_bytes, bounce
 
     def _submit(self, req: _Request, work: list[Callable[[], None]]) -> Future[None]:

@@ -6,6 +6,7 @@ contiguous slice and a move is one large copy instead of hundreds of small ones.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,16 @@ class FlatLayout:
         parts = flat.split_with_sizes([s.numel for s in self.slots])  # slots tile `flat`
         return {s.name: part.view(s.shape) for s, part in zip(self.slots, parts, strict=True)}
 
-    def pack(self, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor, lo: int = 0
+             ) -> torch.Tensor:
+        """Write elements [lo, lo + out.numel()) of the packed parameters into `out` (by
+        default all of them); only the parameters that range touches are looked up."""
+        hi = lo + out.numel()
         for s in self.slots:
-            out.narrow(0, s.offset, s.numel).copy_(tensors[s.name].reshape(-1))
+            a, b = max(s.offset, lo), min(s.offset + s.numel, hi)
+            if a < b:
+                src = tensors[s.name].reshape(-1)
+                out[a - lo : b - lo].copy_(src[a - s.offset : b - s.offset])
         return out
 
     def groups(self) -> list[tuple[int, int, bool]]:

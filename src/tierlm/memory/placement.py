@@ -27,6 +27,21 @@ from tierlm.memory.tiers import Tier
 COMPUTE_B = 4
 STATE_B = 16  # master 4 (which is also the compute copy on the device tier) + grad 4 + m 4 + v 4
 STREAM_SLOTS = 2  # the segment running and the one being prefetched
+# Disk-tier state moves through host staging in chunks of this many fp32 elements per copy
+# (64 MiB), so host RAM holds a few chunks, never a whole segment (a 152k-token embedding is
+# 233M parameters). A multiple of 1024 elements: chunk offsets are O_DIRECT-aligned.
+STAGING_CHUNK_NUMEL = 16 << 20
+STAGING_SETS = 2  # chunk buffers per copy: the one in use and the next one being read
+
+
+def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """(first element, length) of each chunk of a segment's flat state."""
+    return [(lo, min(chunk_numel, numel - lo)) for lo in range(0, numel, chunk_numel)] or [(0, 0)]
+
+
+def staging_numel(numel: int, chunk_numel: int = STAGING_CHUNK_NUMEL) -> int:
+    """Host staging elements per copy while a segment's copy streams through in chunks."""
+    return min(numel, chunk_numel) * min(STAGING_SETS, len(chunk_ranges(numel, chunk_numel)))
 
 
 class PlacementError(ValueError):
@@ -91,8 +106,10 @@ def _account(
     on_disk = [(n, c) for n, c, p in zip(numels, compute, placements, strict=True)
                if p.state_tier == Tier.DISK]
     if on_disk:
-        # staging for one update (master, grad, m, v) and one streamed read
-        host += max(n * STATE_B + c for n, c in on_disk)
+        # staging for one update (master, grad, m, v) and one streamed read: chunk by chunk in
+        # fp32, whole where the segment has a compute copy (its fp8 scales need whole tensors)
+        host += max(staging_numel(n) * (STATE_B + COMPUTE_B) if c == n * COMPUTE_B
+                    else n * STATE_B + c for n, c in on_disk)
     return PlacementReport(placements, device, host, disk)
 
 

@@ -29,7 +29,13 @@ import torch
 
 from tierlm.memory.hardware import GiB, HardwareProfile
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.placement import STREAM_SLOTS, SegmentPlacement, gib
+from tierlm.memory.placement import (
+    STAGING_CHUNK_NUMEL,
+    STREAM_SLOTS,
+    SegmentPlacement,
+    gib,
+    staging_numel,
+)
 from tierlm.memory.tiers import Link, TensorClass, Tier
 
 SAFETY_MARGIN = 0.10  # of each budget, left free for fragmentation, the CUDA context, kernels
@@ -269,12 +275,14 @@ def _simulate(
     *,
     ledger: Ledger | None = None,
     on_action: Callable[[int, str, Any], None] = lambda k, phase, action: None,
+    chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
     activation workspace outside it, and the host staging held by a concurrent update.
     `on_action(k, phase, action)` marks where the replay is (phase "run": action k's waits,
     compute and gradient landing; "prefetch": the loads it starts for action k+1; "update":
-    after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline)."""
+    after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
+    Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy."""
     from tierlm.runtime.cache import StreamCache
     from tierlm.runtime.engine import Action
 
@@ -286,6 +294,12 @@ def _simulate(
     m = train.micro_batches
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
     tied = shape.tied_numel
+    # the head's contribution to tied weights is held in a buffer the size of the owner's
+    # gradient, which the owner's backward then accumulates its own into
+    owner_grad = numels[0] if tied else 0
+
+    def staged(n: int) -> int:
+        return staging_numel(n, chunk_numel)
 
     # bytes each segment's weights are held on the device in and cross in: the compute copy
     # for host and disk state, else fp32
@@ -315,9 +329,12 @@ def _simulate(
         def __init__(self, s: int) -> None:
             self.s = s
             self.staging = None
-            if placements[s].state_tier == Tier.DISK:  # the compute file, or the master
+            if placements[s].state_tier == Tier.DISK and wire[s] is not None:  # compute file
                 self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, h2d[s], torch.uint8)
                 ledger.record_move(Link.DISK_READ, h2d[s])
+            elif placements[s].state_tier == Tier.DISK:  # the fp32 master, chunk by chunk
+                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
+                ledger.record_move(Link.DISK_READ, numels[s] * 4)
 
         def finish(self, dst) -> None:
             ledger.record_move(Link.H2D, h2d[self.s])
@@ -372,10 +389,13 @@ def _simulate(
         if tier == Tier.DEVICE:
             return
         ledger.record_move(Link.D2H, numels[s] * 4)
-        if tier == Tier.DISK:
-            st = store.alloc(Tier.HOST, TensorClass.STAGING, numels[s])
+        if tier == Tier.DISK:  # chunk by chunk; the last contribution sums on the device
+            st = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
             if grad_written[s]:
                 ledger.record_move(Link.DISK_READ, numels[s] * 4)
+                if final:  # the sum goes back to the device, then out to the file
+                    ledger.record_move(Link.H2D, numels[s] * 4)
+                    ledger.record_move(Link.D2H, numels[s] * 4)
             ledger.record_move(Link.DISK_WRITE, numels[s] * 4)
             store.free(Tier.HOST, TensorClass.STAGING, st)
             grad_written[s] = not final
@@ -405,13 +425,15 @@ def _simulate(
                 if tied and not placements[0].resident:
                     cache.acquire(k, 0)
                 if tied:
-                    borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, tied)
+                    borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, owner_grad)
                 hold(gouts, (i, s))
                 drop(acts, (i, s))
             if g is not None:
                 land(s, g, final)
         else:
-            g = grad_target(s)
+            # the owner of tied weights off the device starts from the head's buffer
+            from_head = s == 0 and tied and placements[0].state_tier != Tier.DEVICE
+            g = None if from_head else grad_target(s)
             if not keep[s] and not placements[s].resident:
                 cache.acquire(k, s)
             for i in a.mbs:
@@ -419,15 +441,15 @@ def _simulate(
                     hold(acts, (i, s))
                     ledger.record_move(Link.H2D, hidden * 4)
                     store.free(Tier.HOST, TensorClass.ACTIVATION, parked.pop((i, s)))
-                temp = store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s]) if (
-                    s == 0 and borrowed) else None
                 drop(gouts, (i, s + 1))
                 if s > 0:
                     hold(gouts, (i, s))
                     drop(acts, (i, s))
-                if temp is not None:
-                    store.free(Tier.DEVICE, TensorClass.GRAD, borrowed.pop(i))
-                    store.free(Tier.DEVICE, TensorClass.GRAD, temp)
+                if s == 0 and i in borrowed:
+                    if from_head and g is None:
+                        g = borrowed.pop(i)
+                    else:
+                        store.free(Tier.DEVICE, TensorClass.GRAD, borrowed.pop(i))
             if g is not None:
                 land(s, g, final)
         on_action(k, "prefetch", a)
@@ -435,12 +457,12 @@ def _simulate(
 
     on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and moments, write three back (and
-    # their compute copy)
+    # their compute copy); staged chunk by chunk, or whole where a compute copy is encoded
     update_read, update_write = _disk_update_bytes(numels, wire, placements)
     ledger.record_move(Link.DISK_READ, update_read)
     ledger.record_move(Link.DISK_WRITE, update_write)
-    update_staging = max([16 * n + (c or 0) for n, c, p in zip(numels, wire, placements,
-                                                                 strict=True)
+    update_staging = max([16 * staged(n) if c is None else 16 * n + c
+                          for n, c, p in zip(numels, wire, placements, strict=True)
                           if p.state_tier == Tier.DISK], default=0)
 
     # workspace outside the ledger: graphs kept by resident segments for the micro-batches in
@@ -546,44 +568,52 @@ def _priority(names: list[str]) -> list[int]:
     return sorted(range(len(names)), key=lambda i: (names[i] not in ("embed", "head"), -i))
 
 
-def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False) -> Plan:
+def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
+             chunk_numel: int = STAGING_CHUNK_NUMEL) -> Plan:
     """Predict memory and time for one given placement (the planner's inner step; also used to
-    predict runs whose placement the user chose)."""
-    return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host)
+    predict runs whose placement the user chose; `chunk_numel`: the engine's
+    staging_chunk_numel)."""
+    return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host,
+                     chunk_numel=chunk_numel)
 
 
 def _update_overlap_bytes(
-    numels: list[int], placements: list[SegmentPlacement], copies: list[int | None]
+    numels: list[int], placements: list[SegmentPlacement], copies: list[int | None],
+    chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> int:
     """Host staging while the background update overlaps the next forward. Updates run in
     forward order; the forward of segment a waits for a's update, then reads a's weights
-    (disk: through a staging buffer) while the worker updates the next segment b (disk: master,
-    gradient and both moments staged). So the peak is the worst such pair."""
+    (disk: through staging chunks) while the worker updates the next segment b (disk: chunks of
+    master, gradient and both moments staged). So the peak is the worst such pair."""
     order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
 
-    def read(i: int) -> int:  # the compute file, or the fp32 master
+    def read(i: int) -> int:  # the compute file, or the fp32 master in chunks
         if placements[i].state_tier != Tier.DISK:
             return 0
-        return 4 * numels[i] if copies[i] is None else copies[i]
+        return 4 * staging_numel(numels[i], chunk_numel) if copies[i] is None else copies[i]
 
     def update(i: int) -> int:  # master, gradient, moments; the compute copy it encodes
         if placements[i].state_tier != Tier.DISK:
             return 0
-        return 16 * numels[i] + (copies[i] or 0)
+        if copies[i] is None:
+            return 16 * staging_numel(numels[i], chunk_numel)
+        return 16 * numels[i] + copies[i]  # staged whole: fp8 scales need whole tensors
 
     pairs = [update(order[0])] if order else [0]
     pairs += [read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
     return max(pairs)
 
 
-def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False) -> Plan:
-    ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host)
+def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
+              chunk_numel: int = STAGING_CHUNK_NUMEL) -> Plan:
+    ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
+                                     chunk_numel=chunk_numel)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
     host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
                     host_persistent + _update_overlap_bytes(
                         shape.numels, placements,
-                        _compute_copies(shape, train.precision, placements)))
+                        _compute_copies(shape, train.precision, placements), chunk_numel))
     moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
     times = _times(shape, train, hw, placements, keep, moved)
 
@@ -719,15 +749,20 @@ def _host_then_disk(
     held = [16 * n + (shape.wire_bytes(i, precision) or 0) for i, n in enumerate(shape.numels)]
     host_state = parked + sum(
         h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
-    spilled_max = 0
+    def staging(i: int) -> int:  # one disk update + one streamed read in flight
+        wire = shape.wire_bytes(i, precision)
+        n = shape.numels[i]
+        # fp32 state streams through chunks; a compute copy's segment is staged whole
+        return 20 * staging_numel(n) if wire is None else 16 * n + 2 * wire
+
+    spilled = 0
     for i in order:
-        staging = 20 * spilled_max  # one disk update + one streamed read in flight
-        if host_state + staging <= budgets["host"]:
+        if host_state + spilled <= budgets["host"]:
             break
         if placements[i].state_tier == Tier.HOST:
             placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK)
             host_state -= held[i]
-            spilled_max = max(spilled_max, shape.numels[i])
+            spilled = max(spilled, staging(i))
     return placements
 
 

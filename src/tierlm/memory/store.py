@@ -124,24 +124,38 @@ class Store:
             self._disk = DiskTier(self._offload_dir, tracer=self.tracer)
         return self._disk
 
-    def write_file(self, name: str, src: torch.Tensor, cls: TensorClass) -> Future[None]:
-        """Write `src` to the disk tier's file `name` (the first write allocates its bytes)."""
-        size = nbytes_of(src)
+    def reserve_file(self, name: str, nbytes: int, cls: TensorClass) -> None:
+        """Count file `name`'s bytes on the disk tier before it is written in parts
+        (`write_file` with offsets)."""
         if name not in self._disk_files:
+            self.ledger.allocate(Tier.DISK, cls, nbytes)
+            self._disk_files[name] = nbytes
+
+    def write_file(
+        self, name: str, src: torch.Tensor, cls: TensorClass, offset_bytes: int | None = None
+    ) -> Future[None]:
+        """Write `src` to the disk tier's file `name` (the first write allocates its bytes), or
+        with `offset_bytes` into a part of a file written whole before."""
+        size = nbytes_of(src)
+        if offset_bytes is not None:
+            if offset_bytes + size > self._disk_files.get(name, 0):
+                raise ValueError(f"write_file({name!r}) at {offset_bytes}: past the end of the "
+                                 "file's bytes (reserve_file or write it whole first)")
+        elif name not in self._disk_files:
             self.ledger.allocate(Tier.DISK, cls, size)
             self._disk_files[name] = size
         t0 = time.perf_counter()
-        fut = self.disk.write(name, src)
+        fut = self.disk.write(name, src, offset_bytes)
         fut.add_done_callback(
             lambda _f: self.ledger.record_move(Link.DISK_WRITE, size, time.perf_counter() - t0)
         )
         crash_point("disk-write")  # test-only (tests/test_kill.py): the bytes are in flight
         return fut
 
-    def read_file(self, name: str, dst: torch.Tensor) -> Future[None]:
+    def read_file(self, name: str, dst: torch.Tensor, offset_bytes: int = 0) -> Future[None]:
         size = nbytes_of(dst)
         t0 = time.perf_counter()
-        fut = self.disk.read(name, dst)
+        fut = self.disk.read(name, dst, offset_bytes)
         fut.add_done_callback(
             lambda _f: self.ledger.record_move(Link.DISK_READ, size, time.perf_counter() - t0)
         )

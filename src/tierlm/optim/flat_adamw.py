@@ -28,14 +28,37 @@ class FlatAdamW:
         lr: float,
     ) -> None:
         """One step on each (start, length, decay) group; `steps[g]` is that group's counter."""
+        self.update_range(groups, 0, master, grad, exp_avg, exp_avg_sq, steps, lr)
+        advance(steps)
+
+    def update_range(
+        self,
+        groups: list[tuple[int, int, bool]],
+        lo: int,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        steps: list[torch.Tensor],
+        lr: float,
+    ) -> None:
+        """One step on elements [lo, lo + master.numel()) of a segment's flat state, whose
+        buffers for that range are given (a chunk staged from disk). A group the range cuts
+        is stepped on its part here, the rest in other ranges; each part sees its group's count
+        plus one on a copy of the counter, so every range of one optimizer step uses the same
+        count, and `advance(steps)` moves the counters once after the last range."""
+        hi = lo + master.numel()
         for (start, length, decay), step in zip(groups, steps, strict=True):
+            a, b = max(start, lo), min(start + length, hi)
+            if a >= b:
+                continue
             adam(
-                [master.narrow(0, start, length)],
-                [grad.narrow(0, start, length)],
-                [exp_avg.narrow(0, start, length)],
-                [exp_avg_sq.narrow(0, start, length)],
+                [master[a - lo : b - lo]],
+                [grad[a - lo : b - lo]],
+                [exp_avg[a - lo : b - lo]],
+                [exp_avg_sq[a - lo : b - lo]],
                 [],
-                [step],
+                [step.clone()],  # the kernel advances this copy, not the group's counter
                 fused=True,
                 decoupled_weight_decay=True,
                 amsgrad=False,
@@ -46,6 +69,12 @@ class FlatAdamW:
                 eps=self.cfg.eps,
                 maximize=False,
             )
+
+
+def advance(steps: list[torch.Tensor]) -> None:
+    """Count one optimizer step on every group (after `update_range` covered the segment)."""
+    for step in steps:
+        step.add_(1)
 
 
 def new_step_counter(device: torch.device) -> torch.Tensor:

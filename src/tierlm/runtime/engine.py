@@ -43,6 +43,7 @@ from tierlm.config import ActivationConfig, OptimConfig
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
+    STAGING_CHUNK_NUMEL,
     STREAM_SLOTS,
     PlacementReport,
     SegmentPlacement,
@@ -52,13 +53,14 @@ from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
-from tierlm.optim.flat_adamw import FlatAdamW
+from tierlm.optim.flat_adamw import FlatAdamW, advance
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.state import (
     STATE_COPIES,
     InitialWeights,
+    LookupOnce,
     SegmentState,
     free_copies,
     init_state,
@@ -66,6 +68,7 @@ from tierlm.runtime.state import (
     read_copies,
     reload_resident,
     start_load,
+    stream_chunks,
     write_back_copies,
 )
 from tierlm.runtime.stepper import Stepper
@@ -128,6 +131,9 @@ class EngineOptions:
     tracer: Tracer | NoTracer = NO_TRACER
     """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
     updates, recorded while the trainer arms it for --monitor.trace_step."""
+    staging_chunk_numel: int = STAGING_CHUNK_NUMEL
+    """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
+    1024, so chunk offsets suit O_DIRECT)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,10 @@ class Engine(Stepper):
         their segment is in place."""
         self.opts = options
         self.device = device
+        self.chunk_numel = options.staging_chunk_numel
+        if self.chunk_numel <= 0 or self.chunk_numel % 1024:
+            raise ValueError(f"staging_chunk_numel must be a positive multiple of 1024 (4 KiB "
+                             f"of fp32, O_DIRECT's alignment), got {self.chunk_numel}")
         self.tracer = options.tracer
         self.store = store or Store(device, offload_dir=options.offload_dir, tracer=self.tracer)
         self.ledger = self.store.ledger
@@ -187,9 +197,10 @@ class Engine(Stepper):
         layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
         hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
         in_flight = options.micro_batches if options.microbatch_order == "layer-outer" else 1
-        tied_bytes = sum(  # the head's gradient for tied weights, held per micro-batch in flight
-            p.numel() * 4 for n, p, _ in segs[0].params if n in segs[-1].borrowed
-        )
+        # the owner's gradient holding the head's contribution to tied weights, one per
+        # micro-batch in flight (`_owner_grad_target`)
+        tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
+        tied_bytes = layouts[0].numel * 4 if tied else 0
         self.host_boundaries = options.boundary_tier == Tier.HOST
         self.activation_bytes = (
             self.boundary_activation_bytes(
@@ -254,8 +265,9 @@ class Engine(Stepper):
             self.compute_copies.choose_format(st)
             # packed straight into the segment's tier (or the disk tier's staging), tensor by
             # tensor from the source, before the next segment is read
-            init_state(self.store, st, functools.partial(lay.pack, initial_weights(seg)),
-                       optim_device)
+            fill = functools.partial(lay.pack, LookupOnce(initial_weights(seg)))
+            init_state(self.store, st, fill, optim_device, self.chunk_numel)
+            del fill  # it holds the tensor packed last: gone before the next segment is read
             self.compute_copies.attach(self.store, st)
             # Modules never own live storage: drop the parameters' memory, the runtime supplies
             # views of its flat buffers on every call.
@@ -267,7 +279,7 @@ class Engine(Stepper):
             self.store,
             lambda s: self.states[s].device_nbytes(),  # asked when a slot is taken
             0,  # sized by _size_cache
-            lambda s: start_load(self.store, self.states[s]),
+            lambda s: start_load(self.store, self.states[s], self.chunk_numel),
             ready=lambda s: s not in self._updates or self._updates[s].done(),
         )
         self._size_cache()
@@ -277,9 +289,9 @@ class Engine(Stepper):
             o = self.states[self.index[owner]]
             slot = next(s for s in o.layout.slots if s.name == name)
             self.borrowed[name] = (o.index, slot.offset, slot.numel)
-        # micro-batch -> tied-weight name -> the head's gradient for it, until the owner's
-        # backward for that micro-batch adds it (autograd's order for a tensor used twice)
-        self._borrowed_grad: dict[int, dict[str, torch.Tensor]] = {}
+        # micro-batch -> the owner's gradient buffer holding the head's contribution to the
+        # tied weights, until the owner's backward for that micro-batch adds its own to it
+        self._borrowed_grad: dict[int, torch.Tensor] = {}
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
         self._updates: dict[int, Future] = {}
@@ -381,7 +393,7 @@ class Engine(Stepper):
         else:
             arrived = st.device_stale
             if st.device_stale:
-                reload_resident(self.store, st)
+                reload_resident(self.store, st, self.chunk_numel)
                 st.device_stale = False
             w = st.device_weights
         # Host-side wait: on CUDA an H2D copy the compute stream waits for is not included.
@@ -550,7 +562,8 @@ class Engine(Stepper):
         st = self.states[a.seg]
         if a.kind == "bwd":
             with self.tracer.span("step", "gradient buffer", cat="step"):
-                grad = self._grad_target(st)
+                # the owner of tied weights off the device starts from the head's buffer
+                grad = None if self._grad_from_head(st) else self._grad_target(st)
             return self._weights(k, a.seg), grad
         w = self._weights(k, a.seg)
         if a.kind == "fwd":
@@ -595,6 +608,7 @@ class Engine(Stepper):
             leaf = w.detach().requires_grad_()
             leaf.grad = grad
             views = self._views(k, s, leaf)
+            owner_grad = self._owner_grad_target()
             x = mb.h[s].detach().requires_grad_()
             # The ledger counts what autograd saves here: the norm's tensors and the normed input
             # for the whole action, each chunk's log-softmax during that chunk.
@@ -620,29 +634,29 @@ class Engine(Stepper):
                 )
                 hn.backward(hn_leaf.grad)
             self.ledger.release_activation(seg.name, "saved", held)
-            if self._borrowed_leaf:
-                self._borrowed_grad[i] = {
-                    n: self._hold_grad(b.grad) for n, b in self._borrowed_leaf.items()
-                }
+            if owner_grad is not None:
+                self._borrowed_grad[i] = owner_grad
             mb.gout[s] = self._hold(x.grad)
             self._drop_input(mb, s)
         self._land_grad(st, grad, final=a.mbs[-1] == m - 1)
         return loss_total
 
     def _backward(
-        self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor, grad: torch.Tensor
+        self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor, grad: torch.Tensor | None
     ) -> None:
-        """`w`: the weights on the device, which every policy's backward reads."""
+        """`w`: the weights on the device, which every policy's backward reads; `grad`: where
+        the action's gradient accumulates (None: the first micro-batch's buffer becomes it,
+        `_grad_from_head`)."""
         s = a.seg
         st = self.states[s]
         owns_borrowed = s == 0 and bool(self._borrowed_grad)
         for i in a.mbs:
             mb = mbs[i]
             # The owner of tied weights first sums its own and the head's contribution for this
-            # micro-batch, then accumulates, as autograd does for a tensor used twice in a graph.
-            target = (
-                self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel) if owns_borrowed else grad
-            )
+            # micro-batch, then accumulates, as autograd does for a tensor used twice in a graph:
+            # its backward accumulates into the buffer holding the head's contribution (x + y is
+            # y + x in IEEE arithmetic, so the bits are autograd's own + head).
+            target = self._borrowed_grad.pop(i) if owns_borrowed else grad
             x = mb.ids if s == 0 else self._input(mb, s)
             with self.clock.measure():
                 dx = self.policies[s].backward(
@@ -653,20 +667,35 @@ class Engine(Stepper):
             if s > 0:
                 mb.gout[s] = self._hold(dx)
                 self._drop_input(mb, s)
-            if owns_borrowed:
-                for name, g in self._borrowed_grad.pop(i).items():
-                    _, off, n = self.borrowed[name]
-                    target.narrow(0, off, n).add_(g.reshape(-1))
-                    self.store.free(Tier.DEVICE, TensorClass.GRAD, g)
+            if owns_borrowed and grad is None:
+                grad = target  # a fresh zeroed gradient plus `target` is `target`
+            elif owns_borrowed:
                 grad.add_(target)
                 self.store.free(Tier.DEVICE, TensorClass.GRAD, target)
         self._land_grad(st, grad, final=a.mbs[-1] == len(mbs) - 1)
 
     # -- gradients ----
 
-    def _hold_grad(self, g: torch.Tensor) -> torch.Tensor:
-        self.ledger.allocate(Tier.DEVICE, TensorClass.GRAD, nbytes_of(g))
-        return g
+    def _grad_from_head(self, st: SegmentState) -> bool:
+        """The owner of tied weights whose state is off the device needs no gradient buffer of
+        its own for a backward action: the buffer the head's contribution and its own first
+        micro-batch's are summed in takes that place, and the later micro-batches join it
+        (so the device holds one gradient per micro-batch in flight, not one more)."""
+        return st.index == 0 and bool(self.borrowed) and st.tier != Tier.DEVICE
+
+    def _owner_grad_target(self) -> torch.Tensor | None:
+        """For the head's tied weights (`_borrowed_leaf`, just made by `_views`): a zeroed
+        buffer the size of the owner's gradient whose slots are their gradients, so autograd
+        accumulates the head's contribution straight into what the owner's backward then
+        accumulates its own into. None without tied weights."""
+        if not self._borrowed_leaf:
+            return None
+        owner = self.states[0]  # the embedding owns every tie
+        buf = self.store.zeros(Tier.DEVICE, TensorClass.GRAD, owner.numel)
+        for name, b in self._borrowed_leaf.items():
+            _, off, n = self.borrowed[name]
+            b.grad = buf.narrow(0, off, n)
+        return buf
 
     def _grad_target(self, st: SegmentState) -> torch.Tensor:
         """Where autograd accumulates this segment's gradient: the persistent gradient buffer
@@ -689,20 +718,41 @@ class Engine(Stepper):
             if final:
                 self._grad_complete(st, st.grad)
             return
-        staging = self.store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
-        if st.grad_written:  # earlier micro-batches of this step: read, add, write back
-            self.store.read_file(st.file("grad"), staging).result()
-            self._d2h_add(staging, grad, what)
-        else:
-            self.store.wait(self.store.to_host(staging, grad, what))
-            self._sync_device()
-        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+        # Disk: chunk by chunk through host staging. The gradient file holds the sum of this
+        # step's earlier contributions (grad_written); the step's last contribution completes
+        # the sum in the device buffer, where the sync and the norms read it whole.
         if final:
-            self._grad_complete(st, staging)
-            self._finish_syncs()  # the staging buffer is written next
-        self.store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
-        self.store.free(Tier.HOST, TensorClass.STAGING, staging)
+            if st.grad_written:
+                self._grad_file_chunks(st, grad, add=True, back=True)
+            self._grad_complete(st, grad)
+            self._finish_syncs()  # the device buffer is written out and freed next
+            self._grad_file_chunks(st, grad, add=False, back=False)
+        else:
+            self._grad_file_chunks(st, grad, add=st.grad_written, back=False)
+        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
         st.grad_written = not final
+
+    def _grad_file_chunks(
+        self, st: SegmentState, grad: torch.Tensor, *, add: bool, back: bool
+    ) -> None:
+        """Between the device gradient and its file, chunk by chunk: `add`: file + device
+        (the order the earlier contributions were summed in), else the device's alone; `back`:
+        the sum returns to the device buffer instead of the file."""
+        what = f"grad {st.seg.name}"
+
+        def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            staging, dev = bufs["grad"], grad.narrow(0, lo, bufs["grad"].numel())
+            if add:
+                self._d2h_add(staging, dev, what)
+            else:
+                self.store.wait(self.store.to_host(staging, dev, what))
+                self._sync_device()
+            if back:
+                self.store.wait(self.store.to_device(dev, staging, what))
+                self._sync_device()  # before the staging buffer takes the next chunk
+
+        stream_chunks(self.store, st, self.chunk_numel, read=("grad",) if add else (),
+                      write=() if back else ("grad",), step=step)
 
     def _grad_complete(self, st: SegmentState, grad: torch.Tensor) -> None:
         """The segment's gradient for this step is all in: start its sync across ranks (a no-op
@@ -765,19 +815,33 @@ class Engine(Stepper):
         return grad_norm, False
 
     def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
-        bufs = read_copies(self.store, st, (*STATE_COPIES, "grad"))
+        groups = st.layout.groups()
+
+        def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            """AdamW on elements [lo, lo + n) of the segment (all of it, off the disk tier)."""
+            bufs["grad"].mul_(coef)
+            self.optimizer.update_range(
+                groups, lo, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"],
+                st.steps, lr,
+            )
+            if st.tier == Tier.DISK and st.compute_format is not None:  # the whole master
+                self.compute_copies.refresh(self.store, st, bufs["master"])
+
         lane = "device update" if st.tier == Tier.DEVICE else "cpu update"
         with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
-            bufs["grad"].mul_(coef)
-            self.optimizer.update(
-                st.layout.groups(), bufs["master"], bufs["grad"], bufs["exp_avg"],
-                bufs["exp_avg_sq"], st.steps, lr,
-            )
-            self.compute_copies.refresh(self.store, st, bufs["master"])  # quantised once a step
-        if st.tier == Tier.DISK:
-            write_back_copies(self.store, st, bufs, STATE_COPIES)  # the gradient is spent
-        else:
-            bufs["grad"].zero_()
+            if st.tier == Tier.DISK:
+                # staged in chunks, the next chunk read while this one updates; the gradient
+                # is spent, only master and moments go back. A segment with a compute copy is
+                # one chunk: its fp8 scales come from the amax of each whole updated tensor
+                # (the large-vocabulary embedding and head compute in fp32 and have none).
+                chunk = self.chunk_numel if st.compute_format is None else st.numel
+                stream_chunks(self.store, st, chunk, read=(*STATE_COPIES, "grad"),
+                              write=STATE_COPIES, step=step)
+            else:
+                step(0, {c: getattr(st, c) for c in (*STATE_COPIES, "grad")})
+                self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
+                st.grad.zero_()
+            advance(st.steps)
 
     # -- evaluation and state ----
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierlm.memory.layout import FlatLayout
-from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.placement import STAGING_SETS, SegmentPlacement, chunk_ranges
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import Segment
@@ -21,6 +21,7 @@ _FILE_CLASS = {
     "master": TensorClass.MASTER,
     "exp_avg": TensorClass.OPTIM,
     "exp_avg_sq": TensorClass.OPTIM,
+    "grad": TensorClass.GRAD,
 }
 
 
@@ -86,37 +87,63 @@ class SegmentState:
         return self.compute_format.views(flat)
 
 
+class LookupOnce(Mapping[str, torch.Tensor]):
+    """A source of initial weights that keeps the tensor it returned last, so packing a
+    segment chunk by chunk looks each name up once (a parameter the chunks cut is asked for
+    again by the next chunk; a lazy source would read it again)."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor]) -> None:
+        self.source = source
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.source[name])
+        return self._last[1]
+
+    def __iter__(self):
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
 def init_state(
-    store: Store, st: SegmentState, fill: Callable[[torch.Tensor], object],
-    optim_device: torch.device,
+    store: Store, st: SegmentState, fill: Callable[[torch.Tensor, int], object],
+    optim_device: torch.device, chunk_numel: int,
 ) -> None:
-    """Place the segment's initial weights and zeroed optimizer state. `fill(out)` writes the
-    packed fp32 weights into the flat buffer `out` (the master on its tier, or the staging
-    buffer the disk tier writes from), so no second copy of the segment is made on the way."""
+    """Place the segment's initial weights and zeroed optimizer state. `fill(out, lo)` writes
+    elements [lo, lo + out.numel()) of the packed fp32 weights into `out`: the master on its
+    tier whole, or on the disk tier chunk by chunk into the staging its files are written
+    from, so no second copy of the segment is made on the way."""
     n = st.numel
     st.steps = [new_step_counter(optim_device) for _ in st.layout.groups()]
     if st.tier == Tier.DISK:
-        initial = store.alloc(Tier.HOST, TensorClass.STAGING, n)
-        fill(initial)
-        store.write_file(st.file("master"), initial, TensorClass.MASTER).result()
-    else:
-        initial = st.master = store.alloc(st.tier, TensorClass.MASTER, n)
-        fill(initial)
-        st.exp_avg = store.zeros(st.tier, TensorClass.OPTIM, n)
-        st.exp_avg_sq = store.zeros(st.tier, TensorClass.OPTIM, n)
-        st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
+        copies = (*STATE_COPIES, "grad")
+        for c in copies:  # the gradient file too: the disk tier's size is known up front
+            store.reserve_file(st.file(c), 4 * n, _FILE_CLASS[c])
+        if st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
+            st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
+
+        def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            fill(bufs["master"], lo)
+            if st.device_weights is not None:
+                st.device_weights.narrow(0, lo, bufs["master"].numel()).copy_(bufs["master"])
+            for c in copies[1:]:
+                bufs[c].zero_()
+
+        stream_chunks(store, st, chunk_numel, read=(), write=copies, step=step)
+        return
+    st.master = store.alloc(st.tier, TensorClass.MASTER, n)
+    fill(st.master, 0)
+    st.exp_avg = store.zeros(st.tier, TensorClass.OPTIM, n)
+    st.exp_avg_sq = store.zeros(st.tier, TensorClass.OPTIM, n)
+    st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
     if st.tier == Tier.DEVICE:
         st.device_weights = st.master  # fp32: the master is what the matmuls read
     elif st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
-        st.device_weights.copy_(initial)
-    if st.tier == Tier.DISK:
-        staging = initial.zero_()
-        store.write_file(st.file("exp_avg"), staging, TensorClass.OPTIM).result()
-        store.write_file(st.file("exp_avg_sq"), staging, TensorClass.OPTIM).result()
-        # reserve the gradient file now, so the disk tier's size is known up front
-        store.write_file(st.file("grad"), staging, TensorClass.GRAD).result()
-        store.free(Tier.HOST, TensorClass.STAGING, staging)
+        st.device_weights.copy_(st.master)
 
 
 class HostLoad:
@@ -131,20 +158,51 @@ class HostLoad:
 
 
 class DiskLoad:
-    """Streamed weights read from the segment's file into host staging, then one H2D copy: its
-    compute copy (bf16/fp8 runs) or else its fp32 master. The disk read starts at construction
-    so prefetching overlaps it with compute."""
+    """Streamed fp32 weights read from the master file into host staging chunk by chunk, each
+    chunk one H2D copy; the next chunk is read while this one crosses, so staging holds two
+    chunks, not the segment. The first reads start at construction so prefetching overlaps them
+    with compute."""
+
+    def __init__(self, store: Store, st: SegmentState, chunk_numel: int) -> None:
+        self.store = store
+        self.name = st.seg.name
+        self.file = st.file("master")
+        self.ranges = chunk_ranges(st.numel, chunk_numel)
+        self.bufs = [store.alloc(Tier.HOST, TensorClass.STAGING, self.ranges[0][1])
+                     for _ in self.ranges[:STAGING_SETS]]
+        self.reads = [self._read(k) for k in range(len(self.bufs))]
+
+    def _read(self, k: int):
+        lo, n = self.ranges[k]
+        return self.store.read_file(self.file, self.bufs[k % len(self.bufs)][:n], lo * 4)
+
+    def finish(self, dst: torch.Tensor) -> None:
+        dst = dst.view(torch.float32)
+        for k, (lo, n) in enumerate(self.ranges):
+            self.reads[k].result()
+            event = self.store.to_device(
+                dst.narrow(0, lo, n), self.bufs[k % len(self.bufs)][:n], self.name
+            )
+            self.store.wait(event)
+            if event is not None:
+                event.synchronize()  # the copy has read the buffer before it is reused or freed
+            if k + len(self.bufs) < len(self.ranges):
+                self.reads.append(self._read(k + len(self.bufs)))
+        for buf in self.bufs:
+            self.store.free(Tier.HOST, TensorClass.STAGING, buf)
+
+
+class ComputeFileLoad:
+    """Streamed weights of a bf16/fp8 run read from the segment's compute file (its compute
+    copy, 1-2 bytes per parameter of a block) into host staging, then one H2D copy. The disk
+    read starts at construction so prefetching overlaps it with compute."""
 
     def __init__(self, store: Store, st: SegmentState) -> None:
         self.store = store
         self.name = st.seg.name
-        if st.compute_format is None:
-            self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.numel)
-            self.future = store.read_file(st.file("master"), self.staging)
-        else:
-            self.staging = store.alloc(Tier.HOST, TensorClass.STAGING,
-                                       st.compute_format.nbytes, dtype=torch.uint8)
-            self.future = store.read_file(st.file("compute"), self.staging)
+        self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.compute_format.nbytes,
+                                   dtype=torch.uint8)
+        self.future = store.read_file(st.file("compute"), self.staging)
 
     def finish(self, dst: torch.Tensor) -> None:
         self.future.result()
@@ -155,13 +213,15 @@ class DiskLoad:
         self.store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
 
-def start_load(store: Store, st: SegmentState):
+def start_load(store: Store, st: SegmentState, chunk_numel: int):
     if st.tier == Tier.DISK:
-        return DiskLoad(store, st)
+        if st.compute_format is not None:
+            return ComputeFileLoad(store, st)
+        return DiskLoad(store, st, chunk_numel)
     return WireLoad(store, st) if st.wire is not None else HostLoad(store, st)
 
 
-def reload_resident(store: Store, st: SegmentState) -> None:
+def reload_resident(store: Store, st: SegmentState, chunk_numel: int) -> None:
     """Bring a resident segment's device copy up to date after an update of its host or disk
     state (reallocated first where its compute copy changed format)."""
     nbytes = st.device_nbytes()
@@ -169,7 +229,7 @@ def reload_resident(store: Store, st: SegmentState) -> None:
         store.free(Tier.DEVICE, TensorClass.COMPUTE, st.device_weights)
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, nbytes,
                                         dtype=torch.uint8)
-    start_load(store, st).finish(st.device_weights)
+    start_load(store, st, chunk_numel).finish(st.device_weights)
 
 
 def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -203,3 +263,50 @@ def free_copies(store: Store, st: SegmentState, bufs: dict[str, torch.Tensor]) -
     if st.tier == Tier.DISK:
         for b in bufs.values():
             store.free(Tier.HOST, TensorClass.STAGING, b)
+
+
+ChunkStep = Callable[[int, dict[str, torch.Tensor]], None]
+"""Work on one chunk of a segment's state: (first element, {copy: the chunk's host buffer})."""
+
+
+def stream_chunks(
+    store: Store, st: SegmentState, chunk_numel: int, *, read: tuple[str, ...],
+    write: tuple[str, ...], step: ChunkStep,
+) -> None:
+    """Run `step` over a disk-tier segment's state chunk by chunk: the `read` copies of each
+    chunk come from their files into host staging, `step` works on them in place (and may fill
+    the `write`-only ones), the `write` copies go back to their files. Two sets of chunk
+    buffers alternate, so the next chunk's reads run while `step` works on this one and this
+    chunk's writes run behind the next `step`; host staging is two chunks per copy, not the
+    segment."""
+    ranges = chunk_ranges(st.numel, chunk_numel)
+    copies = tuple(dict.fromkeys(read + write))
+    sets = [{c: store.alloc(Tier.HOST, TensorClass.STAGING, ranges[0][1]) for c in copies}
+            for _ in ranges[:STAGING_SETS]]
+    writes: list[list] = [[] for _ in sets]
+
+    def start_reads(k: int) -> list:
+        lo, n = ranges[k]
+        bufs = sets[k % len(sets)]
+        for f in writes[k % len(sets)]:  # the chunk these buffers held is on disk first
+            f.result()
+        return [store.read_file(st.file(c), bufs[c][:n], lo * 4) for c in read]
+
+    try:
+        reads = start_reads(0)
+        for k, (lo, n) in enumerate(ranges):
+            for f in reads:
+                f.result()
+            reads = start_reads(k + 1) if k + 1 < len(ranges) else []
+            bufs = {c: b[:n] for c, b in sets[k % len(sets)].items()}
+            step(lo, bufs)
+            writes[k % len(sets)] = [
+                store.write_file(st.file(c), bufs[c], _FILE_CLASS[c], lo * 4) for c in write
+            ]
+        for fs in writes:
+            for f in fs:
+                f.result()
+    finally:
+        for bufs in sets:
+            for b in bufs.values():
+                store.free(Tier.HOST, TensorClass.STAGING, b)
