@@ -40,6 +40,7 @@ from tierlm.activations import (
     storages_of,
 )
 from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.data.batch import inputs_and_targets, trained_targets
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
@@ -492,7 +493,7 @@ class Engine:
             self.clock.take()  # drop what evaluation or a checkpoint measured
             m = len(batches)
             mbs = [
-                _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
+                _MicroBatch(*(t.to(self.device) for t in inputs_and_targets(b)))
                 for b in batches
             ]
             actions = self.schedule(m)
@@ -791,7 +792,7 @@ class Engine:
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean token loss of one (B, T+1) batch, streaming weights as the step does."""
-        ids, targets = batch[:, :-1].to(self.device), batch[:, 1:].to(self.device)
+        ids, targets = (t.to(self.device) for t in inputs_and_targets(batch))
         head = self.states[-1].seg
         t = targets.flatten()
         step = self._chunk_tokens(self.adapter.model.config.vocab_size)
@@ -804,7 +805,7 @@ class Engine:
                 for c in range(0, t.numel(), step)
             )
 
-        return self._streamed_head(ids, loss_sum) / targets.numel()
+        return self._streamed_head(ids, loss_sum) / trained_targets(batch)
 
     @torch.no_grad()
     def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:

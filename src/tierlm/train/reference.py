@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.config import OptimConfig
+from tierlm.data.batch import inputs_and_targets
 from tierlm.optim import build_optimizer
 from tierlm.runtime.clock import compute_clock
 
@@ -40,7 +41,7 @@ class ReferenceStep:
         self.clock = compute_clock(device)  # the whole step is compute: nothing is streamed
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T)
+        inputs, targets = inputs_and_targets(batch)  # (B, T); targets -100 where masked
         with self.autocast():
             logits = self.model(input_ids=inputs).logits  # (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
