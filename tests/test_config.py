@@ -73,6 +73,11 @@ def test_typo_flag_is_rejected_by_parser(capsys):
         ({"optim": {"beta2": 1.0}}, r"optim\.beta2"),
         ({"train": {"max_steps": True}}, r"train\.max_steps"),
         ({"data": {"seq_len": 1.5}}, r"data\.seq_len"),
+        ({"data": {"format": "csv"}}, r"data\.format.*one of 'auto', 'text', 'chat'"),
+        ({"data": {"format": "chat", "train_on": "completion"}},
+         r"--data\.train_on completion does not apply to --data\.format chat; use assistant"),
+        ({"data": {"format": "text", "train_on": "assistant"}},
+         r"--data\.train_on assistant .* --data\.format text; use all"),
     ],
 )
 def test_bad_values_say_what_is_allowed(data, match):
@@ -176,6 +181,7 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
     [
         (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
         (["--opt", "Lion"], "--opt Lion"),
+        (["--data.packing", "documents"], "--data.packing documents"),
     ],
 )
 def test_unbuilt_features_fail_loudly(argv, flag, capsys):

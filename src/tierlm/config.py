@@ -646,9 +646,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.vocab_size: must be >= 260 (256 bytes + special tokens)")
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError("data.eval_fraction: must be between 0 and 1")
-    if cfg.data.packing == "documents":
-        raise ConfigError("--data.packing documents (per-example attention) is not supported "
-                          "yet; use --data.packing off (one padded example per row) or stream")
     allowed = {"text": ("all",), "chat": ("assistant", "all"),
                "prompt_completion": ("completion", "all")}.get(cfg.data.format)
     if allowed and cfg.data.train_on not in ("auto", *allowed):
@@ -784,6 +781,9 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.optim.name == "Lion":
         raise NotSupportedYet("--opt Lion", "use AdamW or Adafactor")
+    if cfg.data.packing == "documents":
+        raise NotSupportedYet("--data.packing documents", "per-example attention masks are not "
+                              "built; use --data.packing off (one padded example per row)")
     if cfg.distributed.backend == "fsdp" and cfg.activations.policy != "none":
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy} with --backend fsdp",
