@@ -181,7 +181,6 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
     [
         (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
         (["--opt", "Lion"], "--opt Lion"),
-        (["--data.packing", "documents"], "--data.packing documents"),
     ],
 )
 def test_unbuilt_features_fail_loudly(argv, flag, capsys):

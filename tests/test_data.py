@@ -722,3 +722,75 @@ def test_all_trained_labels_reproduce_plain_batches_exactly():
         ref = ReferenceStep(tiny_model("gpt2"), OPTIM, grad_clip=1.0, device=torch.device("cpu"))
         losses.append([ref.step([batch], 1e-2)["loss"] for _ in range(3)])
     assert losses[0] == losses[1]
+
+
+def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path):
+    import copy
+
+    from runtime_helpers import OPTIM, VOCAB, tiny_model
+
+    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.train.reference import ReferenceStep
+
+    cpu = torch.device("cpu")
+    model = tiny_model("llama_tied_gqa")
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, VOCAB, (7,), generator=g), torch.randint(0, VOCAB, (10,), generator=g)
+    ids = torch.cat([a, b])[None]  # (1, 17): two examples in one row
+    positions = torch.cat([torch.arange(7), torch.arange(10)])[None]
+
+    def row(ids, trained, positions=None):
+        parts = [ids, ids.masked_fill(~trained, -100)]
+        return torch.stack(parts + ([positions] if positions is not None else []), dim=1)
+
+    only_b = torch.zeros(1, 17, dtype=torch.bool)
+    only_b[:, 8:] = True  # b's targets after its first token
+    packed = row(ids, only_b, positions)
+    alone = row(b[None], torch.ones(1, 10, dtype=torch.bool))
+    leaky = row(ids, only_b)  # the same row as one stream: b attends to a
+    ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
+    eng = Engine(copy.deepcopy(model), OPTIM, EngineOptions(
+        offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
+    ), device=cpu)
+    for stepper in (ref, eng):
+        want = stepper.eval_loss(alone)
+        assert stepper.eval_loss(packed) == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert abs(stepper.eval_loss(leaky) - want) > 1e-4
+    # the step's loss (the tiered runtime builds its context from the positions too)
+    assert eng.step([packed], 1e-2)["loss"] == pytest.approx(ref.step([packed], 1e-2)["loss"],
+                                                             rel=1e-6)
+    eng.close()
+
+
+def test_documents_packing_gives_positions_per_example(tmp_path, chat_tok):
+    from tierlm.data.examples import resolve_schema
+    from tierlm.data.finetune import load_finetune_data
+
+    write_jsonl(tmp_path / "d.jsonl", CHATS)
+    data = _data_cfg(tmp_path / "d.jsonl", seq_len=24, packing="documents", eval_fraction=0.2)
+    got = load_finetune_data(data, resolve_schema(data), chat_tok)
+    stream = load_finetune_data(dataclasses_replace(data, packing="stream"),
+                                resolve_schema(data), chat_tok)
+    rows = got.train.get(torch.arange(len(got.train)))  # (N, 3, 25)
+    plain = stream.train.get(torch.arange(len(stream.train)))
+    enc = got.encoded["training data"]
+    assert len(got.train) == len(stream.train) == (enc.tokens.numel() - 1) // 24  # none dropped
+    assert rows.shape[1:] == (2 + 1, 25) and torch.equal(rows[:, 0], plain[:, 0])
+    starts = torch.zeros(enc.tokens.numel(), dtype=torch.bool)
+    starts[enc.offsets[:-1]] = True
+    for r in range(rows.shape[0]):
+        flat = slice(r * 24, r * 24 + 25)
+        pos = rows[r, 2].tolist()
+        for k in range(1, 25):  # each token's position: one more than its predecessor's ...
+            assert pos[k] == (0 if starts[flat][k] else pos[k - 1] + 1)
+        assert pos[0] == 0  # ... from 0 at the row's start
+        # an example's first token is never a target; elsewhere the labels are stream's
+        assert bool((rows[r, 1][starts[flat]] == -100).all())
+        keep = ~starts[flat]
+        assert torch.equal(rows[r, 1][keep], plain[r, 1][keep])
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)

@@ -270,7 +270,7 @@ def _write_records(path: Path, recs: list, suffix: str) -> None:
 @FUZZ
 @given(recs=st.one_of(st.lists(example_records, min_size=1, max_size=6), valid_chats, valid_pairs),
        suffix=st.sampled_from([".jsonl", ".json", ".parquet"]), seq_len=st.integers(1, 16),
-       packing=st.sampled_from(["stream", "off"]),
+       packing=st.sampled_from(["stream", "off", "documents"]),
        train_on=st.sampled_from(["auto", "all", "assistant", "completion"]),
        fmt=st.sampled_from(["auto", "auto", "chat", "prompt_completion", "text"]))
 def test_fuzz_example_files(tokenizer, recs, suffix, seq_len, packing, train_on, fmt):
@@ -289,7 +289,7 @@ def test_fuzz_example_files(tokenizer, recs, suffix, seq_len, packing, train_on,
             got = load_finetune_data(data, schema, tokenizer)
             got.check_vocab(len(tokenizer))
             b = BatchSampler(got.train, 1, 0).next_batch()
-            assert b.shape == (1, 2, seq_len + 1)
+            assert b.shape == (1, 3 if packing == "documents" else 2, seq_len + 1)
             ids, labels = b[:, 0], b[:, 1]
             assert bool(((labels == -100) | (labels == ids)).all())
             assert bool((labels[:, 1:] != -100).any())

@@ -309,7 +309,7 @@ def _chat_data(tmp_path) -> tuple[Path, Path]:
     return path, template
 
 
-@pytest.mark.parametrize("packing", ["stream", "off"])
+@pytest.mark.parametrize("packing", ["stream", "off", "documents"])
 def test_chat_data_trains_on_assistant_tokens_on_both_runtimes(tmp_path, packing):
     path, template = _chat_data(tmp_path)
     logs, recs = [], {}

@@ -75,8 +75,9 @@ class DataConfig:
     """Jinja chat template file for chat data; empty: the model tokenizer's own template."""
     packing: Literal["stream", "documents", "off"] = "stream"
     """stream: examples joined by eos and cut into seq_len rows (an example may see the one
-    before it); off: one example per row, padded, longer ones truncated to their first
-    seq_len+1 tokens; documents: not supported yet."""
+    before it); documents: the same rows, each example attending only to itself (per-example
+    positions, block-diagonal causal mask; Llama-family models); off: one example per row,
+    padded, longer ones truncated to their first seq_len+1 tokens."""
     seq_len: int = 256
     """Tokens per training sequence (--seq-len)."""
     vocab_size: int = 8192
@@ -781,9 +782,6 @@ def check_supported(cfg: Config) -> None:
         )
     if cfg.optim.name == "Lion":
         raise NotSupportedYet("--opt Lion", "use AdamW or Adafactor")
-    if cfg.data.packing == "documents":
-        raise NotSupportedYet("--data.packing documents", "per-example attention masks are not "
-                              "built; use --data.packing off (one padded example per row)")
     if cfg.distributed.backend == "fsdp" and cfg.activations.policy != "none":
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy} with --backend fsdp",

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tierlm.config import DataConfig
 from tierlm.data.errors import DataError
 from tierlm.data.examples import (
@@ -72,7 +74,11 @@ def load_finetune_data(data: DataConfig, schema: Schema, tokenizer: Any) -> Fine
             pad = tokenizer.pad_token_id
             pad = tokenizer.eos_token_id if pad is None else pad
             return PaddedExamples(enc.tokens, enc.trained, enc.offsets, data.seq_len, pad, source)
-        return MaskedSequences(enc.tokens, enc.trained, data.seq_len, source)
+        starts = None
+        if data.packing == "documents":
+            starts = torch.zeros(enc.tokens.numel(), dtype=torch.bool)
+            starts[enc.offsets[:-1]] = True
+        return MaskedSequences(enc.tokens, enc.trained, data.seq_len, source, starts)
 
     out = FinetuneData(train=pack(train, "training data"), eval=pack(held_out, "held-out data"),
                        encoded={"training data": train, "held-out data": held_out})

@@ -121,12 +121,21 @@ class MaskedSequences:
 
     Cut from the flat stream as PackedSequences cuts it; a row whose targets are all masked
     (a long prompt) is dropped, so every batch has a token to average the loss over.
+
+    With `starts` (True at each example's first token: --data.packing documents) rows gain a
+    third line, each token's position within its example (a row that begins inside an example
+    counts from 0 there), which the steppers turn into a block-diagonal causal mask; an
+    example's first token is then not a target (nothing of its own precedes it).
     """
 
     def __init__(self, tokens: torch.Tensor, trained: torch.Tensor, seq_len: int,
-                 source: str) -> None:
+                 source: str, starts: torch.Tensor | None = None) -> None:
         self._packed = PackedSequences(tokens, seq_len, source)
         self.seq_len, self.source = seq_len, source
+        self._starts = None
+        if starts is not None:
+            trained = trained & ~starts
+            self._starts = starts.unfold(0, seq_len + 1, seq_len)[: len(self._packed)]
         self._trained = trained.unfold(0, seq_len + 1, seq_len)[: len(self._packed)]
         self._keep = self._trained[:, 1:].any(dim=1).nonzero().squeeze(1)  # (rows kept,)
         self.dropped_rows = len(self._packed) - self._keep.numel()
@@ -141,7 +150,13 @@ class MaskedSequences:
         """Rows `idx` as a new (B, 2, seq_len+1) int64 tensor: ids and labels."""
         rows = self._keep[idx]
         ids = self._packed.get(rows)
-        return torch.stack([ids, ids.masked_fill(~self._trained[rows], IGNORE_INDEX)], dim=1)
+        lines = [ids, ids.masked_fill(~self._trained[rows], IGNORE_INDEX)]
+        if self._starts is not None:
+            at = torch.arange(self.seq_len + 1).expand_as(ids)
+            # position = index - index of the latest example start at or before it (row start: 0)
+            begun = torch.where(self._starts[rows], at, 0).cummax(dim=1).values
+            lines.append(at - begun)
+        return torch.stack(lines, dim=1)
 
 
 class PaddedExamples:

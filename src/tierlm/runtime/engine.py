@@ -40,7 +40,7 @@ from tierlm.activations import (
     storages_of,
 )
 from tierlm.config import ActivationConfig, OptimConfig
-from tierlm.data.batch import inputs_and_targets, trained_targets
+from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
@@ -144,6 +144,7 @@ class Action:
 class _MicroBatch:
     ids: torch.Tensor  # (B, T)
     targets: torch.Tensor  # (B, T)
+    positions: torch.Tensor | None = None  # (B, T) for packed examples; None: 0..T-1
     ctx: StepContext | None = None
     h: dict[int, torch.Tensor] = field(default_factory=dict)  # input of segment s
     # s -> its input's flat host copy, the copy's event and the input's shape, while it waits
@@ -493,7 +494,8 @@ class Engine:
             self.clock.take()  # drop what evaluation or a checkpoint measured
             m = len(batches)
             mbs = [
-                _MicroBatch(*(t.to(self.device) for t in inputs_and_targets(b)))
+                _MicroBatch(*(t.to(self.device) for t in inputs_and_targets(b)),
+                            positions=_to(position_ids(b), self.device))
                 for b in batches
             ]
             actions = self.schedule(m)
@@ -557,7 +559,7 @@ class Engine:
                 )
                 if a.seg == 0:
                     with torch.no_grad(), self.opts.autocast():
-                        mb.ctx = self.adapter.context(mb.ids, out)
+                        mb.ctx = self.adapter.context(mb.ids, out, mb.positions)
             self._hold_input(mb, a.seg + 1, out)
         for i in a.mbs:
             self._leave_device(mbs[i], a.seg)
@@ -766,10 +768,12 @@ class Engine:
 
     # -- evaluation and state ----
 
-    def _streamed_head(self, ids: torch.Tensor, read) -> object:
+    def _streamed_head(
+        self, ids: torch.Tensor, read, positions: torch.Tensor | None = None
+    ) -> object:
         """One forward of `ids` outside training, streaming the segments as the step does:
         `read(views, hn)` is called under autocast with the head's parameter views and its
-        normed input (B, T, D); its result is returned."""
+        normed input (B, T, D); its result is returned. `positions`: see tierlm.data.batch."""
         self.synchronize()
         n = len(self.states)
         actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
@@ -782,7 +786,7 @@ class Engine:
                 if a.kind == "fwd":
                     h = st.seg.forward(st.layout.views(w), h, ctx)
                     if a.seg == 0:
-                        ctx = self.adapter.context(ids, h)
+                        ctx = self.adapter.context(ids, h, positions)
                 else:
                     views = self._views(k, a.seg, w)
                     out = read(views, st.seg.forward(views, h, ctx))
@@ -805,7 +809,8 @@ class Engine:
                 for c in range(0, t.numel(), step)
             )
 
-        return self._streamed_head(ids, loss_sum) / trained_targets(batch)
+        positions = _to(position_ids(batch), self.device)
+        return self._streamed_head(ids, loss_sum, positions) / trained_targets(batch)
 
     @torch.no_grad()
     def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -889,3 +894,7 @@ class Engine:
         self.synchronize()
         self._worker.shutdown(wait=True)
         self.store.close()
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

@@ -243,8 +243,8 @@ class Trainer:
 
         schema = resolve_schema(cfg.data)
         # Plain text packs into one stream as it always has; examples (chat, prompt/completion,
-        # or any records under --data.packing off) carry a loss mask beside their tokens.
-        examples = schema.format != "text" or cfg.data.packing == "off"
+        # or any records packed by documents or not at all) carry a loss mask beside their tokens.
+        examples = schema.format != "text" or cfg.data.packing != "stream"
         corpus = None if examples else load_corpus(
             cfg.data.train,
             cfg.data.eval,
