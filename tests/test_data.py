@@ -579,6 +579,9 @@ def test_padded_examples_truncate_and_report(tmp_path, chat_tok):
     assert (rows[short, 1, min(lengths):] == -100).all()  # padding never trained
     text = "\n".join(got.summary)
     assert "examples truncated" in text and "[[" in text and "trained" in text
+    with pytest.raises(DataError, match=r"training data: token id \d+ in .*d\.jsonl:2 \(token 3 "):
+        enc.tokens[int(enc.offsets[1]) + 3] = 10_000
+        got.check_vocab(len(chat_tok))
 
 
 def _bad_chat(tmp_path, messages, name="bad.jsonl"):

@@ -21,7 +21,6 @@ from tierlm.data.examples import (
 )
 from tierlm.data.packing import MaskedSequences, PaddedExamples
 from tierlm.data.records import data_files, iter_records
-from tierlm.data.tokenizer import check_token_ids
 
 _TRAIN_FLAG, _EVAL_FLAG = "--data (data.train)", "--eval-data (data.eval)"
 
@@ -34,8 +33,18 @@ class FinetuneData:
     summary: list[str] = field(default_factory=list)
 
     def check_vocab(self, vocab_size: int) -> None:
+        """Reject ids the embedding cannot index, naming the example (file and line or row)."""
         for source, enc in self.encoded.items():
-            check_token_ids(enc.tokens, vocab_size, source)
+            bad = ((enc.tokens < 0) | (enc.tokens >= vocab_size)).nonzero()
+            if bad.numel():
+                pos = int(bad[0, 0])
+                i = int(torch.searchsorted(enc.offsets, pos, right=True)) - 1
+                raise DataError(
+                    f"{source}: token id {int(enc.tokens[pos])} in {enc.names[i]} (token "
+                    f"{pos - int(enc.offsets[i])} of that example) is outside the model "
+                    f"vocabulary of {vocab_size}; the tokenizer does not match the model (use "
+                    "the model's own tokenizer, or resize its embeddings)"
+                )
 
 
 def _check_eval_format(data: DataConfig, schema: Schema) -> None:
@@ -100,6 +109,9 @@ def _summary(data: DataConfig, schema: Schema, tokenizer: Any, out: FinetuneData
         truncated = getattr(seqs, "truncated", None)
         if truncated is not None:
             line += f"; {truncated} examples truncated to their first {data.seq_len + 1} tokens"
+        else:
+            longer = int(((enc.offsets[1:] - enc.offsets[:-1]) > data.seq_len + 1).sum())
+            line += f"; {longer} examples longer than a row, split across rows"
         if seqs.dropped_rows:
             line += f"; {seqs.dropped_rows} sequences without a trained token dropped"
         lines.append(line)
