@@ -727,7 +727,8 @@ def test_all_trained_labels_reproduce_plain_batches_exactly():
     assert losses[0] == losses[1]
 
 
-def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path):
+@pytest.mark.parametrize("name", ["llama_tied_gqa", "qwen2"])
+def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
     import copy
 
     from runtime_helpers import OPTIM, VOCAB, tiny_model
@@ -736,7 +737,7 @@ def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path):
     from tierlm.train.reference import ReferenceStep
 
     cpu = torch.device("cpu")
-    model = tiny_model("llama_tied_gqa")
+    model = tiny_model(name)
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(0, VOCAB, (7,), generator=g), torch.randint(0, VOCAB, (10,), generator=g)
     ids = torch.cat([a, b])[None]  # (1, 17): two examples in one row
@@ -797,3 +798,20 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+def test_packed_documents_on_gpt2_run_on_the_reference_and_are_refused_by_the_engine(tmp_path):
+    from runtime_helpers import OPTIM, tiny_model
+
+    from tierlm.config import ConfigError
+    from tierlm.runtime import Engine, EngineOptions
+
+    ids = torch.arange(1, 18)[None]
+    packed = torch.stack([ids, ids, torch.cat([torch.arange(7), torch.arange(10)])[None]], 1)
+    eng = Engine(tiny_model("gpt2"), OPTIM, EngineOptions(
+        offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
+    ), device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"--data\.packing documents: gpt2 .* --data\.packing "
+                                          r"off"):
+        eng.eval_loss(packed)
+    eng.close()
