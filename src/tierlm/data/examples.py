@@ -269,18 +269,19 @@ def encode_examples(path: str, schema: Schema, tokenizer: Any, *, flag: str) -> 
             text = record if isinstance(record, str) else text_of(where, record,
                                                                    schema.fields.text_field)
             return Rendered(where, text, ((0, len(text)),), eos_trained=True)
+    # one tensor per batch of records, not per example: millions of small tensors would cost
+    # more than their tokens
     tokens: list[torch.Tensor] = []
     trained: list[torch.Tensor] = []
-    lengths: list[int] = []
+    lengths: list[torch.Tensor] = []
     names: list[str] = []
     batch: list[Rendered] = []
 
     def flush() -> None:
         ids, mask = _tokenize(tokenizer, batch)
-        for i, m in zip(ids, mask, strict=True):
-            tokens.append(i)
-            trained.append(m)
-            lengths.append(i.numel())
+        tokens.append(torch.cat(ids))
+        trained.append(torch.cat(mask))
+        lengths.append(torch.tensor([i.numel() for i in ids], dtype=torch.int64))
         names.extend(r.where for r in batch)
         batch.clear()
 
@@ -292,8 +293,8 @@ def encode_examples(path: str, schema: Schema, tokenizer: Any, *, flag: str) -> 
         flush()
     if not names:
         raise DataError(f"{path}: no examples; check {flag}")
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    offsets = torch.zeros(len(names) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cat(lengths).cumsum(0)
     return Encoded(torch.cat(tokens), torch.cat(trained), offsets, names)
 
 
