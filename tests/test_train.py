@@ -319,11 +319,15 @@ def test_chat_data_trains_on_assistant_tokens_on_both_runtimes(tmp_path, packing
         cfg.memory.offload_policy = policy
         trainer = Trainer(cfg, log=logs.append)
         assert isinstance(trainer.stepper, Engine) == (policy == "host")
-        trainer.train()
+        checkpoint = trainer.train().final_checkpoint
         recs[policy] = [r for r in read_metrics(tmp_path / policy / "metrics.jsonl")
                         if "loss_tokens" in r]
     text = "\n".join(logs)
     assert "chat, training on assistant tokens; template: " in text and "[[" in text
+    # the template travels with the checkpoint's (and so the export's) tokenizer
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == _CHAT_TEMPLATE
     full = 4 * 32  # batch x seq_len: every target of a plain-text step
     for ref, eng in zip(recs["none"], recs["host"], strict=True):
         assert 0 < ref["loss_tokens"] < full and ref["loss_tokens"] == eng["loss_tokens"]

@@ -31,6 +31,9 @@ class FinetuneData:
     eval: MaskedSequences | PaddedExamples
     encoded: dict[str, Encoded]
     summary: list[str] = field(default_factory=list)
+    chat_template: str | None = None
+    """The --data.chat_template text the examples were rendered with (None: the tokenizer's own
+    or no chat): the run saves it with its tokenizer, so the exported model chats the same way."""
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject ids the embedding cannot index, naming the example (file and line or row)."""
@@ -92,6 +95,8 @@ def load_finetune_data(data: DataConfig, schema: Schema, tokenizer: Any) -> Fine
     out = FinetuneData(train=pack(train, "training data"), eval=pack(held_out, "held-out data"),
                        encoded={"training data": train, "held-out data": held_out})
     out.summary = _summary(data, schema, tokenizer, out, split)
+    if schema.format == "chat" and data.chat_template is not None:
+        out.chat_template = ChatRenderer(tokenizer, data.chat_template, schema).template
     return out
 
 

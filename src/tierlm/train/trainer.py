@@ -270,6 +270,8 @@ class Trainer:
             finetune = load_finetune_data(cfg.data, schema, self.tokenizer)
             for line in finetune.summary:
                 log(line)
+            if finetune.chat_template is not None:  # checkpoints and the export carry it
+                self.tokenizer.chat_template = finetune.chat_template
         else:
             train_ids = encode_documents(self.tokenizer, corpus.train)
             eval_ids = encode_documents(self.tokenizer, corpus.eval)
