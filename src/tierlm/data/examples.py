@@ -71,7 +71,8 @@ def resolve_schema(data: DataConfig) -> Schema:
         fmt = "text"  # the built-in corpus
         if data.train is not None:
             file = data_files(Path(data.train), flag="--data (data.train)")[0]
-            for where, record in iter_records(file):
+            # a .txt file is one text document: no need to read it here
+            for where, record in iter_records(file) if file.suffix.lower() != ".txt" else ():
                 fmt = detect_format(where, record, data)
                 break
     allowed = TRAIN_ON[fmt]
