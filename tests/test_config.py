@@ -73,6 +73,11 @@ def test_typo_flag_is_rejected_by_parser(capsys):
         ({"optim": {"beta2": 1.0}}, r"optim\.beta2"),
         ({"train": {"max_steps": True}}, r"train\.max_steps"),
         ({"data": {"seq_len": 1.5}}, r"data\.seq_len"),
+        ({"data": {"format": "csv"}}, r"data\.format.*one of 'auto', 'text', 'chat'"),
+        ({"data": {"format": "chat", "train_on": "completion"}},
+         r"--data\.train_on completion does not apply to --data\.format chat; use assistant"),
+        ({"data": {"format": "text", "train_on": "assistant"}},
+         r"--data\.train_on assistant .* --data\.format text; use all"),
     ],
 )
 def test_bad_values_say_what_is_allowed(data, match):

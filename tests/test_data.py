@@ -163,7 +163,7 @@ def _bad_inputs(tmp_path):
     cases["non-string"] = (tmp_path / "num.jsonl", ["num.jsonl:2", "int", "not a string"])
     (tmp_path / "nothing").mkdir()
     (tmp_path / "nothing" / "notes.md").write_text("markdown")
-    cases["no files"] = (tmp_path / "nothing", ["nothing", "no .txt or .jsonl"])
+    cases["no files"] = (tmp_path / "nothing", ["nothing", "no .txt, .jsonl"])
     (tmp_path / "table.csv").write_text("a,b")
     cases["extension"] = (tmp_path / "table.csv", ["table.csv", "unsupported"])
     return cases
@@ -414,3 +414,404 @@ def test_eval_batches_in_order_and_deterministic():
     assert len(eval_batches(data, batch_size=2, max_batches=3)) == 3
     (short,) = eval_batches(data, batch_size=16, max_batches=5)
     assert torch.equal(short, data.get(torch.arange(10)))
+
+
+# ---- fine-tuning data: formats, schemas, loss masks --------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHATS = [
+    {"messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris, the city of light."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+    ]},
+    {"messages": [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "Hello there, friend."},
+    ]},
+] + [
+    {"messages": [{"role": "user", "content": f"Count to {i}."},
+                  {"role": "assistant", "content": " ".join(str(k) for k in range(i))}]}
+    for i in range(2, 10)
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    texts = [m["content"] for c in CHATS for m in c["messages"]] * 5
+    tok = train_bpe_tokenizer(texts + ["<|user|> <|assistant|> <|system|>"], 400)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _data_cfg(train, **kw):
+    from tierlm.config import DataConfig
+
+    return DataConfig(train=str(train), **kw)
+
+
+def _encode(path, tok, **kw):
+    from tierlm.data.examples import encode_examples, resolve_schema
+
+    data = _data_cfg(path, **kw)
+    return encode_examples(str(path), resolve_schema(data), tok, flag="--data")
+
+
+def write_json(path, records):
+    path.write_text(json.dumps(records), encoding="utf-8")
+
+
+def write_parquet(path, records):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # several row groups, so the reader really goes batch by batch
+    pq.write_table(pa.Table.from_pylist(records), path, row_group_size=3)
+
+
+def write_saved_dataset(directory, records):
+    """The layout datasets' save_to_disk writes, made with pyarrow (datasets is not installed)."""
+    import pyarrow as pa
+
+    directory.mkdir()
+    table = pa.Table.from_pylist(records)
+    with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            for batch in table.to_batches(max_chunksize=4):
+                writer.write_batch(batch)
+    (directory / "dataset_info.json").write_text(json.dumps({"features": {}}))
+    (directory / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+        "_fingerprint": "0", "_format_type": None, "_split": None,
+    }))
+
+
+def test_chat_trains_exactly_the_assistant_tokens(tmp_path, chat_tok):
+    write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    enc = _encode(tmp_path / "chat.jsonl", chat_tok)
+    assert len(enc) == len(CHATS)
+    header = chat_tok("<|assistant|>\n", add_special_tokens=False)["input_ids"]
+    for i, chat in enumerate(CHATS):
+        a, b = int(enc.offsets[i]), int(enc.offsets[i + 1])
+        ids, mask = enc.tokens[a:b].tolist(), enc.trained[a:b].tolist()
+        expected = [chat_tok(m["content"] + EOS_TOKEN + "\n", add_special_tokens=False)["input_ids"]
+                    for m in chat["messages"] if m["role"] == "assistant"]
+        # trained runs, in order, are exactly each assistant turn's content and end of turn ...
+        runs, run = [], []
+        for k, (t, m) in enumerate(zip(ids, mask, strict=True)):
+            if m:
+                if not run:  # ... each right after the template's assistant header
+                    assert ids[k - len(header) : k] == header
+                run.append(t)
+            elif run:
+                runs.append(run)
+                run = []
+        assert runs == expected
+        # ... and the example's closing eos (the separator) is not trained
+        assert ids[-1] == chat_tok.eos_token_id and not mask[-1]
+    everything = _encode(tmp_path / "chat.jsonl", chat_tok, train_on="all")
+    assert torch.equal(everything.tokens, enc.tokens) and bool(everything.trained.all())
+
+
+def test_prompt_completion_and_alpaca_train_the_completion(tmp_path, chat_tok):
+    write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: Capital of France?\nA:",
+                                        "completion": " Paris."}])
+    write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "Name a city.", "input": "", "output": "Rome."},
+        {"instruction": "Count.", "input": "to 3", "output": "1 2 3"},
+    ])
+    eos = chat_tok.eos_token_id
+    enc = _encode(tmp_path / "pc.jsonl", chat_tok)
+    ids = chat_tok(" Paris.", add_special_tokens=False)["input_ids"] + [eos]
+    assert enc.tokens[enc.trained].tolist() == ids
+    prompt = chat_tok("Q: Capital of France?\nA:", add_special_tokens=False)["input_ids"]
+    assert enc.tokens[~enc.trained].tolist() == prompt
+    enc = _encode(tmp_path / "alpaca.jsonl", chat_tok)
+    first = enc.tokens[: int(enc.offsets[1])]
+    assert chat_tok.decode(first[~enc.trained[: len(first)]]) == "Name a city.\n\n"
+    assert chat_tok.decode(first[enc.trained[: len(first)]]) == "Rome." + EOS_TOKEN
+    second = enc.select(1, 2)
+    assert chat_tok.decode(second.tokens[~second.trained]) == "Count.\n\nto 3\n\n"
+
+
+def test_jsonl_json_parquet_and_saved_dataset_give_identical_batches(tmp_path, chat_tok):
+    from tierlm.data.examples import resolve_schema
+    from tierlm.data.finetune import load_finetune_data
+
+    write_jsonl(tmp_path / "d.jsonl", CHATS)
+    write_json(tmp_path / "d.json", CHATS)
+    write_parquet(tmp_path / "d.parquet", CHATS)
+    write_saved_dataset(tmp_path / "saved", CHATS)
+    out = {}
+    for name in ("d.jsonl", "d.json", "d.parquet", "saved"):
+        for packing in ("stream", "off"):
+            data = _data_cfg(tmp_path / name, seq_len=16, packing=packing, eval_fraction=0.2)
+            got = load_finetune_data(data, resolve_schema(data), chat_tok)
+            out[name, packing] = [s.get(torch.arange(len(s))) for s in (got.train, got.eval)]
+    for packing in ("stream", "off"):
+        ref = out["d.jsonl", packing]
+        assert ref[0].dim() == 3 and (ref[0][:, 1] == -100).any()
+        for name in ("d.json", "d.parquet", "saved"):
+            for a, b in zip(out[name, packing], ref, strict=True):
+                assert torch.equal(a, b), (name, packing)
+
+
+def test_padded_examples_truncate_and_report(tmp_path, chat_tok):
+    from tierlm.data.examples import resolve_schema
+    from tierlm.data.finetune import load_finetune_data
+
+    write_jsonl(tmp_path / "d.jsonl", CHATS)
+    data = _data_cfg(tmp_path / "d.jsonl", seq_len=40, packing="off", eval_fraction=0.2)
+    got = load_finetune_data(data, resolve_schema(data), chat_tok)
+    rows = got.train.get(torch.arange(len(got.train)))  # (N, 2, 41)
+    enc = got.encoded["training data"]
+    lengths = (enc.offsets[1:] - enc.offsets[:-1]).tolist()
+    assert got.train.truncated == sum(n > 41 for n in lengths) > 0
+    assert len(got.train) == len(enc) and rows.shape[1:] == (2, 41)
+    first = rows[0, 0, : min(lengths[0], 41)]
+    assert torch.equal(first, enc.tokens[: first.numel()])  # the first seq_len+1 tokens kept
+    short = lengths.index(min(lengths))
+    assert (rows[short, 1, min(lengths):] == -100).all()  # padding never trained
+    text = "\n".join(got.summary)
+    assert "examples truncated" in text and "[[" in text and "trained" in text
+    with pytest.raises(DataError, match=r"training data: token id \d+ in .*d\.jsonl:2 \(token 3 "):
+        enc.tokens[int(enc.offsets[1]) + 3] = 10_000
+        got.check_vocab(len(chat_tok))
+
+
+def _bad_chat(tmp_path, messages, name="bad.jsonl"):
+    write_jsonl(tmp_path / name, [CHATS[1], {"messages": messages}])
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("messages, parts", [
+    ([{"content": "hi"}], ["messages[0].role", "missing"]),
+    ([{"role": "user", "content": 3}], ["messages[0].content", "int", "not a string"]),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
+     ["messages[1].content", "empty assistant turn"]),
+    ("hello", ["'messages'", "list"]),
+])
+def test_bad_chat_records_name_file_line_and_field(tmp_path, chat_tok, messages, parts):
+    path = _bad_chat(tmp_path, messages)
+    with pytest.raises(DataError) as info:
+        _encode(path, chat_tok)
+    for part in [f"{path}:2", *parts]:
+        assert part in str(info.value)
+
+
+def test_bad_records_in_tables_name_the_row(tmp_path, chat_tok):
+    records = [CHATS[0], {"messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "content": ""}]}]
+    write_parquet(tmp_path / "d.parquet", records)
+    with pytest.raises(DataError, match=r"d\.parquet row 2: field 'messages\[1\]\.content'"):
+        _encode(tmp_path / "d.parquet", chat_tok)
+    write_jsonl(tmp_path / "odd.jsonl", [{"question": "a", "answer": "b"}])
+    with pytest.raises(DataError, match=r"odd\.jsonl:1: unknown schema \(fields: answer, "
+                                         r"question\).*--data\.format"):
+        _encode(tmp_path / "odd.jsonl", chat_tok)
+    write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": 5}])
+    with pytest.raises(DataError, match=r"pc\.jsonl:1: field 'completion' is int"):
+        _encode(tmp_path / "pc.jsonl", chat_tok)
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text("{}")
+    with pytest.raises(DataError, match=r"point --data \(data.train\) at one split"):
+        _encode(tmp_path / "dd", chat_tok)
+
+
+def test_chat_without_a_template_names_the_flag(tmp_path, small_tok):
+    write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    with pytest.raises(DataError, match=r"--data\.chat_template PATH"):
+        _encode(tmp_path / "chat.jsonl", small_tok)
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE)
+    enc = _encode(tmp_path / "chat.jsonl", small_tok, chat_template=str(tmp_path / "t.jinja"))
+    assert bool(enc.trained.any()) and not bool(enc.trained.all())
+
+
+def test_train_on_must_fit_the_format(tmp_path, chat_tok):
+    write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    with pytest.raises(DataError, match=r"--data\.train_on completion does not apply to chat"):
+        _encode(tmp_path / "chat.jsonl", chat_tok, train_on="completion")
+
+
+_RSS_SCRIPT = """
+import json, sys
+from pathlib import Path
+from tierlm.data.records import iter_records
+
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+
+path = Path(sys.argv[1])
+with path.open("w") as f:
+    for i in range(40_000):
+        f.write(json.dumps({"text": f"record {i} " + "lorem ipsum " * 160}) + "\\n")
+before, n = peak(), 0
+for where, record in iter_records(path):
+    n += len(record["text"])
+print(json.dumps({"file_bytes": path.stat().st_size, "grew_bytes": peak() - before, "chars": n}))
+"""
+
+
+def test_large_jsonl_streams_with_bounded_rss(tmp_path):
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "big.jsonl")],
+                         capture_output=True, text=True, env=env, timeout=120, check=True)
+    rec = json.loads(out.stdout)
+    assert rec["file_bytes"] > 70e6
+    # reading it whole would hold the bytes, the text and its lines: several times the file
+    assert rec["grew_bytes"] < 8e6, rec
+
+
+@pytest.mark.parametrize("name", ["llama_tied_gqa", "gpt2"])
+def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_path):
+    import copy
+
+    from runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
+
+    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.train.reference import ReferenceStep
+
+    cpu = torch.device("cpu")
+    model = tiny_model(name)
+    g = torch.Generator().manual_seed(0)
+    batches, expected = [], []
+    for _ in range(2):  # two micro-batches, different trained counts
+        ids = torch.randint(0, VOCAB, (2, 17), generator=g)
+        trained = torch.rand(2, 17, generator=g) < 0.3
+        trained[:, 1] = True
+        batches.append(torch.stack([ids, ids.masked_fill(~trained, -100)], dim=1))
+        with torch.no_grad():
+            logits = model(input_ids=ids[:, :-1]).logits.float()  # (B, T, V)
+        logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = trained[:, 1:]
+        expected.append(float(-logp[mask].sum() / mask.sum()))
+    ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
+    # whole rows per loss chunk, and chunks of 5 tokens that cut rows (some all masked)
+    engines = [Engine(copy.deepcopy(model), OPTIM, EngineOptions(
+        offload_dir=str(tmp_path / f"off{chunk}"), policy="host", batch_size=2, seq_len=16,
+        micro_batches=2, grad_clip=0.0, loss_chunk_tokens=chunk,
+    ), device=cpu) for chunk in (None, 5)]
+    for stepper in (ref, *engines):
+        for batch, want in zip(batches, expected, strict=True):
+            assert stepper.eval_loss(batch) == pytest.approx(want, rel=1e-6)
+        rec = stepper.step(batches, 1e-2)
+        assert rec["loss"] == pytest.approx(sum(expected) / 2, rel=1e-6)
+    # Same sums in the same order: the weights after the step agree. (Chunks of 5 sum in
+    # another order, and Adam's first step turns that rounding into ~1e-5 on tiny gradients,
+    # as it does on plain batches.)
+    assert_close_run([], [], engines[0].weights(), ref.weights())
+    for eng in engines:
+        eng.close()
+
+
+def test_all_trained_labels_reproduce_plain_batches_exactly():
+    from runtime_helpers import OPTIM, VOCAB, tiny_model
+
+    from tierlm.train.reference import ReferenceStep
+
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for batch in (ids, torch.stack([ids, ids], dim=1)):
+        ref = ReferenceStep(tiny_model("gpt2"), OPTIM, grad_clip=1.0, device=torch.device("cpu"))
+        losses.append([ref.step([batch], 1e-2)["loss"] for _ in range(3)])
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("name", ["llama_tied_gqa", "qwen2"])
+def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
+    import copy
+
+    from runtime_helpers import OPTIM, VOCAB, tiny_model
+
+    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.train.reference import ReferenceStep
+
+    cpu = torch.device("cpu")
+    model = tiny_model(name)
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, VOCAB, (7,), generator=g), torch.randint(0, VOCAB, (10,), generator=g)
+    ids = torch.cat([a, b])[None]  # (1, 17): two examples in one row
+    positions = torch.cat([torch.arange(7), torch.arange(10)])[None]
+
+    def row(ids, trained, positions=None):
+        parts = [ids, ids.masked_fill(~trained, -100)]
+        return torch.stack(parts + ([positions] if positions is not None else []), dim=1)
+
+    only_b = torch.zeros(1, 17, dtype=torch.bool)
+    only_b[:, 8:] = True  # b's targets after its first token
+    packed = row(ids, only_b, positions)
+    alone = row(b[None], torch.ones(1, 10, dtype=torch.bool))
+    leaky = row(ids, only_b)  # the same row as one stream: b attends to a
+    ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
+    eng = Engine(copy.deepcopy(model), OPTIM, EngineOptions(
+        offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
+    ), device=cpu)
+    for stepper in (ref, eng):
+        want = stepper.eval_loss(alone)
+        assert stepper.eval_loss(packed) == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert abs(stepper.eval_loss(leaky) - want) > 1e-4
+    # the step's loss (the tiered runtime builds its context from the positions too)
+    assert eng.step([packed], 1e-2)["loss"] == pytest.approx(ref.step([packed], 1e-2)["loss"],
+                                                             rel=1e-6)
+    eng.close()
+
+
+def test_documents_packing_gives_positions_per_example(tmp_path, chat_tok):
+    from tierlm.data.examples import resolve_schema
+    from tierlm.data.finetune import load_finetune_data
+
+    write_jsonl(tmp_path / "d.jsonl", CHATS)
+    data = _data_cfg(tmp_path / "d.jsonl", seq_len=24, packing="documents", eval_fraction=0.2)
+    got = load_finetune_data(data, resolve_schema(data), chat_tok)
+    stream = load_finetune_data(dataclasses_replace(data, packing="stream"),
+                                resolve_schema(data), chat_tok)
+    rows = got.train.get(torch.arange(len(got.train)))  # (N, 3, 25)
+    plain = stream.train.get(torch.arange(len(stream.train)))
+    enc = got.encoded["training data"]
+    assert len(got.train) == len(stream.train) == (enc.tokens.numel() - 1) // 24  # none dropped
+    assert rows.shape[1:] == (2 + 1, 25) and torch.equal(rows[:, 0], plain[:, 0])
+    starts = torch.zeros(enc.tokens.numel(), dtype=torch.bool)
+    starts[enc.offsets[:-1]] = True
+    for r in range(rows.shape[0]):
+        flat = slice(r * 24, r * 24 + 25)
+        pos = rows[r, 2].tolist()
+        for k in range(1, 25):  # each token's position: one more than its predecessor's ...
+            assert pos[k] == (0 if starts[flat][k] else pos[k - 1] + 1)
+        assert pos[0] == 0  # ... from 0 at the row's start
+        # an example's first token is never a target; elsewhere the labels are stream's
+        assert bool((rows[r, 1][starts[flat]] == -100).all())
+        keep = ~starts[flat]
+        assert torch.equal(rows[r, 1][keep], plain[r, 1][keep])
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def test_packed_documents_on_gpt2_run_on_the_reference_and_are_refused_by_the_engine(tmp_path):
+    from runtime_helpers import OPTIM, tiny_model
+
+    from tierlm.config import ConfigError
+    from tierlm.runtime import Engine, EngineOptions
+
+    ids = torch.arange(1, 18)[None]
+    packed = torch.stack([ids, ids, torch.cat([torch.arange(7), torch.arange(10)])[None]], 1)
+    eng = Engine(tiny_model("gpt2"), OPTIM, EngineOptions(
+        offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
+    ), device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"--data\.packing documents: gpt2 .* --data\.packing "
+                                          r"off"):
+        eng.eval_loss(packed)
+    eng.close()

@@ -205,6 +205,46 @@ def test_dense_two_ranks_equal_one_process_with_twice_the_batch(reference, tmp_p
         assert r0["sent"] == [_dense_sent() + LOSS_MEAN_SENT] * STEPS
 
 
+# -- masked (fine-tuning) batches ----
+
+def _masked(step_batches, every_second_half: int = 2):
+    """Each (B, T+1) batch with labels masking all but every other target (the second half of
+    the rows: every `every_second_half`-th). With equal counts per half, two ranks' step means
+    make the one-process mean; evaluation weighs each rank's mean by its trained count."""
+    out = []
+    for b in step_batches:
+        trained = torch.zeros_like(b, dtype=torch.bool)
+        half = b.shape[0] // 2
+        trained[:half, 1::2] = True
+        trained[half:, 1::every_second_half] = True
+        out.append(torch.stack([b, b.masked_fill(~trained, -100)], dim=1))  # (B, 2, T+1)
+    return out
+
+
+def _masked_runs(world: World) -> dict:
+    dp = _dp(world, DenseSync())
+    steps = [_masked(s) for s in _global_batches(2)]
+    evals = [dp.eval_loss(b) for b in _masked(_global_batches(1)[0], 5)]
+    losses = [dp.step(_mine(world, s), LR)["loss"] for s in steps]
+    result = {"losses": losses, "evals": evals, "weights": _numpy(dp.weights())}
+    dp.close()
+    return result
+
+
+def test_masked_batches_two_ranks_equal_one_process():
+    from tierlm.train.reference import ReferenceStep
+
+    steps = [_masked(s) for s in _global_batches(2)]
+    ref = ReferenceStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"))
+    evals = [ref.eval_loss(b) for b in _masked(_global_batches(1)[0], 5)]
+    losses = [ref.step(s, LR)["loss"] for s in steps]
+    ranks = run_ranks(_masked_runs)
+    for r in ranks:
+        assert r["evals"] == pytest.approx(evals, rel=1e-6)
+        assert_close_run(r["losses"], losses, _as_torch(r["weights"]), ref.weights(),
+                         rel=1e-6, atol=1e-6)
+
+
 # -- top-k ----
 
 def _topk_runs(world: World) -> dict:

@@ -319,3 +319,54 @@ def test_every_precision_completes_the_default_end_of_run(precision, runtime, tm
     sample = next(line for line in text.splitlines() if line.startswith("sample: "))
     assert len(sample) > len("sample: ")  # the default sample ran and produced text
     assert (out / "hf" / "config.json").is_file()
+
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _chat_data(tmp_path) -> tuple[Path, Path]:
+    path = tmp_path / "chat.jsonl"
+    with path.open("w") as f:
+        for i in range(60):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"What is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+            ]}) + "\n")
+    template = tmp_path / "chat.jinja"
+    template.write_text(_CHAT_TEMPLATE)
+    return path, template
+
+
+@pytest.mark.parametrize("packing", ["stream", "off", "documents"])
+def test_chat_data_trains_on_assistant_tokens_on_both_runtimes(tmp_path, packing):
+    path, template = _chat_data(tmp_path)
+    logs, recs = [], {}
+    for policy in ("none", "host"):
+        cfg = tiny_cfg(tmp_path / policy, max_steps=3, eval_every=0)
+        cfg.data.train, cfg.data.chat_template, cfg.data.packing = str(path), str(template), packing
+        cfg.memory.offload_policy = policy
+        trainer = Trainer(cfg, log=logs.append)
+        assert isinstance(trainer.stepper, Engine) == (policy == "host")
+        checkpoint = trainer.train().final_checkpoint
+        recs[policy] = [r for r in read_metrics(tmp_path / policy / "metrics.jsonl")
+                        if "loss_tokens" in r]
+    text = "\n".join(logs)
+    assert "chat, training on assistant tokens; template: " in text and "[[" in text
+    # the template travels with the checkpoint's (and so the export's) tokenizer
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(checkpoint).chat_template == _CHAT_TEMPLATE
+    full = 4 * 32  # batch x seq_len: every target of a plain-text step
+    for ref, eng in zip(recs["none"], recs["host"], strict=True):
+        assert 0 < ref["loss_tokens"] < full and ref["loss_tokens"] == eng["loss_tokens"]
+        assert ref["tokens_per_s"] == pytest.approx(ref["loss_tokens"] / ref["step_time_s"])
+        assert math.isfinite(ref["loss"]) and ref["loss"] == pytest.approx(eng["loss"], rel=1e-4)
+
+
+def test_plain_text_data_reports_every_target_as_loss_tokens(tmp_path):
+    trainer = Trainer(tiny_cfg(tmp_path, max_steps=1), log=quiet)
+    rec = trainer.train_step()
+    assert rec["loss_tokens"] == trainer.tokens_per_step == 4 * 32

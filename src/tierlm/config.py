@@ -51,13 +51,33 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     train: str | None = None
-    """Training text: a .txt file, a directory of .txt/.jsonl files, or a .jsonl file; empty means
-    the built-in Shakespeare corpus (--data)."""
+    """Training data: a .txt, .jsonl, .json or .parquet file, a directory of them, or a directory
+    written by datasets' save_to_disk; empty means the built-in Shakespeare corpus (--data)."""
     eval: str | None = None
     """Held-out text in the same formats; empty means the corpus's held-out plays, or the last
     `eval_fraction` of the training documents for user data (--eval-data)."""
     text_field: str = "text"
-    """Field of each .jsonl record that holds the text."""
+    """Field of each record (.jsonl, .json, .parquet, Arrow) that holds the text."""
+    format: Literal["auto", "text", "chat", "prompt_completion"] = "auto"
+    """How records read: text (plain LM), chat (a list of {role, content} messages),
+    prompt_completion (prompt + completion, or Alpaca instruction/input/output); auto detects it
+    from the first record's fields."""
+    train_on: Literal["auto", "all", "completion", "assistant"] = "auto"
+    """Tokens the loss covers: assistant turns (chat), the completion (prompt_completion) or all;
+    auto: assistant for chat, completion for prompt_completion, all for text."""
+    messages_field: str = "messages"
+    """Field of a chat record that holds its messages."""
+    prompt_field: str = "prompt"
+    """Field of a prompt_completion record that holds the prompt."""
+    completion_field: str = "completion"
+    """Field of a prompt_completion record that holds the completion."""
+    chat_template: str | None = None
+    """Jinja chat template file for chat data; empty: the model tokenizer's own template."""
+    packing: Literal["stream", "documents", "off"] = "stream"
+    """stream: examples joined by eos and cut into seq_len rows (an example may see the one
+    before it); documents: the same rows, each example attending only to itself (per-example
+    positions, block-diagonal causal mask; the tiered runtime: Llama family); off: one example
+    per row, padded, longer ones truncated to their first seq_len+1 tokens."""
     seq_len: int = 256
     """Tokens per training sequence (--seq-len)."""
     vocab_size: int = 8192
@@ -658,6 +678,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.vocab_size: must be >= 260 (256 bytes + special tokens)")
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError("data.eval_fraction: must be between 0 and 1")
+    allowed = {"text": ("all",), "chat": ("assistant", "all"),
+               "prompt_completion": ("completion", "all")}.get(cfg.data.format)
+    if allowed and cfg.data.train_on not in ("auto", *allowed):
+        raise ConfigError(f"--data.train_on {cfg.data.train_on} does not apply to "
+                          f"--data.format {cfg.data.format}; use {' or '.join(allowed)}")
     for key, value in (
         ("train.eval_every", cfg.train.eval_every),
         ("train.save_every", cfg.train.save_every),

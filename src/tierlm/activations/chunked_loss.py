@@ -5,7 +5,8 @@ and autograd keeps their log-softmax and builds their gradient as well. Here the
 into chunks: each chunk's logits, loss and gradient are computed and released before the next
 chunk starts, so at most one chunk's worth exists at any time. The gradient reaches the hidden
 states and the output projection's weights through autograd, accumulated over chunks, and the
-loss is the same mean over all tokens.
+loss is the same mean over all trained tokens (targets equal to -100 are skipped, as
+F.cross_entropy skips them).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.activations.saved import SavedTensorScope
+from tierlm.data.batch import IGNORE_INDEX
 from tierlm.memory.ledger import Ledger
 
 
@@ -41,12 +43,13 @@ def chunked_cross_entropy(
     gradient divided by `grad_divisor` (the micro-batch count) into whatever `h` and `project`
     depend on.
 
-    `h`: (N, D) hidden states, a tensor requiring grad; `targets`: (N,) token ids.
+    `h`: (N, D) hidden states, a tensor requiring grad; `targets`: (N,) token ids, -100 where
+    the loss does not look (the mean divides by the others).
     `saved`/`ledger`: count each chunk's saved tensors in the ledger while the chunk lives.
     """
-    n_tokens = targets.numel()
+    n_trained = int((targets != IGNORE_INDEX).sum())
     total = 0.0
-    for c0 in range(0, n_tokens, chunk_tokens):
+    for c0 in range(0, targets.numel(), chunk_tokens):
         scope = saved() if saved is not None else None
         with torch.enable_grad():
             with scope.hooks() if scope is not None else contextlib.nullcontext():
@@ -54,7 +57,7 @@ def chunked_cross_entropy(
                     logits = project(h[c0 : c0 + chunk_tokens])  # (chunk, V)
                 loss = F.cross_entropy(
                     logits.float(), targets[c0 : c0 + chunk_tokens], reduction="sum"
-                ) / n_tokens
+                ) / n_trained
                 del logits  # the loss saved its log-softmax; the logits can go now
             held = scope.bytes if scope is not None and ledger is not None else 0
             if held:

@@ -1,24 +1,19 @@
-"""Text corpora: the built-in Shakespeare plays, or the user's .txt / .jsonl files."""
+"""Text corpora: the built-in Shakespeare plays, or the text field of the user's files."""
 
 from __future__ import annotations
 
 import html
 import importlib.metadata
 import importlib.util
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.data.errors import DataError
+from tierlm.data.records import data_files, iter_records
+
 # One play per genre, fixed so eval losses stay comparable across runs and releases.
 HELD_OUT_PLAYS = ("hamlet", "henry-v", "the-tempest", "twelfth-night")
-
-_TEXT_SUFFIXES = (".txt", ".jsonl")
-_UTF8_BOM = b"\xef\xbb\xbf"
-
-
-class DataError(ValueError):
-    """Bad training or eval input; the message names the file and what to change."""
 
 
 @dataclass(frozen=True)
@@ -98,105 +93,44 @@ def _split_text(doc: Document, eval_fraction: float) -> tuple[list[Document], li
 
 
 def _load_path(path: Path, text_field: str, *, flag: str) -> list[Document]:
-    if not path.exists():
-        raise DataError(f"{path}: no such file or directory; check {flag}")
-    if path.is_dir():
-        files = _text_files(path)
-        if not files:
-            raise DataError(
-                f"{path}: directory holds no .txt or .jsonl files; add some or point {flag} "
-                "at a file"
-            )
-    else:
-        files = [path]
     docs: list[Document] = []
-    for file in files:
+    for file in data_files(path, flag=flag):
         docs.extend(_load_file(file, text_field))
     return docs
 
 
-def _text_files(root: Path) -> list[Path]:
-    found = []
-    for path in root.rglob("*"):
-        rel_parts = path.relative_to(root).parts
-        # Hidden entries are tool state (.git, .ipynb_checkpoints), not corpus text.
-        if any(part.startswith(".") for part in rel_parts):
-            continue
-        if path.is_file() and path.suffix.lower() in _TEXT_SUFFIXES:
-            found.append(path)
-    return sorted(found)
-
-
 def _load_file(path: Path, text_field: str) -> list[Document]:
-    suffix = path.suffix.lower()
-    if suffix not in _TEXT_SUFFIXES:
-        raise DataError(
-            f"{path}: unsupported file type '{path.suffix}'; use a .txt file (one document) or "
-            "a .jsonl file (one JSON object per line)"
-        )
-    text = _read_utf8(path)
-    if not text.strip():
-        raise DataError(f"{path}: file is empty or only whitespace; remove it or add text")
-    if suffix == ".txt":
-        return [Document(name=str(path), text=text)]
-    docs = _parse_jsonl(path, text, text_field)
+    docs = []
+    for where, record in iter_records(path):
+        value = record if isinstance(record, str) else text_of(where, record, text_field)
+        # An empty record would add only an end-of-text token; skipping it loses nothing.
+        if value.strip():
+            docs.append(Document(name=where, text=value))
     if not docs:
         raise DataError(f"{path}: every record has empty '{text_field}'; remove it or add text")
     return docs
 
 
-def _read_utf8(path: Path) -> str:
-    data = path.read_bytes()
-    # Editors on Windows often prepend a BOM; it is not part of the text.
-    start = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
-    try:
-        text = data[start:].decode("utf-8")
-    except UnicodeDecodeError as err:
-        offset = start + err.start
-        line = data.count(b"\n", 0, offset) + 1
+def text_of(where: str, record: object, text_field: str) -> str:
+    """The text field of one record, or an error naming the record and the flag to change."""
+    if not isinstance(record, dict):
         raise DataError(
-            f"{path}: not valid UTF-8 at byte {offset} (line {line}); convert the file to UTF-8, "
-            f"e.g. `iconv -f latin1 -t utf-8 {path} > converted{path.suffix}`"
-        ) from err
-    # Same newline handling as Python's text mode, so Windows files train like Unix ones.
-    return text.replace("\r\n", "\n")
-
-
-def _parse_jsonl(path: Path, text: str, text_field: str) -> list[Document]:
-    docs = []
-    # Not splitlines(): it also splits on U+2028 and friends, which may sit inside JSON strings.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(
-                f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line of a "
-                "'.jsonl' file must be one JSON object"
-            ) from err
-        if not isinstance(record, dict):
-            raise DataError(
-                f"{where}: expected a JSON object, got {type(record).__name__}; each line must "
-                f'look like {{"{text_field}": "..."}}'
-            )
-        if text_field not in record:
-            fields = ", ".join(sorted(map(str, record))) or "none"
-            raise DataError(
-                f"{where}: record has no field '{text_field}' (fields: {fields}); set "
-                "data.text_field to the field that holds the text"
-            )
-        value = record[text_field]
-        if not isinstance(value, str):
-            raise DataError(
-                f"{where}: field '{text_field}' is {type(value).__name__}, not a string; set "
-                "data.text_field to a field that holds text"
-            )
-        # An empty record would add only an end-of-text token; skipping it loses nothing.
-        if value.strip():
-            docs.append(Document(name=where, text=value))
-    return docs
+            f"{where}: expected a JSON object, got {type(record).__name__}; each record must "
+            f'look like {{"{text_field}": "..."}}'
+        )
+    if text_field not in record:
+        fields = ", ".join(sorted(map(str, record))) or "none"
+        raise DataError(
+            f"{where}: record has no field '{text_field}' (fields: {fields}); set "
+            "data.text_field to the field that holds the text, or --data.format to the schema"
+        )
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field '{text_field}' is {type(value).__name__}, not a string; set "
+            "data.text_field to a field that holds text"
+        )
+    return value
 
 
 # ---- built-in Shakespeare ---------------------------------------------------------------------

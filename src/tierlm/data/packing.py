@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tierlm.data.corpus import DataError
+from tierlm.data.batch import IGNORE_INDEX
+from tierlm.data.errors import DataError
 
 # Keeps one seed's epoch seeds clear of the next seed's (for runs under a million epochs).
 _EPOCH_SEED_STRIDE = 1_000_003
@@ -113,3 +114,80 @@ def eval_batches(data: PackedSequences, batch_size: int, max_batches: int) -> li
         return [data.get(torch.arange(len(data)))] if max_batches > 0 else []
     n_batches = min(max_batches, len(data) // batch_size)
     return [data.get(torch.arange(i * batch_size, (i + 1) * batch_size)) for i in range(n_batches)]
+
+
+class MaskedSequences:
+    """PackedSequences with a loss mask: rows of (ids, labels), (2, seq_len+1) each.
+
+    Cut from the flat stream as PackedSequences cuts it; a row whose targets are all masked
+    (a long prompt) is dropped, so every batch has a token to average the loss over.
+
+    With `starts` (True at each example's first token: --data.packing documents) rows gain a
+    third line, each token's position within its example (a row that begins inside an example
+    counts from 0 there), which the steppers turn into a block-diagonal causal mask; an
+    example's first token is then not a target (nothing of its own precedes it).
+    """
+
+    def __init__(self, tokens: torch.Tensor, trained: torch.Tensor, seq_len: int,
+                 source: str, starts: torch.Tensor | None = None) -> None:
+        self._packed = PackedSequences(tokens, seq_len, source)
+        self.seq_len, self.source = seq_len, source
+        self._starts = None
+        if starts is not None:
+            trained = trained & ~starts
+            self._starts = starts.unfold(0, seq_len + 1, seq_len)[: len(self._packed)]
+        self._trained = trained.unfold(0, seq_len + 1, seq_len)[: len(self._packed)]
+        self._keep = self._trained[:, 1:].any(dim=1).nonzero().squeeze(1)  # (rows kept,)
+        self.dropped_rows = len(self._packed) - self._keep.numel()
+        if self._keep.numel() == 0:
+            raise DataError(f"{source}: no sequence of {seq_len} tokens has a trained token; "
+                            "check --data.train_on, or use a larger --seq-len")
+
+    def __len__(self) -> int:
+        return self._keep.numel()
+
+    def get(self, idx: torch.Tensor) -> torch.Tensor:
+        """Rows `idx` as a new (B, 2, seq_len+1) int64 tensor: ids and labels."""
+        rows = self._keep[idx]
+        ids = self._packed.get(rows)
+        lines = [ids, ids.masked_fill(~self._trained[rows], IGNORE_INDEX)]
+        if self._starts is not None:
+            at = torch.arange(self.seq_len + 1).expand_as(ids)
+            # position = index - index of the latest example start at or before it (row start: 0)
+            begun = torch.where(self._starts[rows], at, 0).cummax(dim=1).values
+            lines.append(at - begun)
+        return torch.stack(lines, dim=1)
+
+
+class PaddedExamples:
+    """One example per row (--data.packing off): padded to seq_len+1 with `pad_id` (label
+    IGNORE_INDEX); a longer example keeps its first seq_len+1 tokens (counted in `truncated`).
+    Padding sits after the example, so causal attention keeps it out of every trained
+    position. Examples left with no trained target are dropped (counted in `dropped_rows`)."""
+
+    def __init__(self, tokens: torch.Tensor, trained: torch.Tensor, offsets: torch.Tensor,
+                 seq_len: int, pad_id: int, source: str) -> None:
+        width = seq_len + 1
+        lengths = offsets[1:] - offsets[:-1]
+        self.truncated = int((lengths > width).sum())
+        n = lengths.numel()
+        ids = torch.full((n, width), pad_id, dtype=torch.int64)
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.int64)
+        for i in range(n):
+            a = int(offsets[i])
+            k = min(int(lengths[i]), width)
+            ids[i, :k] = tokens[a : a + k]
+            labels[i, :k] = tokens[a : a + k].masked_fill(~trained[a : a + k], IGNORE_INDEX)
+        keep = (labels[:, 1:] != IGNORE_INDEX).any(dim=1)
+        self.dropped_rows = int((~keep).sum())
+        self._rows = torch.stack([ids[keep], labels[keep]], dim=1)  # (rows, 2, seq_len+1)
+        self.seq_len, self.source = seq_len, source
+        if len(self) == 0:
+            raise DataError(f"{source}: no example has a trained token within its first "
+                            f"{width} tokens; check --data.train_on, or use a larger --seq-len")
+
+    def __len__(self) -> int:
+        return self._rows.shape[0]
+
+    def get(self, idx: torch.Tensor) -> torch.Tensor:
+        return self._rows[idx]

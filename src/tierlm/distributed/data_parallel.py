@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from tierlm.config import ConfigError
+from tierlm.data.batch import trained_targets
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
@@ -86,7 +87,7 @@ class DataParallelStep(Stepper):
             (loss,) = self.comm.mean_of([self.engine.eval_loss(batch)])
             return loss
         mine = batch.tensor_split(w)[self.world.rank]
-        tokens = mine[:, 1:].numel()
+        tokens = trained_targets(mine)
         nll, total = self.comm.mean_of([self.engine.eval_loss(mine) * tokens, tokens])
         return nll / total
 

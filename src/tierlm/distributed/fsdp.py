@@ -47,6 +47,7 @@ from torch.distributed.fsdp import (
 )
 
 from tierlm.config import ConfigError, OptimConfig
+from tierlm.data.batch import trained_targets
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
 from tierlm.runtime.stepper import Stepper
@@ -158,7 +159,7 @@ class FSDPStep(Stepper):
             (loss,) = self.comm.mean_of([self.ref.eval_loss(batch)])
             return loss
         mine = batch.tensor_split(w)[self.world.rank]
-        tokens = mine[:, 1:].numel()
+        tokens = trained_targets(mine)
         nll, total = self.comm.mean_of([self.ref.eval_loss(mine) * tokens, tokens])
         return nll / total
 

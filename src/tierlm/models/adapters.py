@@ -22,6 +22,8 @@ from torch import nn
 from torch.func import functional_call
 from transformers import PreTrainedModel
 
+from tierlm.config import ConfigError
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 
@@ -185,16 +187,27 @@ class ModelAdapter:
 
     # -- per micro-batch context ----
 
-    def context(self, ids: torch.Tensor, hidden: torch.Tensor) -> StepContext:
+    def context(
+        self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> StepContext:
         """Positions, masks and rotary tables for input ids (B, T) and embeddings (B, T, D),
-        built by the same library functions the model's own forward calls."""
+        built by the same library functions the model's own forward calls. `positions` (B, T):
+        each token's position in its packed example; the mask builders turn their resets into
+        a block-diagonal causal mask (--data.packing documents)."""
         from transformers.masking_utils import (
             create_causal_mask,
             create_sliding_window_causal_mask,
         )
 
         cfg = self.model.config
-        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        if positions is not None and self.model_type not in LLAMA_FAMILY:
+            raise ConfigError(
+                f"--data.packing documents: {self.model_type} takes learned positions in its "
+                "embedding segment, which the tiered runtime does not pass per example yet; use "
+                "--data.packing off"
+            )
+        position_ids = (torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+                        if positions is None else positions)
         kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=None,
                       position_ids=position_ids)
         kwargs[_mask_cache_arg(create_causal_mask)] = None  # no KV cache in training

@@ -40,6 +40,7 @@ from tierlm.activations import (
     storages_of,
 )
 from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
@@ -150,6 +151,7 @@ class Action:
 class _MicroBatch:
     ids: torch.Tensor  # (B, T)
     targets: torch.Tensor  # (B, T)
+    positions: torch.Tensor | None = None  # (B, T) for packed examples; None: 0..T-1
     ctx: StepContext | None = None
     h: dict[int, torch.Tensor] = field(default_factory=dict)  # input of segment s
     # s -> its input's flat host copy, the copy's event and the input's shape, while it waits
@@ -518,7 +520,8 @@ class Engine(Stepper):
             self.clock.take()  # drop what evaluation or a checkpoint measured
             m = len(batches)
             mbs = [
-                _MicroBatch(ids=b[:, :-1].to(self.device), targets=b[:, 1:].to(self.device))
+                _MicroBatch(*(t.to(self.device) for t in inputs_and_targets(b)),
+                            positions=_to(position_ids(b), self.device))
                 for b in batches
             ]
             actions = self.schedule(m)
@@ -585,7 +588,7 @@ class Engine(Stepper):
                 )
                 if a.seg == 0:
                     with torch.no_grad(), self.opts.autocast():
-                        mb.ctx = self.adapter.context(mb.ids, out)
+                        mb.ctx = self.adapter.context(mb.ids, out, mb.positions)
             self._hold_input(mb, a.seg + 1, out)
         for i in a.mbs:
             self._leave_device(mbs[i], a.seg)
@@ -845,10 +848,12 @@ class Engine(Stepper):
 
     # -- evaluation and state ----
 
-    def _streamed_head(self, ids: torch.Tensor, read) -> object:
+    def _streamed_head(
+        self, ids: torch.Tensor, read, positions: torch.Tensor | None = None
+    ) -> object:
         """One forward of `ids` outside training, streaming the segments as the step does:
         `read(views, hn)` is called under autocast with the head's parameter views and its
-        normed input (B, T, D); its result is returned."""
+        normed input (B, T, D); its result is returned. `positions`: see tierlm.data.batch."""
         self.synchronize()
         n = len(self.states)
         actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
@@ -861,7 +866,7 @@ class Engine(Stepper):
                 if a.kind == "fwd":
                     h = st.seg.forward(st.views(w), h, ctx)
                     if a.seg == 0:
-                        ctx = self.adapter.context(ids, h)
+                        ctx = self.adapter.context(ids, h, positions)
                 else:
                     views = self._views(k, a.seg, w)
                     out = read(views, st.seg.forward(views, h, ctx))
@@ -871,7 +876,7 @@ class Engine(Stepper):
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean token loss of one (B, T+1) batch, streaming weights as the step does."""
-        ids, targets = batch[:, :-1].to(self.device), batch[:, 1:].to(self.device)
+        ids, targets = (t.to(self.device) for t in inputs_and_targets(batch))
         head = self.states[-1].seg
         t = targets.flatten()
         step = self._chunk_tokens(self.adapter.model.config.vocab_size)
@@ -884,7 +889,8 @@ class Engine(Stepper):
                 for c in range(0, t.numel(), step)
             )
 
-        return self._streamed_head(ids, loss_sum) / targets.numel()
+        positions = _to(position_ids(batch), self.device)
+        return self._streamed_head(ids, loss_sum, positions) / trained_targets(batch)
 
     @torch.no_grad()
     def next_token_logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -968,3 +974,7 @@ class Engine(Stepper):
         self.synchronize()
         self._worker.shutdown(wait=True)
         self.store.close()
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.config import OptimConfig
+from tierlm.data.batch import inputs_and_targets, position_ids
 from tierlm.optim import build_optimizer
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.stepper import Stepper
@@ -42,9 +43,13 @@ class ReferenceStep(Stepper):
         self.clock = compute_clock(device)  # the whole step is compute: nothing is streamed
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T)
+        inputs, targets = inputs_and_targets(batch)  # (B, T); targets -100 where masked
+        positions = position_ids(batch)
+        # Packed examples: transformers builds the block-diagonal mask from the positions only
+        # without a KV cache.
+        packed = {} if positions is None else {"position_ids": positions, "use_cache": False}
         with self.autocast():
-            logits = self.model(input_ids=inputs).logits  # (B, T, V)
+            logits = self.model(input_ids=inputs, **packed).logits  # (B, T, V)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:

@@ -37,6 +37,9 @@ from tierlm.data import (
     load_model_tokenizer,
     load_or_train_tokenizer,
 )
+from tierlm.data.batch import inputs_and_targets, trained_targets
+from tierlm.data.examples import example_texts, resolve_schema
+from tierlm.data.finetune import load_finetune_data
 from tierlm.distributed.setup import (
     NullMetrics,
     NullMonitor,
@@ -247,13 +250,18 @@ class Trainer:
                 + yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
             )
 
-        corpus = load_corpus(
+        schema = resolve_schema(cfg.data)
+        # Plain text packs into one stream as it always has; examples (chat, prompt/completion,
+        # or any records packed by documents or not at all) carry a loss mask beside their tokens.
+        examples = schema.format != "text" or cfg.data.packing != "stream"
+        corpus = None if examples else load_corpus(
             cfg.data.train,
             cfg.data.eval,
             text_field=cfg.data.text_field,
             eval_fraction=cfg.data.eval_fraction,
         )
-        log(f"data: {corpus.source}")
+        if corpus is not None:
+            log(f"data: {corpus.source}")
         trust = cfg.model.trust_remote_code
         if trust:
             log("WARNING: --trust-remote-code: code shipped with the model will run")
@@ -262,11 +270,20 @@ class Trainer:
         elif resume_ckpt is not None:
             self.tokenizer = load_model_tokenizer(resume_ckpt)
         else:
+            texts = ([d.text for d in corpus.train] if corpus is not None else
+                     list(example_texts(cfg.data.train, schema, "--data (data.train)")))
             self.tokenizer = self.world.main_first(lambda: load_or_train_tokenizer(
-                [d.text for d in corpus.train], cfg.data.vocab_size, cache_dir() / "tokenizers"
+                texts, cfg.data.vocab_size, cache_dir() / "tokenizers"
             ))
-        train_ids = encode_documents(self.tokenizer, corpus.train)
-        eval_ids = encode_documents(self.tokenizer, corpus.eval)
+        if corpus is None:
+            finetune = load_finetune_data(cfg.data, schema, self.tokenizer)
+            for line in finetune.summary:
+                log(line)
+            if finetune.chat_template is not None:  # checkpoints and the export carry it
+                self.tokenizer.chat_template = finetune.chat_template
+        else:
+            train_ids = encode_documents(self.tokenizer, corpus.train)
+            eval_ids = encode_documents(self.tokenizer, corpus.eval)
 
         # Built on the CPU: the reference step moves it to the device, the tiered runtime
         # moves its segments where the placement says. FSDP ranks other than 0 build it on the
@@ -302,15 +319,21 @@ class Trainer:
         self.source_dtype = source_dtype(cfg.model.path) if cfg.model.path else "float32"
         vocab = self.model.config.vocab_size
         eos = self.tokenizer.eos_token_id
-        check_token_stream(train_ids, vocab, corpus.train, eos, "training data")
-        check_token_stream(eval_ids, vocab, corpus.eval, eos, "held-out data")
+        if corpus is None:
+            finetune.check_vocab(vocab)
+        else:
+            check_token_stream(train_ids, vocab, corpus.train, eos, "training data")
+            check_token_stream(eval_ids, vocab, corpus.eval, eos, "held-out data")
         self.model.train()
         self.n_params = count_params(self.model)
         # names and shapes: a checkpoint of another model size has the same names
         self.param_names = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
 
-        train_seqs = PackedSequences(train_ids, cfg.data.seq_len, "training data")
-        eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
+        if corpus is None:
+            train_seqs, eval_seqs = finetune.train, finetune.eval
+        else:
+            train_seqs = PackedSequences(train_ids, cfg.data.seq_len, "training data")
+            eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
         # every rank draws the global batch of all ranks' rows and keeps its own slice
         self.sampler = shard_batches(
             BatchSampler(train_seqs, cfg.train.batch_size * self.world.size, cfg.run.seed),
@@ -394,12 +417,16 @@ class Trainer:
         out = self.stepper.step(batches, lr)
         self.step += 1
         step_time_s = time.perf_counter() - t0
+        # targets the loss trained on, all ranks (rank 0's count times the ranks: masked rows
+        # differ a little between ranks); plain text: every target, tokens_per_step
+        loss_tokens = sum(trained_targets(b) for b in batches) * self.world.size
         rec = {
             "step": self.step,
             "loss": out["loss"],
             "lr": lr,
             "grad_norm": out["grad_norm"],
-            "tokens_per_s": self.tokens_per_step / step_time_s,
+            "tokens_per_s": loss_tokens / step_time_s,
+            "loss_tokens": loss_tokens,
             "step_time_s": step_time_s,
             "skipped": out["skipped"],
         }
@@ -416,7 +443,7 @@ class Trainer:
         total_nll, total_tokens = 0.0, 0
         with self.fp8.paused():  # held-out data must not move fp8 scales
             for batch in self.eval_set:
-                n = batch[:, 1:].numel()
+                n = trained_targets(batch)
                 total_nll += self.stepper.eval_loss(batch) * n
                 total_tokens += n
         eval_loss = total_nll / total_tokens
@@ -429,7 +456,7 @@ class Trainer:
         """Top-k sampling through the stepper's own forward (the tiered runtime streams its
         segments, FSDP gathers collectively on every rank), under the run's precision; our own
         RNG keeps the training RNG intact, and every rank draws the same tokens."""
-        ids = self.eval_set[0][:1, :16].cpu()
+        ids = inputs_and_targets(self.eval_set[0])[0][:1, :16].cpu()
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.run.seed)
         for _ in range(max_new_tokens):
             with self.fp8.paused():  # held-out text must not move fp8 scales

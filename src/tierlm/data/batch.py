@@ -1,0 +1,38 @@
+"""What a batch holds, read the same way by every stepper.
+
+A batch is (B, T+1) token ids: inputs are [:, :-1], targets [:, 1:], every target trained. Data
+with a loss mask (fine-tuning examples) gives (B, 2, T+1): the ids, and beside them their labels,
+the same ids with IGNORE_INDEX where the loss does not look; the targets are the labels [:, 1:].
+IGNORE_INDEX is F.cross_entropy's default, so the losses skip those positions as they are, and a
+mean runs over trained targets only. Packing by documents adds a third row, (B, 3, T+1): each
+token's position within its example; a position that does not follow its predecessor by one
+starts a new example, and transformers' mask builders turn those resets into a block-diagonal
+causal mask, so no example attends to another.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def inputs_and_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) inputs and (B, T) targets of a batch (see the module docstring)."""
+    if batch.dim() == 2:
+        return batch[:, :-1], batch[:, 1:]
+    return batch[:, 0, :-1], batch[:, 1, 1:]
+
+
+def position_ids(batch: torch.Tensor) -> torch.Tensor | None:
+    """(B, T) positions of the inputs, or None: 0, 1, ... for every row."""
+    if batch.dim() == 2 or batch.shape[1] < 3:
+        return None
+    return batch[:, 2, :-1]
+
+
+def trained_targets(batch: torch.Tensor) -> int:
+    """Targets the loss covers: the token count a mean loss of the batch divides by."""
+    if batch.dim() == 2:
+        return batch[:, 1:].numel()
+    return int((batch[:, 1, 1:] != IGNORE_INDEX).sum())
