@@ -273,9 +273,9 @@ def test_disk_slow_alert_fires_when_disk_reads_slow_down(corpus, tmp_path, monke
 
     def throttled(b, lr):
         if t.step == 5:  # from step 6 on every read takes 20 ms longer: a disk gone slow
-            def slow_read(name, dst):
+            def slow_read(name, dst, offset_bytes=0):
                 time.sleep(0.02)
-                return read(name, dst)
+                return read(name, dst, offset_bytes)
 
             monkeypatch.setattr(disk, "read", slow_read)
         return step(b, lr)
