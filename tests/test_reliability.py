@@ -26,6 +26,7 @@ from tierlm.config import ConfigError, from_dict
 from tierlm.memory import disk as disk_module
 from tierlm.memory.placement import PlacementReport
 from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime.state import as_tensor
 from tierlm.train import Trainer
 from tierlm.train import preflight as preflight_module
 from tierlm.train.checkpoint import (
@@ -181,8 +182,9 @@ def _save(run_dir, stepper, model, step, keep=0):
 
 
 def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
-    """Saving the disk tier's state stages one segment at a time (the ledger's host peak during
-    the save is three copies of the largest segment: master and both moments), and the sharded
+    """Saving the disk tier's state stages one parameter at a time (the ledger's host peak during
+    the save is the largest parameter, plus at most 4 KiB of O_DIRECT alignment: not even one
+    segment's master), and the sharded
     checkpoint restores the exact state in either runtime: weights and optimizer state as saved,
     and the same weights and optimizer state after the next step."""
     model, eng = _engine(tmp_path)
@@ -193,9 +195,9 @@ def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
     before = eng.ledger.snapshot()["host_bytes"]
     path = _save(tmp_path / "run", eng, model, step=2)
     host_peak = eng.ledger.snapshot()["host_step_peak_bytes"] - before
-    largest = max(st.numel for st in eng.states) * 4
-    total = sum(st.numel for st in eng.states) * 4
-    assert host_peak == 3 * largest < 3 * total / 2  # far from the whole model's state
+    largest = max(s.numel for st in eng.states for s in st.layout.slots) * 4
+    segment = max(st.numel for st in eng.states) * 4
+    assert largest <= host_peak <= largest + 4096 < segment
     names = {f.name for f in path.iterdir()}
     assert {f"model-block.{i}.safetensors" for i in range(6)} <= names
     assert {"model-embed.safetensors", "optimizer-head.safetensors"} <= names
@@ -577,7 +579,7 @@ def test_skipped_step_leaves_disk_tier_state_bitwise_unchanged(tmp_path):
     def snapshot():
         out = {}
         for name, w, o in eng.state_shards():
-            out.update({f"{name}/{k}": v.clone() for k, v in {**w, **o}.items()})
+            out.update({f"{name}/{k}": as_tensor(v).clone() for k, v in {**w, **o}.items()})
         return out
 
     before = snapshot()

@@ -27,6 +27,7 @@ from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.engine import Engine
+from tierlm.runtime.state import as_tensor
 from tierlm.runtime.stepper import Stepper
 
 _PREFIX = "dp"
@@ -116,8 +117,8 @@ class DataParallelStep(Stepper):
             if self.world.is_main:
                 yield name, weights, optim
             if per_rank:  # every rank's weights and moments, one segment of one rank at a time
-                mine = {f"weight.{k}": v for k, v in weights.items()}
-                mine.update(optim)
+                mine = {f"weight.{k}": as_tensor(v) for k, v in weights.items()}
+                mine.update({k: as_tensor(v) for k, v in optim.items()})
                 for r in range(1, self.world.size):
                     got = self._gather_from(r, mine)
                     if self.world.is_main:

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -60,6 +60,7 @@ from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.state import (
     STATE_COPIES,
+    DiskTensor,
     InitialWeights,
     LookupOnce,
     SegmentState,
@@ -932,6 +933,9 @@ class Engine(Stepper):
         the reference trainer)."""
         self.synchronize()
         for st in self.states:
+            if st.tier == Tier.DISK:
+                self._load_disk(st, weights, optim)
+                continue
             bufs = read_copies(self.store, st, STATE_COPIES)
             st.layout.pack(weights, bufs["master"])
             self.compute_copies.refresh(self.store, st, bufs["master"])
@@ -948,6 +952,34 @@ class Engine(Stepper):
                 st.device_stale = True
         self.cache.drop_all()
 
+    def _load_disk(
+        self, st: SegmentState, weights: Mapping[str, torch.Tensor],
+        optim: Mapping[str, torch.Tensor],
+    ) -> None:
+        """`load` for a disk-tier segment: its files are rewritten chunk by chunk from the
+        (lazy) mappings, each tensor looked up once; a segment with a compute copy is one chunk
+        (its fp8 scales need whole tensors). Without optimizer state the moments are kept."""
+        sources = {"master": LookupOnce(weights)}
+        if optim:
+            for c in ("exp_avg", "exp_avg_sq"):
+                sources[c] = LookupOnce(_Suffixed(optim, f".{c}"))
+        kept = () if optim else ("exp_avg", "exp_avg_sq")
+
+        def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            for c, source in sources.items():
+                st.layout.pack(source, bufs[c], lo)
+            if st.compute_format is not None:
+                self.compute_copies.refresh(self.store, st, bufs["master"])
+
+        chunk = self.chunk_numel if st.compute_format is None else st.numel
+        stream_chunks(self.store, st, chunk, read=kept, write=STATE_COPIES, step=step)
+        if optim:
+            for (_, _, decay), counter in zip(st.layout.groups(), st.steps, strict=True):
+                first = next(s.name for s in st.layout.slots if s.decay == decay)
+                counter.copy_(optim[f"{first}.step"])
+        if st.device_weights is not None:
+            st.device_stale = True
+
     def state_shards(
         self,
     ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
@@ -956,19 +988,34 @@ class Engine(Stepper):
         are views of the state or of staging buffers, valid until the next shard is asked for."""
         self.synchronize()
         for st in self.states:
+            if st.tier == Tier.DISK:  # read parameter by parameter as the writer asks
+                files = {c: st.file(c) for c in STATE_COPIES}
+                weights = {s.name: DiskTensor(self.store, files["master"], s)
+                           for s in st.layout.slots}
+                optim = {f"{s.name}.{c}": DiskTensor(self.store, files[c], s)
+                         for c in ("exp_avg", "exp_avg_sq") for s in st.layout.slots}
+                yield st.seg.name, weights, {**optim, **self._step_counters(st)}
+                continue
             bufs = read_copies(self.store, st, STATE_COPIES)
             try:
                 optim = {}
                 for copy in ("exp_avg", "exp_avg_sq"):
                     for name, view in st.layout.views(bufs[copy]).items():
                         optim[f"{name}.{copy}"] = view
-                for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
-                    for slot in st.layout.slots:
-                        if slot.decay == decay:
-                            optim[f"{slot.name}.step"] = step
+                optim.update(self._step_counters(st))
                 yield st.seg.name, st.layout.views(bufs["master"]), optim
             finally:
                 free_copies(self.store, st, bufs)
+
+    @staticmethod
+    def _step_counters(st: SegmentState) -> dict[str, torch.Tensor]:
+        """Each parameter's AdamW step counter (one per optimizer group)."""
+        out = {}
+        for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
+            for slot in st.layout.slots:
+                if slot.decay == decay:
+                    out[f"{slot.name}.step"] = step
+        return out
 
     def close(self) -> None:
         self.synchronize()
@@ -978,3 +1025,21 @@ class Engine(Stepper):
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
+
+
+class _Suffixed(Mapping[str, torch.Tensor]):
+    """`source[name + suffix]` as `view[name]`, looked up only when asked (a checkpoint's
+    optimizer state is a lazy mapping keyed `<parameter>.<moment>`)."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], suffix: str) -> None:
+        self.source, self.suffix = source, suffix
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.source[name + self.suffix]
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self.suffix)
+        return (k[:-n] for k in self.source if k.endswith(self.suffix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -32,8 +32,12 @@ if TYPE_CHECKING:
     from tierlm.memory.ledger import Ledger
     from tierlm.runtime.cache import StreamCache
     from tierlm.runtime.engine import Engine
+    from tierlm.runtime.state import DiskTensor
 
-Shard = tuple[str, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]]
+# (name, weights, optimizer state): tensors, or for disk-tier state `DiskTensor`s that read their
+# slice when opened (tierlm.runtime.state.opened / as_tensor), so a segment is never staged whole
+Shard = tuple[str, Mapping[str, "torch.Tensor | DiskTensor"],
+              Mapping[str, "torch.Tensor | DiskTensor"]]
 
 
 class Stepper(ABC):

@@ -70,6 +70,7 @@ from tierlm.models.export import (
     source_dtype,
     write_hf_model,
 )
+from tierlm.runtime.state import opened
 from tierlm.runtime.stepper import Shard
 
 FORMAT_VERSION = 2
@@ -158,7 +159,8 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> tuple[
     """Write `tensors` as a safetensors file, fsync it, and return (sha256, size in bytes).
 
     The bytes go straight from the tensors' memory to the file, hashed on the way, so a segment
-    of state costs no extra RAM and the checksum needs no second read.
+    of state costs no extra RAM and the checksum needs no second read. A `DiskTensor` (the
+    tiered runtime's disk-tier state) is read when its bytes are written, one at a time.
     """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -179,9 +181,10 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> tuple[
             f.write(chunk)
             digest.update(chunk)
         for t in tensors.values():
-            data = _raw_bytes(t)
-            f.write(data)
-            digest.update(data)
+            with opened(t) as values:  # a disk-tier tensor is read just for its write
+                data = _raw_bytes(values)
+                f.write(data)
+                digest.update(data)
         f.flush()
         os.fsync(f.fileno())
     return digest.hexdigest(), 8 + len(blob) + offset

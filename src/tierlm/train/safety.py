@@ -32,6 +32,7 @@ import torch
 
 from tierlm.data import DataError, Document
 from tierlm.memory.disk import DiskFullError, DiskIOError
+from tierlm.runtime.state import opened
 from tierlm.train.checkpoint import CheckpointWriteError
 
 
@@ -143,8 +144,9 @@ def all_finite(shards: Iterable[tuple[str, Any, Any]]) -> bool:
     """Whether every weight is finite, streamed shard by shard (`stepper.state_shards()`)."""
     for _, weights, _ in shards:
         for t in weights.values():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                return False
+            with opened(t) as values:  # a disk-tier tensor is read one at a time
+                if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                    return False
     return True
 
 
