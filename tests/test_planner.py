@@ -159,6 +159,15 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
     for step in moved[1:]:
         assert {k: v for k, v in step.items() if v} == {
             k: v for k, v in predicted.moved_bytes.items() if v}
+    if order == "layer-outer":  # and the least a step can move: each gradient crosses once
+        off_device = sum(n for n, pl in zip(shape.numels, placements, strict=True)
+                         if pl.state_tier != Tier.DEVICE)
+        on_disk = sum(n for n, pl in zip(shape.numels, placements, strict=True)
+                      if pl.state_tier == Tier.DISK)
+        for step in moved[1:]:
+            assert step["d2h"] == 4 * off_device
+            # the gradient file written once, master and moments once by the update
+            assert step.get("disk_write", 0) == 16 * on_disk
     assert measured[Tier.DEVICE] == predicted.device_peak_bytes
     assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
     disk_numels = [n for n, pl in zip(shape.numels, placements, strict=True)
