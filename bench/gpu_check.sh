@@ -10,29 +10,9 @@
 # that folder exists. Logs go to $OUT when set (the device tool's output folder), else
 # /tmp/gpu_check. Exit status: 0 when every check passed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-python3}
 LOGS=${OUT:-/tmp/gpu_check}
 RUNS=/tmp/gpu_check_runs
-mkdir -p "$LOGS"
-rm -rf "$RUNS"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-
-check() {  # check NAME SECONDS COMMAND...: run under a time limit, logged to $LOGS/NAME.log
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name"
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc after $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || status=1
-}
+. "$(dirname "$0")/gpu_common.sh"
 
 same_losses() {  # same_losses RUN_A RUN_B FIRST_STEP: B's step losses from FIRST_STEP match A's
   "$PY" - "$@" <<'PY'

@@ -14,33 +14,10 @@
 # Like bench/gpu_check.sh: the machine's python3 with tierlm from src/, wheels from .whl/ when
 # present, logs in $OUT (else /tmp/gpu_scale), exit status 0 when every check passed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-python3}
 LOGS=${OUT:-/tmp/gpu_scale}
 RUNS=/tmp/gpu_scale_runs
 SMOKE=${SMOKE:-0}
-mkdir -p "$LOGS"
-rm -f "$LOGS"/*.json
-rm -rf "$RUNS"
-mkdir -p "$RUNS"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-
-check() {  # check NAME SECONDS COMMAND...: run under a time limit, logged to $LOGS/NAME.log
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name"
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc after $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || status=1
-  return "$rc"
-}
+. "$(dirname "$0")/gpu_common.sh"
 
 if [ "$SMOKE" = 1 ]; then
   MODEL=(--model-size tiny --device cpu --batch-size 2 --seq-len 64 --grad-accum-steps 8
