@@ -34,24 +34,13 @@ from tierlm.train.trainer import Trainer
 GIB = 2**30
 
 
-def pinned_copy_gbps(nbytes: int = 1 << 30) -> tuple[float | None, float | None]:
+def pinned_copy_gbps() -> tuple[float | None, float | None]:
     """H2D and D2H GB/s of a plain pinned copy (None without CUDA)."""
     if not torch.cuda.is_available():
         return None, None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    rates = []
-    for dst, src in ((dev, host), (host, dev)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        rates.append(3 * nbytes / (time.perf_counter() - t0) / 1e9)
-    del host, dev
-    torch.cuda.empty_cache()  # the run's cap (--gpu-memory) must not count these
-    return rates[0], rates[1]
+    from gpu_stream import pinned_copy_gbps as measure  # bench/, this script's folder
+
+    return measure()
 
 
 def run(label: str, steps: int, flags: list[str]) -> dict:

@@ -20,15 +20,9 @@ import multiprocessing as mp
 import tempfile
 import time
 
+from load_memory import _status_bytes  # bench/, this script's folder
+
 MIB = 2**20
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _row(kind: str, args: argparse.Namespace, offload_dir: str, queue) -> None:

@@ -88,10 +88,6 @@ def _empty_parameter(p: torch.nn.Parameter) -> None:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-def _names(st: SegmentState) -> list[str]:
-    return [s.name for s in st.layout.slots]
-
-
 @dataclass(kw_only=True)
 class EngineOptions:
     policy: str = "none"
@@ -838,9 +834,8 @@ class Engine(Stepper):
                 # is spent, only master and moments go back. A segment with a compute copy is
                 # one chunk: its fp8 scales come from the amax of each whole updated tensor
                 # (the large-vocabulary embedding and head compute in fp32 and have none).
-                chunk = self.chunk_numel if st.compute_format is None else st.numel
-                stream_chunks(self.store, st, chunk, read=(*STATE_COPIES, "grad"),
-                              write=STATE_COPIES, step=step)
+                stream_chunks(self.store, st, self._update_chunk(st),
+                              read=(*STATE_COPIES, "grad"), write=STATE_COPIES, step=step)
             else:
                 step(0, {c: getattr(st, c) for c in (*STATE_COPIES, "grad")})
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
@@ -922,10 +917,8 @@ class Engine(Stepper):
                     out[key] = view.detach().to("cpu", copy=True)
             free_copies(self.store, st, bufs)
             if copies != ("master",):
-                for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
-                    for slot in st.layout.slots:
-                        if slot.decay == decay:
-                            out[f"{slot.name}.step"] = step.detach().to("cpu", copy=True)
+                out.update({k: v.detach().to("cpu", copy=True)
+                            for k, v in self._step_counters(st).items()})
         return out
 
     def load(self, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
@@ -940,13 +933,9 @@ class Engine(Stepper):
             st.layout.pack(weights, bufs["master"])
             self.compute_copies.refresh(self.store, st, bufs["master"])
             if optim:
-                st.layout.pack({n: optim[f"{n}.exp_avg"] for n in _names(st)}, bufs["exp_avg"])
-                st.layout.pack(
-                    {n: optim[f"{n}.exp_avg_sq"] for n in _names(st)}, bufs["exp_avg_sq"]
-                )
-                for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
-                    first = next(s.name for s in st.layout.slots if s.decay == decay)
-                    step.copy_(optim[f"{first}.step"])
+                for c in ("exp_avg", "exp_avg_sq"):
+                    st.layout.pack(_Suffixed(optim, f".{c}"), bufs[c])
+                self._restore_counters(st, optim)
             write_back_copies(self.store, st, bufs)
             if st.device_weights is not None and st.device_weights is not st.master:
                 st.device_stale = True
@@ -971,12 +960,10 @@ class Engine(Stepper):
             if st.compute_format is not None:
                 self.compute_copies.refresh(self.store, st, bufs["master"])
 
-        chunk = self.chunk_numel if st.compute_format is None else st.numel
-        stream_chunks(self.store, st, chunk, read=kept, write=STATE_COPIES, step=step)
+        stream_chunks(self.store, st, self._update_chunk(st), read=kept, write=STATE_COPIES,
+                      step=step)
         if optim:
-            for (_, _, decay), counter in zip(st.layout.groups(), st.steps, strict=True):
-                first = next(s.name for s in st.layout.slots if s.decay == decay)
-                counter.copy_(optim[f"{first}.step"])
+            self._restore_counters(st, optim)
         if st.device_weights is not None:
             st.device_stale = True
 
@@ -1006,6 +993,18 @@ class Engine(Stepper):
                 yield st.seg.name, st.layout.views(bufs["master"]), optim
             finally:
                 free_copies(self.store, st, bufs)
+
+    def _update_chunk(self, st: SegmentState) -> int:
+        """Elements per chunk when a disk segment's state is rewritten: the whole segment where
+        it has a compute copy (its fp8 scales come from whole tensors), else the staging chunk."""
+        return self.chunk_numel if st.compute_format is None else st.numel
+
+    @staticmethod
+    def _restore_counters(st: SegmentState, optim: Mapping[str, torch.Tensor]) -> None:
+        """Each optimizer group's step counter from a checkpoint (keyed per parameter)."""
+        for (_, _, decay), counter in zip(st.layout.groups(), st.steps, strict=True):
+            first = next(s.name for s in st.layout.slots if s.decay == decay)
+            counter.copy_(optim[f"{first}.step"])
 
     @staticmethod
     def _step_counters(st: SegmentState) -> dict[str, torch.Tensor]:
