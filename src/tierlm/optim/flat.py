@@ -1,0 +1,146 @@
+"""The optimizer interface over flat segment state.
+
+A segment's parameters live in one flat fp32 master (tierlm.memory.layout); an optimizer's state
+is a few more flat buffers beside it, one per *slot*. A slot declares how many of its elements a
+parameter of a given shape owns (`numel_of`) and their dtype; its buffer holds the parameters'
+parts in the layout's order. Everything that stores, moves, counts or checkpoints optimizer state
+(state homes, the engine's update and checkpoint paths, delayed sync, placement, the planner)
+reads these declarations and never names a slot itself.
+
+Ranges. The engine may update a disk-tier segment in chunks: elements [lo, hi) of the flat
+master and gradient, with each slot's matching range (`slot_range`). Chunk boundaries fall on
+parameter starts or on multiples of the optimizer's `align` inside a parameter, so a slot of
+`block` elements per state element (8-bit scales: one per 256 values) maps a cut to a whole
+state element. An optimizer whose state is not elementwise within a parameter (factored
+moments, projections) sets `align = 0`: it is always given whole segments.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tierlm.memory.layout import FlatLayout, ParamSlot
+from tierlm.memory.tiers import TensorClass
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """One buffer of optimizer state. `numel_of(shape)`: the elements a parameter of that shape
+    owns (default: one per parameter element); `shape_of(shape)`: the shape its part is stored
+    under in a checkpoint (default: flat); `block`: parameter elements per state element within
+    a chunk range (1 elementwise; 256 for per-block scales; 0: not rangeable, the optimizer's
+    `align` must be 0). `average`: delayed sync may average it across ranks as a float tensor."""
+
+    name: str
+    dtype: torch.dtype = torch.float32
+    numel_of: Callable[[Shape], int] | None = None
+    shape_of: Callable[[Shape], Shape] | None = None
+    block: int = 1
+    cls: TensorClass = TensorClass.OPTIM
+    average: bool = True
+
+    def param_numel(self, shape: Shape) -> int:
+        if self.numel_of is not None:
+            return self.numel_of(shape)
+        return math.prod(shape)
+
+    def param_shape(self, shape: Shape) -> Shape:
+        if self.shape_of is not None:
+            return self.shape_of(shape)
+        return (self.param_numel(shape),)
+
+    def offsets(self, layout: FlatLayout) -> list[int]:
+        """Where each of the layout's parameters starts in this slot's buffer."""
+        out, at = [], 0
+        for p in layout.slots:
+            out.append(at)
+            at += self.param_numel(p.shape)
+        return out
+
+    def numel(self, layout: FlatLayout) -> int:
+        return sum(self.param_numel(p.shape) for p in layout.slots)
+
+    def nbytes(self, layout: FlatLayout) -> int:
+        return self.numel(layout) * torch.empty((), dtype=self.dtype).element_size()
+
+    def views(self, layout: FlatLayout, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter name -> its part of `buf` (the whole slot buffer), in checkpoint shape."""
+        out = {}
+        for p, off in zip(layout.slots, self.offsets(layout), strict=True):
+            n = self.param_numel(p.shape)
+            out[p.name] = buf[off : off + n].view(self.param_shape(p.shape))
+        return out
+
+    def range(self, layout: FlatLayout, lo: int, hi: int) -> tuple[int, int]:
+        """The slice [a, b) of this slot's buffer that parameter elements [lo, hi) own. `lo`
+        and `hi` must be chunk boundaries (see the module's comment)."""
+        if (lo, hi) == (0, layout.numel):
+            return 0, self.numel(layout)
+        if self.block <= 0:
+            raise ValueError(f"slot {self.name!r} has no ranges: its optimizer must set align = 0")
+        return self._at(layout, lo), self._at(layout, hi)
+
+    def _at(self, layout: FlatLayout, i: int) -> int:
+        at = 0
+        for p in layout.slots:
+            if i <= p.offset:
+                return at
+            if i < p.offset + p.numel:
+                return at + (i - p.offset) // self.block
+            at += self.param_numel(p.shape)
+        return at
+
+
+class FlatOptimizer(ABC):
+    """An optimizer over one segment's flat state. Subclasses set `name`, `slots` and `align`
+    and implement `update_range`; the step counters stay per weight-decay group (as
+    `FlatLayout.groups()` lists them) and are advanced by the caller after the last range."""
+
+    name: str = ""
+    slots: tuple[StateSlot, ...] = ()
+    align: int = 1  # see the module's comment; 0: whole segments only
+
+    def state_numel(self, layout: FlatLayout) -> dict[str, int]:
+        return {s.name: s.numel(layout) for s in self.slots}
+
+    def state_nbytes(self, layout: FlatLayout) -> int:
+        """Optimizer-state bytes of one segment (master and gradient not included)."""
+        return sum(s.nbytes(layout) for s in self.slots)
+
+    def init_slot(self, slot: StateSlot, layout: FlatLayout, buf: torch.Tensor) -> None:
+        """Fill a new slot buffer (whole segment). Zeros unless an optimizer says otherwise."""
+        buf.zero_()
+
+    @abstractmethod
+    def update_range(
+        self,
+        layout: FlatLayout,
+        lo: int,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        steps: list[torch.Tensor],
+        lr: float,
+    ) -> None:
+        """One step on parameter elements [lo, lo + master.numel()) of a segment: `master` and
+        `grad` are that range (fp32, grad already clipped), `state[slot]` each slot's matching
+        range (`StateSlot.range`). `steps[g]` is group g's counter before this step; use
+        `count + 1` without advancing it (other ranges of the same step follow)."""
+
+
+def params_in(layout: FlatLayout, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
+    """(parameter, a, b): the parameters elements [lo, hi) touch, each with the part [a, b) of
+    it (in flat element indices) that lies inside the range."""
+    out = []
+    for p in layout.slots:
+        a, b = max(p.offset, lo), min(p.offset + p.numel, hi)
+        if a < b:
+            out.append((p, a, b))
+    return out
