@@ -17,7 +17,6 @@ moments, projections) sets `align = 0`: it is always given whole segments.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,40 +31,42 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class StateSlot:
-    """One buffer of optimizer state. `numel_of(shape)`: the elements a parameter of that shape
-    owns (default: one per parameter element); `shape_of(shape)`: the shape its part is stored
-    under in a checkpoint (default: flat); `block`: parameter elements per state element within
-    a chunk range (1 elementwise; 256 for per-block scales; 0: not rangeable, the optimizer's
-    `align` must be 0). `average`: delayed sync may average it across ranks as a float tensor."""
+    """One buffer of optimizer state.
+    - `numel_of(p)`: the elements parameter `p` (a `ParamSlot`: name, shape, weight decay) owns;
+      default one per parameter element.
+    - `shape_of(p)`: the shape its part is stored under in a checkpoint; default flat.
+    - `block`: parameter elements per state element within a chunk range: 1 elementwise, 256
+      for per-block scales, 0 not rangeable (the optimizer's `align` must then be 0).
+    - `average`: delayed sync may average it across ranks as a float tensor."""
 
     name: str
     dtype: torch.dtype = torch.float32
-    numel_of: Callable[[Shape], int] | None = None
-    shape_of: Callable[[Shape], Shape] | None = None
+    numel_of: Callable[[ParamSlot], int] | None = None
+    shape_of: Callable[[ParamSlot], Shape] | None = None
     block: int = 1
     cls: TensorClass = TensorClass.OPTIM
     average: bool = True
 
-    def param_numel(self, shape: Shape) -> int:
+    def param_numel(self, p: ParamSlot) -> int:
         if self.numel_of is not None:
-            return self.numel_of(shape)
-        return math.prod(shape)
+            return self.numel_of(p)
+        return p.numel
 
-    def param_shape(self, shape: Shape) -> Shape:
+    def param_shape(self, p: ParamSlot) -> Shape:
         if self.shape_of is not None:
-            return self.shape_of(shape)
-        return (self.param_numel(shape),)
+            return self.shape_of(p)
+        return (self.param_numel(p),)
 
     def offsets(self, layout: FlatLayout) -> list[int]:
         """Where each of the layout's parameters starts in this slot's buffer."""
         out, at = [], 0
         for p in layout.slots:
             out.append(at)
-            at += self.param_numel(p.shape)
+            at += self.param_numel(p)
         return out
 
     def numel(self, layout: FlatLayout) -> int:
-        return sum(self.param_numel(p.shape) for p in layout.slots)
+        return sum(self.param_numel(p) for p in layout.slots)
 
     def nbytes(self, layout: FlatLayout) -> int:
         return self.numel(layout) * torch.empty((), dtype=self.dtype).element_size()
@@ -74,8 +75,8 @@ class StateSlot:
         """Parameter name -> its part of `buf` (the whole slot buffer), in checkpoint shape."""
         out = {}
         for p, off in zip(layout.slots, self.offsets(layout), strict=True):
-            n = self.param_numel(p.shape)
-            out[p.name] = buf[off : off + n].view(self.param_shape(p.shape))
+            n = self.param_numel(p)
+            out[p.name] = buf[off : off + n].view(self.param_shape(p))
         return out
 
     def range(self, layout: FlatLayout, lo: int, hi: int) -> tuple[int, int]:
@@ -94,7 +95,7 @@ class StateSlot:
                 return at
             if i < p.offset + p.numel:
                 return at + (i - p.offset) // self.block
-            at += self.param_numel(p.shape)
+            at += self.param_numel(p)
         return at
 
 
