@@ -4,12 +4,14 @@ No gradient crosses the network; every `every` steps (and at the run's last step
 that is exported is the average) each segment's master weights are all-reduced and divided by
 the world size. Traffic per step is the model size / k instead of a gradient per step.
 
-What happens to the AdamW moments at a sync is `moments`:
+What happens to the optimizer's state at a sync is `moments`:
 
 - "local" (the default): each rank's moments keep tracking its own gradients, as in PyTorch's
   post-local-SGD optimizer, and no extra byte is sent.
-- "average": both moments are averaged along with the weights, sent in bf16, so a sync costs
-  twice the bytes of the weights alone.
+- "average": every state slot the optimizer marks averageable (tierlm.optim.flat.StateSlot:
+  AdamW's two moments, Lion's one, Adafactor's statistics) is averaged along with the weights,
+  sent in bf16, so with AdamW a sync costs twice the bytes of the weights alone. An optimizer
+  with a slot that cannot be averaged as a float tensor is refused at setup.
 
 Averaging is what brings delayed sync near dense on real text (bench/sync_parity.py, `small`,
 300 steps, seeds 0 and 1): +0.7% and -4.9% against dense at k=2, +3.1% and -1.7% at k=4,
@@ -33,11 +35,10 @@ from collections.abc import Mapping
 
 import torch
 
+from tierlm.config import NotSupportedYet
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.sync import DelayedSync, NoSync
 from tierlm.runtime.state import read_copies, write_back_copies
-
-_MOMENTS = {"local": (), "average": ("exp_avg", "exp_avg_sq")}
 
 
 class Delayed(NoSync):
@@ -48,11 +49,24 @@ class Delayed(NoSync):
         self.cfg = cfg
         self.steps = 0
 
+    def check_optimizer(self, optimizer) -> None:
+        if self.cfg.moments != "average":
+            return
+        odd = [s.name for s in optimizer.slots if not s.average]
+        if odd:
+            raise NotSupportedYet(
+                f"--opt {optimizer.name} with --sync-moments average",
+                f"its state slot(s) {', '.join(odd)} cannot be averaged yet; use "
+                "--sync-moments local",
+            )
+
     def after_step(self, engine, skipped: bool) -> None:
         self.steps += 1
         # Every rank counts every step (skipped or not), so all of them average at once.
         if self.steps % self.cfg.every == 0 or self.steps == self.cfg.final_step:
-            average_weights(engine, self.comm, moments=_MOMENTS[self.cfg.moments])
+            moments = () if self.cfg.moments == "local" else tuple(
+                s.name for s in engine.optimizer.slots)
+            average_weights(engine, self.comm, moments=moments)
 
     def local_state(self) -> dict[str, torch.Tensor]:
         return {"steps": torch.tensor(self.steps, dtype=torch.int64)}
@@ -64,7 +78,8 @@ class Delayed(NoSync):
 
 def average_weights(engine, comm: Comm, moments: tuple[str, ...] = ()) -> None:
     """Replace every segment's master weights by their mean over ranks (in fp32), and each of
-    `moments` ("exp_avg", "exp_avg_sq") by its mean sent in bf16, wherever they live; re-encode
+    the optimizer state slots `moments` (float slots) by its mean sent in bf16, wherever they
+    live; re-encode
     the compute copies and mark device copies stale (the same write-back `Engine.load` does)."""
     engine.synchronize()  # the last step's updates must be in the masters
     for st in engine.states:
@@ -73,7 +88,7 @@ def average_weights(engine, comm: Comm, moments: tuple[str, ...] = ()) -> None:
         comm.all_reduce_sum(master)
         master.div_(comm.size)
         for name in moments:
-            # bf16 keeps 8 significant bits, plenty for a moment (it only scales the step);
+            # bf16 keeps 8 significant bits, plenty for a moment (it scales or signs the step);
             # every rank reads the same sum, so the moments stay identical across ranks
             wire = bufs[name].to(torch.bfloat16)
             comm.all_reduce_sum(wire)

@@ -66,6 +66,10 @@ class NoSync:
     def after_step(self, engine: Any, skipped: bool) -> None:
         pass
 
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Refuse, before anything is allocated, an optimizer (tierlm.optim.flat) whose state
+        this strategy cannot handle."""
+
     def local_state(self) -> dict[str, torch.Tensor]:
         return {}
 

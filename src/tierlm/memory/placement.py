@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 from tierlm.memory.tiers import Tier
 
-# Bytes per parameter by tensor class in the fp32 runtime. With --precision bf16/fp8 a segment
-# whose state is off the device holds its compute copy instead of fp32 compute weights
-# (tierlm.precision.streaming: ~2 or ~1 bytes per parameter), on the device, in host RAM or on
-# disk, and `place` is given each segment's compute-copy bytes.
+# Bytes per parameter of fp32 compute weights. With --precision bf16/fp8 a segment whose state
+# is off the device holds its compute copy instead (tierlm.precision.streaming: ~2 or ~1 bytes
+# per parameter), on the device, in host RAM or on disk, and `place` is given each segment's
+# compute-copy bytes. A segment's state bytes (fp32 master, which is also the compute copy on the
+# device tier, fp32 gradient, and the optimizer's slots) are given per segment: `state_bytes`.
 COMPUTE_B = 4
-STATE_B = 16  # master 4 (which is also the compute copy on the device tier) + grad 4 + m 4 + v 4
+MASTER_B = GRAD_B = 4
 STREAM_SLOTS = 2  # the segment running and the one being prefetched
 # Disk-tier state moves through host staging in chunks of this many fp32 elements per copy
 # (64 MiB), so host RAM holds a few chunks, never a whole segment (a 152k-token embedding is
@@ -83,33 +84,51 @@ def _stream_bytes(
     return sum(slots) + max(n for _, n in streamed) * 4
 
 
+def update_staging_bytes(
+    numel: int, state_bytes: int, *, whole: bool, chunk_numel: int = STAGING_CHUNK_NUMEL
+) -> int:
+    """Host staging of one disk-tier update of a segment of `numel` parameters whose state
+    (master, gradient, optimizer slots) is `state_bytes`: every copy's part of a chunk, for the
+    chunks in flight, or the whole state where the update takes whole segments (`whole`: an
+    optimizer with align 0, or a compute copy to encode). Slots are taken to scale with the
+    chunk's share of the segment (exact for elementwise slots; chunks cut at parameter starts
+    are at most `chunk_numel` long)."""
+    if whole or numel <= chunk_numel:
+        return state_bytes
+    return -(-state_bytes * staging_numel(numel, chunk_numel) // numel)
+
+
 def _account(
     numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0,
-    compute_bytes: list[int] | None = None,
+    compute_bytes: list[int] | None = None, state_bytes: list[int] | None = None,
+    whole_update: bool = False,
 ) -> PlacementReport:
     """`compute_bytes`: per segment, the bytes of its compute copy (None: fp32, COMPUTE_B per
-    parameter); a copy smaller than fp32 is kept besides the master, in host RAM or on disk."""
+    parameter); a copy smaller than fp32 is kept besides the master, in host RAM or on disk.
+    `state_bytes`: per segment, master + gradient + optimizer state (`place`)."""
     compute = compute_bytes or [n * COMPUTE_B for n in numels]
+    state = state_bytes or [n * (MASTER_B + GRAD_B) for n in numels]
     device, host, disk = activation_bytes, 0, 0
-    for n, c, p in zip(numels, compute, placements, strict=True):
+    for n, c, b, p in zip(numels, compute, state, placements, strict=True):
         own_copy = c if c != n * COMPUTE_B else 0  # fp32 streams the master itself
         if p.state_tier == Tier.DEVICE:
-            device += n * STATE_B
+            device += b
         elif p.state_tier == Tier.HOST:
-            host += n * STATE_B + own_copy
+            host += b + own_copy
             device += c if p.resident else 0
         else:
-            disk += n * (STATE_B - 4)  # master, m, v; the gradient file too (below)
-            disk += n * 4 + own_copy
+            disk += b + own_copy  # the gradient has a file too
             device += c if p.resident else 0
     device += _stream_bytes(numels, compute, placements)
-    on_disk = [(n, c) for n, c, p in zip(numels, compute, placements, strict=True)
+    on_disk = [(n, c, b) for n, c, b, p in zip(numels, compute, state, placements, strict=True)
                if p.state_tier == Tier.DISK]
     if on_disk:
-        # staging for one update (master, grad, m, v) and one streamed read: chunk by chunk in
-        # fp32, whole where the segment has a compute copy (its fp8 scales need whole tensors)
-        host += max(staging_numel(n) * (STATE_B + COMPUTE_B) if c == n * COMPUTE_B
-                    else n * STATE_B + c for n, c in on_disk)
+        # staging for one update and one streamed read: chunk by chunk in fp32, whole where the
+        # segment has a compute copy (its fp8 scales need whole tensors)
+        host += max(
+            update_staging_bytes(n, b, whole=whole_update) + staging_numel(n) * COMPUTE_B
+            if c == n * COMPUTE_B else b + c
+            for n, c, b in on_disk)
     return PlacementReport(placements, device, host, disk)
 
 
@@ -124,15 +143,21 @@ def place(
     activation_bytes: int = 0,
     placements: list[SegmentPlacement] | None = None,
     compute_bytes: list[int] | None = None,
+    state_bytes: list[int] | None = None,
+    whole_update: bool = False,
 ) -> PlacementReport:
     """Choose a placement per segment and check it against the budgets.
 
     `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
     reserved before any weights are placed. `placements`: a placement chosen elsewhere (the
     planner); it is only accounted and checked. `compute_bytes`: each segment's compute-copy
-    bytes where a precision policy shrinks them (see `_account`).
+    bytes where a precision policy shrinks them (see `_account`). `state_bytes`: each segment's
+    master, gradient and optimizer-state bytes (None: master and gradient only);
+    `whole_update`: the optimizer updates whole segments (align 0), so a disk segment's update
+    stages all of its state at once.
     """
-    account = functools.partial(_account, compute_bytes=compute_bytes)
+    account = functools.partial(_account, compute_bytes=compute_bytes, state_bytes=state_bytes,
+                                whole_update=whole_update)
     if placements is not None:
         report = account(numels, placements, activation_bytes)
         _check(report, device_budget_bytes, host_budget_bytes, policy)

@@ -2,7 +2,7 @@
 
 It chooses, under the device/host/disk budgets less a safety margin:
 - which segments keep their compute weights on the device, and which of those keep their whole
-  state (master, gradient, AdamW moments) there;
+  state (master, gradient, the optimizer's state slots) there;
 - where every other segment's state lives (host RAM, spilling the last blocks to disk first,
   since their update is needed last by the next step's forward);
 - whether resident segments keep their forward graph (no recompute) or recompute too;
@@ -30,11 +30,14 @@ import torch
 from tierlm.memory.hardware import GiB, HardwareProfile
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
+    GRAD_B,
+    MASTER_B,
     STAGING_CHUNK_NUMEL,
     STREAM_SLOTS,
     SegmentPlacement,
     gib,
     staging_numel,
+    update_staging_bytes,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
 
@@ -59,6 +62,11 @@ class ModelShape:
     n_layers: int
     block_saved_bytes_per_token: float  # autograd-saved bytes inside one block, per token
     head_chunk_tokens: int
+    # per segment, the optimizer's state bytes (tierlm.optim.flat: its slots over the segment's
+    # flat layout), the optimizer's name, and whether it updates whole segments only (align 0)
+    optim_state_bytes: list[int]
+    optim_name: str = "AdamW"
+    optim_whole: bool = False
     # per segment, the entries of its 2-D weights (the matmuls a precision policy lowers to
     # bf16 or fp8; the rest, norms and biases, stays fp32); None: every entry
     matrix_numels: list[int] | None = None
@@ -69,16 +77,42 @@ class ModelShape:
     def n_params(self) -> int:
         return sum(self.numels)
 
+    def state_bytes(self, s: int) -> int:
+        """Segment `s`'s master, gradient and optimizer state: what its state tier holds."""
+        return (MASTER_B + GRAD_B) * self.numels[s] + self.optim_state_bytes[s]
+
+    def update_disk_bytes(self, s: int, compute_copy: int | None) -> tuple[int, int]:
+        """Disk bytes (read, written) by one update of segment `s` on the disk tier: master,
+        gradient and slots read; master and slots written back, and its compute copy."""
+        written = MASTER_B * self.numels[s] + self.optim_state_bytes[s] + (compute_copy or 0)
+        return self.state_bytes(s), written
+
+    def update_staging(self, s: int, compute_copy: int | None,
+                       chunk_numel: int = STAGING_CHUNK_NUMEL) -> int:
+        """Host staging of segment `s`'s disk-tier update: in chunks, or whole where it has a
+        compute copy to encode (fp8 scales need whole tensors) or the optimizer needs it."""
+        if compute_copy is not None:
+            return self.state_bytes(s) + compute_copy
+        return update_staging_bytes(self.numels[s], self.state_bytes(s),
+                                    whole=self.optim_whole, chunk_numel=chunk_numel)
+
     @classmethod
-    def from_config(cls, config: Any, *, probe_tokens: int = 256) -> ModelShape:
+    def from_config(cls, config: Any, *, probe_tokens: int = 256, optim: Any = None
+                    ) -> ModelShape:
+        """`optim`: the run's tierlm.config.OptimConfig (None: the default, AdamW)."""
+        from tierlm.config import OptimConfig
+        from tierlm.memory.layout import FlatLayout
         from tierlm.models import build_model
         from tierlm.models.adapters import ModelAdapter
+        from tierlm.optim import build_flat_optimizer
 
         model = build_model(config, device="meta")
         adapter = ModelAdapter(model)
         segs = adapter.segments
         names = [s.name for s in segs]
         numels = [sum(p.numel() for _, p, _ in s.params) for s in segs]
+        optimizer = build_flat_optimizer(optim or OptimConfig())
+        layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
         tied = sum(
             p.numel() for n, p, _ in segs[0].params if n in getattr(segs[-1], "borrowed", {})
         )
@@ -92,6 +126,9 @@ class ModelShape:
             n_layers=len(segs) - 2,
             block_saved_bytes_per_token=saved,
             head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
+            optim_state_bytes=[optimizer.state_nbytes(lay) for lay in layouts],
+            optim_name=optimizer.name,
+            optim_whole=optimizer.align == 0,
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
             matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
@@ -256,13 +293,13 @@ def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int |
 
 
 def _disk_update_bytes(
-    numels: list[int], copies: list[int | None], placements
+    shape: ModelShape, copies: list[int | None], placements
 ) -> tuple[int, int]:
     """Disk bytes (read, written) by one step's updates of disk-tier segments: master, grad
-    and moments read; master and moments written, and the compute copy re-encoded."""
-    on_disk = [(n, c) for n, c, p in zip(numels, copies, placements, strict=True)
-               if p.state_tier == Tier.DISK]
-    return sum(16 * n for n, _ in on_disk), sum(12 * n + (c or 0) for n, c in on_disk)
+    and slots read; master and slots written, and the compute copy re-encoded."""
+    moved = [shape.update_disk_bytes(s, c) for s, (c, p) in enumerate(
+        zip(copies, placements, strict=True)) if p.state_tier == Tier.DISK]
+    return sum(r for r, _ in moved), sum(w for _, w in moved)
 
 
 def _simulate(
@@ -306,20 +343,22 @@ def _simulate(
     wire = _compute_copies(shape, train.precision, placements)
     h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
 
-    for s, (n, p) in enumerate(zip(numels, placements, strict=True)):  # persistent state
+    def allocate_state(tier: Tier, s: int) -> None:
+        ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
+        ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
+        ledger.allocate(tier, TensorClass.GRAD, GRAD_B * numels[s])
+
+    for s, p in enumerate(placements):  # persistent state
         if p.state_tier == Tier.DEVICE:
-            for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
-                ledger.allocate(Tier.DEVICE, cls, n * 4)
+            allocate_state(Tier.DEVICE, s)
         elif p.state_tier == Tier.HOST:
-            for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
-                ledger.allocate(Tier.HOST, cls, n * 4)
+            allocate_state(Tier.HOST, s)
             if wire[s] is not None:
                 ledger.allocate(Tier.HOST, TensorClass.COMPUTE, wire[s])
             if p.resident:
                 ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
         else:
-            for cls in (TensorClass.MASTER, TensorClass.OPTIM, TensorClass.OPTIM, TensorClass.GRAD):
-                ledger.allocate(Tier.DISK, cls, n * 4)
+            allocate_state(Tier.DISK, s)
             if wire[s] is not None:  # its compute file
                 ledger.allocate(Tier.DISK, TensorClass.COMPUTE, wire[s])
             if p.resident:
@@ -456,14 +495,15 @@ def _simulate(
         cache.prefetch(k + 1)
 
     on_action(len(actions), "update", None)
-    # the optimizer update: disk segments read master, grad and moments, write three back (and
-    # their compute copy); staged chunk by chunk, or whole where a compute copy is encoded
-    update_read, update_write = _disk_update_bytes(numels, wire, placements)
+    # the optimizer update: disk segments read master, grad and slots, write master and slots
+    # back (and their compute copy); staged chunk by chunk, or whole where a compute copy is
+    # encoded or the optimizer takes whole segments
+    update_read, update_write = _disk_update_bytes(shape, wire, placements)
     ledger.record_move(Link.DISK_READ, update_read)
     ledger.record_move(Link.DISK_WRITE, update_write)
-    update_staging = max([16 * staged(n) if c is None else 16 * n + c
-                          for n, c, p in zip(numels, wire, placements, strict=True)
-                          if p.state_tier == Tier.DISK], default=0)
+    update_staging = max([shape.update_staging(s, wire[s], chunk_numel)
+                          for s, p in enumerate(placements) if p.state_tier == Tier.DISK],
+                         default=0)
 
     # workspace outside the ledger: graphs kept by resident segments for the micro-batches in
     # flight, one segment's recompute, and one chunk of logits (+ its gradient) at the head
@@ -514,7 +554,7 @@ def _times(
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
     update_read, update_write = _disk_update_bytes(
-        shape.numels, _compute_copies(shape, train.precision, placements), placements)
+        shape, _compute_copies(shape, train.precision, placements), placements)
     sweep_disk = (
         (moved.get(Link.DISK_READ.value, 0) - update_read) / hw.disk_read_Bps
         + (moved.get(Link.DISK_WRITE.value, 0) - update_write) / hw.disk_write_Bps
@@ -578,26 +618,25 @@ def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=F
 
 
 def _update_overlap_bytes(
-    numels: list[int], placements: list[SegmentPlacement], copies: list[int | None],
+    shape: ModelShape, placements: list[SegmentPlacement], copies: list[int | None],
     chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> int:
     """Host staging while the background update overlaps the next forward. Updates run in
     forward order; the forward of segment a waits for a's update, then reads a's weights
     (disk: through staging chunks) while the worker updates the next segment b (disk: chunks of
-    master, gradient and both moments staged). So the peak is the worst such pair."""
+    master, gradient and the optimizer's slots staged). So the peak is the worst such pair."""
     order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
 
     def read(i: int) -> int:  # the compute file, or the fp32 master in chunks
         if placements[i].state_tier != Tier.DISK:
             return 0
-        return 4 * staging_numel(numels[i], chunk_numel) if copies[i] is None else copies[i]
+        return (MASTER_B * staging_numel(shape.numels[i], chunk_numel) if copies[i] is None
+                else copies[i])
 
-    def update(i: int) -> int:  # master, gradient, moments; the compute copy it encodes
+    def update(i: int) -> int:  # master, gradient, slots; the compute copy it encodes
         if placements[i].state_tier != Tier.DISK:
             return 0
-        if copies[i] is None:
-            return 16 * staging_numel(numels[i], chunk_numel)
-        return 16 * numels[i] + copies[i]  # staged whole: fp8 scales need whole tensors
+        return shape.update_staging(i, copies[i], chunk_numel)
 
     pairs = [update(order[0])] if order else [0]
     pairs += [read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
@@ -612,7 +651,7 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
     host_persistent = ledger.tier_bytes(Tier.HOST)
     host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
                     host_persistent + _update_overlap_bytes(
-                        shape.numels, placements,
+                        shape, placements,
                         _compute_copies(shape, train.precision, placements), chunk_numel))
     moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
     times = _times(shape, train, hw, placements, keep, moved)
@@ -746,14 +785,15 @@ def _host_then_disk(
     ]
     order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
     order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
-    held = [16 * n + (shape.wire_bytes(i, precision) or 0) for i, n in enumerate(shape.numels)]
+    held = [shape.state_bytes(i) + (shape.wire_bytes(i, precision) or 0)
+            for i in range(len(shape.numels))]
     host_state = parked + sum(
         h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
     def staging(i: int) -> int:  # one disk update + one streamed read in flight
         wire = shape.wire_bytes(i, precision)
-        n = shape.numels[i]
         # fp32 state streams through chunks; a compute copy's segment is staged whole
-        return 20 * staging_numel(n) if wire is None else 16 * n + 2 * wire
+        read = MASTER_B * staging_numel(shape.numels[i]) if wire is None else wire
+        return shape.update_staging(i, wire) + read
 
     spilled = 0
     for i in order:
@@ -799,9 +839,11 @@ def describe(
     lines.append(f"model: {n / 1e9:.2f}B params ({shape.n_layers} blocks; embed "
                  f"{emb / 1e6:.0f}M, blocks {sum(shape.numels[1:-1]) / 1e9:.2f}B, head "
                  f"{shape.numels[-1] / 1e6:.0f}M{', tied' if shape.tied_numel else ''})")
-    lines.append(f"model state by class: compute/master {gib(4 * n)}, gradients {gib(4 * n)}, "
-                 f"AdamW moments {gib(8 * n)}  (plain mixed-precision AdamW needs "
-                 f"{gib(16 * n)} + activations)")
+    optim = sum(shape.optim_state_bytes)
+    lines.append(f"model state by class: compute/master {gib(MASTER_B * n)}, gradients "
+                 f"{gib(GRAD_B * n)}, {shape.optim_name} state {gib(optim)} "
+                 f"({optim / n:.2f} B/param)  (all of it in one place needs "
+                 f"{gib((MASTER_B + GRAD_B) * n + optim)} + activations)")
     lines.append(f"hardware: {hw.name}; budgets after a {SAFETY_MARGIN:.0%} margin: device "
                  f"{gib(p.budgets['device'])}, host {gib(p.budgets['host'])}, disk "
                  f"{gib(p.budgets['disk'])}")
@@ -833,8 +875,8 @@ def describe(
     lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}, "
                  f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
-                 f"CPU AdamW {t['cpu_update']:.2f} + disk {t['update_disk']:.2f}, runs behind "
-                 "the next forward)")
+                 f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
+                 f"{t['update_disk']:.2f}, runs behind the next forward)")
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
                  f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
                  f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "

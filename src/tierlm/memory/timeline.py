@@ -138,15 +138,17 @@ def predicted_timeline(
                     bytes=nbytes)
         sweep_end = max(sweep_end, t)
     t = sweep_end
-    for name, numel, p in zip(shape.names, shape.numels, plan.placements, strict=True):
+    for s, (name, numel, p) in enumerate(zip(shape.names, shape.numels, plan.placements,
+                                             strict=True)):
         if p.state_tier == Tier.DEVICE:
             continue
+        read, written = shape.update_disk_bytes(s, None)
         if p.state_tier == Tier.DISK:
-            t = put("disk read", f"state {name}", "disk", t, 16 * numel / hw.disk_read_Bps,
-                    bytes=16 * numel)
+            t = put("disk read", f"state {name}", "disk", t, read / hw.disk_read_Bps,
+                    bytes=read)
         t = put("cpu update", f"update {name}", "update", t, numel / hw.cpu_adam_params_per_s,
                 tier=str(p.state_tier))
         if p.state_tier == Tier.DISK:
-            t = put("disk write", f"state {name}", "disk", t, 12 * numel / hw.disk_write_Bps,
-                    bytes=12 * numel)
+            t = put("disk write", f"state {name}", "disk", t, written / hw.disk_write_Bps,
+                    bytes=written)
     return events

@@ -1,5 +1,6 @@
-"""Optimizers over the model's parameters (later: over the runtime's flat buffers)."""
+"""Optimizers: over the model's parameters (the reference trainer) and over the runtime's flat
+segment state (tierlm.optim.flat), one pair per `--opt` name (tierlm.optim.build)."""
 
-from tierlm.optim.build import build_optimizer, param_groups
+from tierlm.optim.build import OPTIMIZERS, build_flat_optimizer, build_optimizer, param_groups
 
-__all__ = ["build_optimizer", "param_groups"]
+__all__ = ["OPTIMIZERS", "build_flat_optimizer", "build_optimizer", "param_groups"]

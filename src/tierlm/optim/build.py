@@ -1,11 +1,21 @@
-"""Optimizer construction: weight-decay groups and the fastest exact kernel the build has."""
+"""Optimizer construction, by `--opt`: the reference trainer's `torch.optim.Optimizer` over the
+model's parameters (weight-decay groups, the fastest exact kernel the build has), and the tiered
+runtime's `FlatOptimizer` over flat segment state. Each name maps to both, so the two runtimes
+run the same optimizer."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tierlm.config import OptimConfig
+from tierlm.optim import adafactor
+from tierlm.optim.adafactor import FlatAdafactor
+from tierlm.optim.flat import FlatOptimizer
+from tierlm.optim.flat_adamw import FlatAdamW
+from tierlm.optim.lion import FlatLion, Lion
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -31,14 +41,43 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    # fused AdamW runs on CPU and CUDA in current torch and is several times faster than
+    # the for-loop kernel (PLATFORM_NOTES: 63 ms vs 194 ms per 100M params on CPU).
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=True)
+
+
+def _lion(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    return Lion(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def _adafactor(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=adafactor.BETA2_DECAY,
+                                 eps=adafactor.EPS, d=adafactor.D)
+
+
+# --opt name -> (the reference trainer's optimizer, the tiered runtime's)
+OPTIMIZERS: dict[str, tuple[Callable[[list[dict], OptimConfig], torch.optim.Optimizer],
+                            type[FlatOptimizer]]] = {
+    "AdamW": (_adamw, FlatAdamW),
+    "Lion": (_lion, FlatLion),
+    "Adafactor": (_adafactor, FlatAdafactor),
+}
+
+
+def _entry(cfg: OptimConfig):
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"--opt {cfg.name}: no optimizer of that name (have "
+                         f"{', '.join(OPTIMIZERS)})")
+    return OPTIMIZERS[cfg.name]
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.name == "AdamW":
-        # fused AdamW runs on CPU and CUDA in current torch and is several times faster than
-        # the for-loop kernel (PLATFORM_NOTES: 63 ms vs 194 ms per 100M params on CPU).
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True
-        )
-    if cfg.name == "Adafactor":
-        return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=-0.8, eps=(None, 1e-3))
-    raise ValueError(f"--opt {cfg.name}: no optimizer of that name")
+    """The reference trainer's optimizer; weight decay per group (`param_groups`)."""
+    return _entry(cfg)[0](param_groups(model, cfg.weight_decay), cfg)
+
+
+def build_flat_optimizer(cfg: OptimConfig) -> FlatOptimizer:
+    """The tiered runtime's optimizer over flat segment state."""
+    return _entry(cfg)[1](cfg)

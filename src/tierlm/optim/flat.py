@@ -18,7 +18,7 @@ moments, projections) sets `align = 0`: it is always given whole segments.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,8 @@ class StateSlot:
     """One buffer of optimizer state.
     - `numel_of(p)`: the elements parameter `p` (a `ParamSlot`: name, shape, weight decay) owns;
       default one per parameter element.
-    - `shape_of(p)`: the shape its part is stored under in a checkpoint; default flat.
+    - `shape_of(p)`: the shape its part is stored under in a checkpoint; default the
+      parameter's shape for an elementwise slot (no `numel_of`), else flat.
     - `block`: parameter elements per state element within a chunk range: 1 elementwise, 256
       for per-block scales, 0 not rangeable (the optimizer's `align` must then be 0).
     - `average`: delayed sync may average it across ranks as a float tensor."""
@@ -55,6 +56,8 @@ class StateSlot:
     def param_shape(self, p: ParamSlot) -> Shape:
         if self.shape_of is not None:
             return self.shape_of(p)
+        if self.numel_of is None:  # elementwise: the parameter's own shape, as torch keeps it
+            return p.shape
         return (self.param_numel(p),)
 
     def offsets(self, layout: FlatLayout) -> list[int]:
@@ -77,6 +80,20 @@ class StateSlot:
         for p, off in zip(layout.slots, self.offsets(layout), strict=True):
             n = self.param_numel(p)
             out[p.name] = buf[off : off + n].view(self.param_shape(p))
+        return out
+
+    def pack(self, layout: FlatLayout, tensors: Mapping[str, torch.Tensor], out: torch.Tensor,
+             a: int = 0) -> torch.Tensor:
+        """Write elements [a, a + out.numel()) of this slot's buffer into `out` from `tensors`
+        (parameter name -> its part, in any shape and float dtype, as a checkpoint holds it);
+        only the parameters that range touches (and that own elements here) are looked up."""
+        b = a + out.numel()
+        for p, off in zip(layout.slots, self.offsets(layout), strict=True):
+            n = self.param_numel(p)
+            lo, hi = max(off, a), min(off + n, b)
+            if lo < hi:
+                src = tensors[p.name].reshape(-1)
+                out[lo - a : hi - a].copy_(src[lo - off : hi - off])
         return out
 
     def range(self, layout: FlatLayout, lo: int, hi: int) -> tuple[int, int]:
@@ -102,11 +119,40 @@ class StateSlot:
 class FlatOptimizer(ABC):
     """An optimizer over one segment's flat state. Subclasses set `name`, `slots` and `align`
     and implement `update_range`; the step counters stay per weight-decay group (as
-    `FlatLayout.groups()` lists them) and are advanced by the caller after the last range."""
+    `FlatLayout.groups()` lists them) and are advanced by the caller after the last range
+    (`advance`). Built from the run's `OptimConfig` (tierlm.optim.build.build_flat_optimizer)."""
 
     name: str = ""
     slots: tuple[StateSlot, ...] = ()
     align: int = 1  # see the module's comment; 0: whole segments only
+
+    def __init__(self, cfg) -> None:  # cfg: tierlm.config.OptimConfig
+        self.cfg = cfg
+
+    def chunk_ranges(self, layout: FlatLayout, chunk_numel: int) -> list[tuple[int, int]]:
+        """(first element, length) of the chunks a disk-tier update of this segment takes, at
+        most `chunk_numel` elements each, cut where the slots can be cut (module comment)."""
+        n = layout.numel
+        if self.align == 0 or n <= chunk_numel:
+            return [(0, n)]
+        if self.align == 1:
+            return [(lo, min(chunk_numel, n - lo)) for lo in range(0, n, chunk_numel)]
+        if chunk_numel < self.align:
+            raise ValueError(f"a chunk of {chunk_numel} elements is smaller than optimizer "
+                             f"{self.name}'s alignment {self.align}: raise staging_chunk_numel")
+        out, lo = [], 0
+        while lo < n:
+            cut = min(lo + chunk_numel, n)
+            for p in layout.slots:
+                if p.offset < cut < p.offset + p.numel:  # inside p: back to a multiple of align
+                    inside = p.offset + (cut - p.offset) // self.align * self.align
+                    cut = inside if inside > lo else p.offset
+                    break
+            if cut <= lo:  # cannot happen: chunk_numel >= align keeps one aligned cut above lo
+                raise AssertionError(f"no chunk boundary after {lo}")
+            out.append((lo, cut - lo))
+            lo = cut
+        return out
 
     def state_numel(self, layout: FlatLayout) -> dict[str, int]:
         return {s.name: s.numel(layout) for s in self.slots}
@@ -145,3 +191,14 @@ def params_in(layout: FlatLayout, lo: int, hi: int) -> list[tuple[ParamSlot, int
         if a < b:
             out.append((p, a, b))
     return out
+
+
+def advance(steps: list[torch.Tensor]) -> None:
+    """Count one optimizer step on every group (after `update_range` covered the segment)."""
+    for step in steps:
+        step.add_(1)
+
+
+def new_step_counter(device: torch.device) -> torch.Tensor:
+    """The per-group step count, as torch's optimizers keep it (fp32 scalar)."""
+    return torch.zeros((), dtype=torch.float32, device=device)

@@ -7,48 +7,32 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
-from tierlm.config import OptimConfig
+from tierlm.memory.layout import FlatLayout
+from tierlm.optim.flat import FlatOptimizer, StateSlot
 
 
-class FlatAdamW:
-    def __init__(self, cfg: OptimConfig) -> None:
-        if cfg.name != "AdamW":
-            raise ValueError(f"the tiered runtime has AdamW only; --opt {cfg.name} is not "
-                             "supported with --offload-policy yet")
-        self.cfg = cfg
-
-    def update(
-        self,
-        groups: list[tuple[int, int, bool]],
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        steps: list[torch.Tensor],
-        lr: float,
-    ) -> None:
-        """One step on each (start, length, decay) group; `steps[g]` is that group's counter."""
-        self.update_range(groups, 0, master, grad, exp_avg, exp_avg_sq, steps, lr)
-        advance(steps)
+class FlatAdamW(FlatOptimizer):
+    name = "AdamW"
+    # the reference trainer's state keys, so either runtime resumes the other's checkpoint
+    slots = (StateSlot("exp_avg"), StateSlot("exp_avg_sq"))
+    align = 1
 
     def update_range(
         self,
-        groups: list[tuple[int, int, bool]],
+        layout: FlatLayout,
         lo: int,
         master: torch.Tensor,
         grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
+        state: dict[str, torch.Tensor],
         steps: list[torch.Tensor],
         lr: float,
     ) -> None:
-        """One step on elements [lo, lo + master.numel()) of a segment's flat state, whose
-        buffers for that range are given (a chunk staged from disk). A group the range cuts
-        is stepped on its part here, the rest in other ranges; each part sees its group's count
-        plus one on a copy of the counter, so every range of one optimizer step uses the same
-        count, and `advance(steps)` moves the counters once after the last range."""
+        """A group the range cuts is stepped on its part here, the rest in other ranges; each
+        part sees its group's count plus one on a copy of the counter, so every range of one
+        optimizer step uses the same count."""
         hi = lo + master.numel()
-        for (start, length, decay), step in zip(groups, steps, strict=True):
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        for (start, length, decay), step in zip(layout.groups(), steps, strict=True):
             a, b = max(start, lo), min(start + length, hi)
             if a >= b:
                 continue
@@ -69,14 +53,3 @@ class FlatAdamW:
                 eps=self.cfg.eps,
                 maximize=False,
             )
-
-
-def advance(steps: list[torch.Tensor]) -> None:
-    """Count one optimizer step on every group (after `update_range` covered the segment)."""
-    for step in steps:
-        step.add_(1)
-
-
-def new_step_counter(device: torch.device) -> torch.Tensor:
-    """The per-group step count, as the fused optimizer keeps it (fp32 scalar on the device)."""
-    return torch.zeros((), dtype=torch.float32, device=device)

@@ -48,18 +48,19 @@ from tierlm.memory.placement import (
     STREAM_SLOTS,
     PlacementReport,
     SegmentPlacement,
+    chunk_ranges,
     place,
 )
 from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
-from tierlm.optim.flat_adamw import FlatAdamW, advance
+from tierlm.optim import build_flat_optimizer
+from tierlm.optim.flat import advance
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.state import (
-    STATE_COPIES,
     DiskTensor,
     InitialWeights,
     LookupOnce,
@@ -186,7 +187,8 @@ class Engine(Stepper):
         # weights whose state is off the device are held, moved and computed from in the
         # precision they compute in (tierlm.precision.streaming)
         self.compute_copies = ComputeCopies(model)
-        self.optimizer = FlatAdamW(optim)
+        self.optimizer = build_flat_optimizer(optim)
+        options.grad_sync.check_optimizer(self.optimizer)
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         ) or float(getattr(model.config, "attention_dropout", 0) or 0) > 0
@@ -241,6 +243,8 @@ class Engine(Stepper):
             activation_bytes=self.activation_bytes + reserve,
             placements=options.placements,
             compute_bytes=[self.compute_copies.layout_nbytes(lay) for lay in layouts],
+            state_bytes=[8 * lay.numel + self.optimizer.state_nbytes(lay) for lay in layouts],
+            whole_update=self.optimizer.align == 0,
         )
         options.check_placement(self.report)
         budget = options.device_budget_bytes
@@ -259,13 +263,14 @@ class Engine(Stepper):
         for i, (seg, lay, plc) in enumerate(
             zip(segs, layouts, self.report.placements, strict=True)
         ):
-            st = SegmentState(index=i, seg=seg, layout=lay, placement=plc)
+            st = SegmentState(index=i, seg=seg, layout=lay, placement=plc,
+                              slots=self.optimizer.slots)
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
             self.compute_copies.choose_format(st)
             # packed straight into the segment's tier (or the disk tier's staging), tensor by
             # tensor from the source, before the next segment is read
             fill = functools.partial(lay.pack, LookupOnce(initial_weights(seg)))
-            init_state(self.store, st, fill, optim_device, self.chunk_numel)
+            init_state(self.store, st, fill, optim_device, self._update_ranges(st))
             del fill  # it holds the tensor packed last: gone before the next segment is read
             self.compute_copies.attach(self.store, st)
             # Modules never own live storage: drop the parameters' memory, the runtime supplies
@@ -751,8 +756,8 @@ class Engine(Stepper):
                 self.store.wait(self.store.to_device(dev, staging, what))
                 self._sync_device()  # before the staging buffer takes the next chunk
 
-        stream_chunks(self.store, st, self.chunk_numel, read=("grad",) if add else (),
-                      write=() if back else ("grad",), step=step)
+        stream_chunks(self.store, st, chunk_ranges(st.numel, self.chunk_numel),
+                      read=("grad",) if add else (), write=() if back else ("grad",), step=step)
 
     def _grad_complete(self, st: SegmentState, grad: torch.Tensor) -> None:
         """The segment's gradient for this step is all in: start its sync across ranks (a no-op
@@ -815,15 +820,14 @@ class Engine(Stepper):
         return grad_norm, False
 
     def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
-        groups = st.layout.groups()
+        slots = [s.name for s in st.slots]
 
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
-            """AdamW on elements [lo, lo + n) of the segment (all of it, off the disk tier)."""
+            """The optimizer on elements [lo, lo + n) of the segment (all of it, off the disk
+            tier)."""
             bufs["grad"].mul_(coef)
-            self.optimizer.update_range(
-                groups, lo, bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"],
-                st.steps, lr,
-            )
+            self.optimizer.update_range(st.layout, lo, bufs["master"], bufs["grad"],
+                                        {c: bufs[c] for c in slots}, st.steps, lr)
             if st.tier == Tier.DISK and st.compute_format is not None:  # the whole master
                 self.compute_copies.refresh(self.store, st, bufs["master"])
 
@@ -831,13 +835,11 @@ class Engine(Stepper):
         with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
             if st.tier == Tier.DISK:
                 # staged in chunks, the next chunk read while this one updates; the gradient
-                # is spent, only master and moments go back. A segment with a compute copy is
-                # one chunk: its fp8 scales come from the amax of each whole updated tensor
-                # (the large-vocabulary embedding and head compute in fp32 and have none).
-                stream_chunks(self.store, st, self._update_chunk(st),
-                              read=(*STATE_COPIES, "grad"), write=STATE_COPIES, step=step)
+                # is spent, only master and slots go back
+                stream_chunks(self.store, st, self._update_ranges(st),
+                              read=(*st.state_copies, "grad"), write=st.state_copies, step=step)
             else:
-                step(0, {c: getattr(st, c) for c in (*STATE_COPIES, "grad")})
+                step(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
                 st.grad.zero_()
             advance(st.steps)
@@ -902,9 +904,10 @@ class Engine(Stepper):
         return self._named(("master",))
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """AdamW state by parameter name (`<name>.exp_avg`, `.exp_avg_sq`, `.step`), the same
-        keys the reference trainer writes, so either runtime resumes the other's checkpoint."""
-        return self._named(("exp_avg", "exp_avg_sq"))
+        """Optimizer state by parameter name (`<name>.<slot>` in the slot's checkpoint shape,
+        and `<name>.step`), the keys the reference trainer writes for the same optimizer, so
+        either runtime resumes the other's checkpoint."""
+        return self._named(tuple(s.name for s in self.optimizer.slots))
 
     def _named(self, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
         self.synchronize()
@@ -912,7 +915,7 @@ class Engine(Stepper):
         for st in self.states:
             bufs = read_copies(self.store, st, copies)
             for copy in copies:
-                for name, view in st.layout.views(bufs[copy]).items():
+                for name, view in _parts(st, copy, bufs[copy]).items():
                     key = name if copy == "master" else f"{name}.{copy}"
                     out[key] = view.detach().to("cpu", copy=True)
             free_copies(self.store, st, bufs)
@@ -929,12 +932,12 @@ class Engine(Stepper):
             if st.tier == Tier.DISK:
                 self._load_disk(st, weights, optim)
                 continue
-            bufs = read_copies(self.store, st, STATE_COPIES)
+            bufs = read_copies(self.store, st, st.state_copies)
             st.layout.pack(weights, bufs["master"])
             self.compute_copies.refresh(self.store, st, bufs["master"])
             if optim:
-                for c in ("exp_avg", "exp_avg_sq"):
-                    st.layout.pack(_Suffixed(optim, f".{c}"), bufs[c])
+                for slot in st.slots:
+                    slot.pack(st.layout, _Suffixed(optim, f".{slot.name}"), bufs[slot.name])
                 self._restore_counters(st, optim)
             write_back_copies(self.store, st, bufs)
             if st.device_weights is not None and st.device_weights is not st.master:
@@ -947,21 +950,23 @@ class Engine(Stepper):
     ) -> None:
         """`load` for a disk-tier segment: its files are rewritten chunk by chunk from the
         (lazy) mappings, each tensor looked up once; a segment with a compute copy is one chunk
-        (its fp8 scales need whole tensors). Without optimizer state the moments are kept."""
+        (its fp8 scales need whole tensors). Without optimizer state the slots are kept."""
         sources = {"master": LookupOnce(weights)}
         if optim:
-            for c in ("exp_avg", "exp_avg_sq"):
-                sources[c] = LookupOnce(_Suffixed(optim, f".{c}"))
-        kept = () if optim else ("exp_avg", "exp_avg_sq")
+            for slot in st.slots:
+                sources[slot.name] = LookupOnce(_Suffixed(optim, f".{slot.name}"))
+        kept = () if optim else tuple(s.name for s in st.slots)
 
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
-            for c, source in sources.items():
-                st.layout.pack(source, bufs[c], lo)
+            st.layout.pack(sources["master"], bufs["master"], lo)
+            for slot in st.slots if optim else ():
+                a, _ = slot.range(st.layout, lo, lo + bufs["master"].numel())
+                slot.pack(st.layout, sources[slot.name], bufs[slot.name], a)
             if st.compute_format is not None:
                 self.compute_copies.refresh(self.store, st, bufs["master"])
 
-        stream_chunks(self.store, st, self._update_chunk(st), read=kept, write=STATE_COPIES,
-                      step=step)
+        stream_chunks(self.store, st, self._update_ranges(st), read=kept,
+                      write=st.state_copies, step=step)
         if optim:
             self._restore_counters(st, optim)
         if st.device_weights is not None:
@@ -975,29 +980,29 @@ class Engine(Stepper):
         are views of the state or of staging buffers, valid until the next shard is asked for."""
         self.synchronize()
         for st in self.states:
+            slots = tuple(s.name for s in st.slots)
             if st.tier == Tier.DISK:  # read parameter by parameter as the writer asks
-                files = {c: st.file(c) for c in STATE_COPIES}
-                weights = {s.name: DiskTensor(self.store, files["master"], s)
-                           for s in st.layout.slots}
-                optim = {f"{s.name}.{c}": DiskTensor(self.store, files[c], s)
-                         for c in ("exp_avg", "exp_avg_sq") for s in st.layout.slots}
+                weights = DiskTensor.of(self.store, st, "master")
+                optim = {f"{name}.{c}": t for c in slots
+                         for name, t in DiskTensor.of(self.store, st, c).items()}
                 yield st.seg.name, weights, {**optim, **self._step_counters(st)}
                 continue
-            bufs = read_copies(self.store, st, STATE_COPIES)
+            bufs = read_copies(self.store, st, st.state_copies)
             try:
-                optim = {}
-                for copy in ("exp_avg", "exp_avg_sq"):
-                    for name, view in st.layout.views(bufs[copy]).items():
-                        optim[f"{name}.{copy}"] = view
+                optim = {f"{name}.{c}": view for c in slots
+                         for name, view in _parts(st, c, bufs[c]).items()}
                 optim.update(self._step_counters(st))
                 yield st.seg.name, st.layout.views(bufs["master"]), optim
             finally:
                 free_copies(self.store, st, bufs)
 
-    def _update_chunk(self, st: SegmentState) -> int:
-        """Elements per chunk when a disk segment's state is rewritten: the whole segment where
-        it has a compute copy (its fp8 scales come from whole tensors), else the staging chunk."""
-        return self.chunk_numel if st.compute_format is None else st.numel
+    def _update_ranges(self, st: SegmentState) -> list[tuple[int, int]]:
+        """Chunks in which a disk segment's state is rewritten: the whole segment where it has
+        a compute copy (its fp8 scales come from whole tensors), else staging chunks cut where
+        the optimizer's slots can be cut (whole segments for an optimizer with align 0)."""
+        if st.compute_format is not None:
+            return [(0, st.numel)]
+        return self.optimizer.chunk_ranges(st.layout, self.chunk_numel)
 
     @staticmethod
     def _restore_counters(st: SegmentState, optim: Mapping[str, torch.Tensor]) -> None:
@@ -1008,7 +1013,7 @@ class Engine(Stepper):
 
     @staticmethod
     def _step_counters(st: SegmentState) -> dict[str, torch.Tensor]:
-        """Each parameter's AdamW step counter (one per optimizer group)."""
+        """Each parameter's optimizer step counter (one per optimizer group)."""
         out = {}
         for (_, _, decay), step in zip(st.layout.groups(), st.steps, strict=True):
             for slot in st.layout.slots:
@@ -1020,6 +1025,16 @@ class Engine(Stepper):
         self.synchronize()
         self._worker.shutdown(wait=True)
         self.store.close()
+
+
+def _parts(st: SegmentState, copy: str, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Parameter name -> its part of a flat copy in checkpoint shape (parameters owning none of
+    a slot, e.g. a vector's factored statistics, left out, as the reference has no key)."""
+    if copy == "master":
+        return st.layout.views(buf)
+    slot = st.slot(copy)
+    return {p.name: v for p, v in zip(st.layout.slots, slot.views(st.layout, buf).values(),
+                                      strict=True) if slot.param_numel(p)}
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -14,17 +14,14 @@ from tierlm.memory.placement import STAGING_SETS, SegmentPlacement, chunk_ranges
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import Segment
-from tierlm.optim.flat_adamw import new_step_counter
+from tierlm.optim.flat import StateSlot, new_step_counter
 from tierlm.precision.streaming import ComputeFormat, WireLoad
 
-STATE_COPIES = ("master", "exp_avg", "exp_avg_sq")
-# the ledger class of each state copy's file on the disk tier
-_FILE_CLASS = {
-    "master": TensorClass.MASTER,
-    "exp_avg": TensorClass.OPTIM,
-    "exp_avg_sq": TensorClass.OPTIM,
-    "grad": TensorClass.GRAD,
-}
+# The two copies every segment has besides its optimizer's slots: one fp32 element per parameter
+# element, so they take the same range arithmetic (tierlm.optim.flat) as any elementwise slot.
+MASTER = StateSlot("master", cls=TensorClass.MASTER)
+GRAD = StateSlot("grad", cls=TensorClass.GRAD)
+_RESERVED = ("master", "grad", "compute")  # copy names a slot may not take (its file names)
 
 
 InitialWeights = Callable[[Segment], Mapping[str, torch.Tensor]]
@@ -45,11 +42,13 @@ class SegmentState:
     seg: Segment
     layout: FlatLayout
     placement: SegmentPlacement
-    # Flat fp32 buffers on `placement.state_tier` (None while they live in files on disk).
+    # the optimizer's state slots (tierlm.optim.flat): one buffer (or disk file) each
+    slots: tuple[StateSlot, ...] = ()
+    # Flat buffers on `placement.state_tier` (None / empty while they live in files on disk):
+    # the fp32 master and gradient, and each slot's buffer by slot name.
     master: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: list[torch.Tensor] = field(default_factory=list)  # one counter per optimizer group
     device_weights: torch.Tensor | None = None  # resident compute copy (or the master itself)
     device_stale: bool = False  # the resident copy predates the last update
@@ -59,6 +58,32 @@ class SegmentState:
     # state, the host copy (disk state keeps it in its `compute` file).
     compute_format: ComputeFormat | None = None
     wire: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.slots]
+        bad = [n for n in names if n in _RESERVED or names.count(n) > 1]
+        if bad:
+            raise ValueError(f"optimizer slot names must be unique and not one of {_RESERVED}: "
+                             f"{bad}")
+
+    @property
+    def state_copies(self) -> tuple[str, ...]:
+        """The copies an update rewrites: the master and every slot (the gradient is spent)."""
+        return ("master", *(s.name for s in self.slots))
+
+    def slot(self, copy: str) -> StateSlot:
+        """The shape rule of copy `copy` (the master and gradient are fp32 elementwise)."""
+        if copy == "master":
+            return MASTER
+        if copy == "grad":
+            return GRAD
+        return next(s for s in self.slots if s.name == copy)
+
+    def buffer(self, copy: str) -> torch.Tensor:
+        """The flat buffer of a copy of host- or device-tier state."""
+        if copy in ("master", "grad"):
+            return getattr(self, copy)
+        return self.state[copy]
 
     @property
     def numel(self) -> int:
@@ -112,18 +137,20 @@ class LookupOnce(Mapping[str, torch.Tensor]):
 
 def init_state(
     store: Store, st: SegmentState, fill: Callable[[torch.Tensor, int], object],
-    optim_device: torch.device, chunk_numel: int,
+    optim_device: torch.device, ranges: list[tuple[int, int]],
 ) -> None:
     """Place the segment's initial weights and zeroed optimizer state. `fill(out, lo)` writes
     elements [lo, lo + out.numel()) of the packed fp32 weights into `out`: the master on its
-    tier whole, or on the disk tier chunk by chunk into the staging its files are written
-    from, so no second copy of the segment is made on the way."""
+    tier whole, or on the disk tier chunk by chunk (`ranges`, cut where the optimizer's slots
+    can be cut) into the staging its files are written from, so no second copy of the segment
+    is made on the way."""
     n = st.numel
     st.steps = [new_step_counter(optim_device) for _ in st.layout.groups()]
     if st.tier == Tier.DISK:
-        copies = (*STATE_COPIES, "grad")
+        copies = (*st.state_copies, "grad")
         for c in copies:  # the gradient file too: the disk tier's size is known up front
-            store.reserve_file(st.file(c), 4 * n, _FILE_CLASS[c])
+            slot = st.slot(c)
+            store.reserve_file(st.file(c), slot.nbytes(st.layout), slot.cls)
         if st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
             st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
 
@@ -134,12 +161,13 @@ def init_state(
             for c in copies[1:]:
                 bufs[c].zero_()
 
-        stream_chunks(store, st, chunk_numel, read=(), write=copies, step=step)
+        stream_chunks(store, st, ranges, read=(), write=copies, step=step)
         return
     st.master = store.alloc(st.tier, TensorClass.MASTER, n)
     fill(st.master, 0)
-    st.exp_avg = store.zeros(st.tier, TensorClass.OPTIM, n)
-    st.exp_avg_sq = store.zeros(st.tier, TensorClass.OPTIM, n)
+    for slot in st.slots:
+        st.state[slot.name] = store.alloc(st.tier, slot.cls, slot.numel(st.layout), slot.dtype)
+        st.state[slot.name].zero_()
     st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
     if st.tier == Tier.DEVICE:
         st.device_weights = st.master  # fp32: the master is what the matmuls read
@@ -235,28 +263,40 @@ def reload_resident(store: Store, st: SegmentState, chunk_numel: int) -> None:
 
 
 class DiskTensor:
-    """One parameter's slice of a disk-tier copy file, read only when opened: checkpoints of a
+    """One parameter's part of a disk-tier copy file, read only when opened: checkpoints of a
     segment whose state lives on disk then hold one parameter at a time in host RAM, not the
-    segment's three copies (a 152k-token embedding is 233M parameters)."""
+    segment's copies (a 152k-token embedding is 233M parameters). `offset` and `numel` count
+    elements of `dtype` in the file; `shape` is the part's checkpoint shape."""
 
-    def __init__(self, store: Store, file: str, slot) -> None:
+    def __init__(self, store: Store, file: str, offset: int, numel: int,
+                 shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
         self.store, self.file = store, file
-        self.offset, self._numel = slot.offset, slot.numel
-        self.shape: tuple[int, ...] = tuple(slot.shape)
-        self.dtype = torch.float32
+        self.offset, self._numel = offset, numel
+        self.shape: tuple[int, ...] = tuple(shape)
+        self.dtype = dtype
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def of(cls, store: Store, st: SegmentState, copy: str) -> dict[str, DiskTensor]:
+        """Parameter name -> its part of copy `copy`'s file (parameters owning none left out)."""
+        slot, layout = st.slot(copy), st.layout
+        return {p.name: cls(store, st.file(copy), off, slot.param_numel(p), slot.param_shape(p),
+                            slot.dtype)
+                for p, off in zip(layout.slots, slot.offsets(layout), strict=True)
+                if slot.param_numel(p)}
 
     def numel(self) -> int:
         return self._numel
 
     def element_size(self) -> int:
-        return 4
+        return self._itemsize
 
     @contextlib.contextmanager
     def open(self) -> Iterator[torch.Tensor]:
-        """The slice's values, in staging freed on exit (reads start at an O_DIRECT offset)."""
-        start = self.offset * 4 // ALIGN_BYTES * ALIGN_BYTES
-        skip = self.offset - start // 4
-        buf = self.store.alloc(Tier.HOST, TensorClass.STAGING, skip + self._numel)
+        """The part's values, in staging freed on exit (reads start at an O_DIRECT offset)."""
+        start = self.offset * self._itemsize // ALIGN_BYTES * ALIGN_BYTES
+        skip = self.offset - start // self._itemsize  # elements: a block holds whole ones
+        buf = self.store.alloc(Tier.HOST, TensorClass.STAGING, skip + self._numel, self.dtype)
         try:
             self.store.read_file(self.file, buf, start).result()
             yield buf[skip:].view(self.shape)
@@ -287,8 +327,9 @@ def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict
     """The named flat copies of one segment on the host (disk: read into fresh staging; the
     caller frees them with `free_copies`)."""
     if st.tier != Tier.DISK:
-        return {c: getattr(st, c) for c in copies}
-    bufs = {c: store.alloc(Tier.HOST, TensorClass.STAGING, st.numel) for c in copies}
+        return {c: st.buffer(c) for c in copies}
+    bufs = {c: store.alloc(Tier.HOST, TensorClass.STAGING, st.slot(c).numel(st.layout),
+                           st.slot(c).dtype) for c in copies}
     futures = [store.read_file(st.file(c), bufs[c]) for c in copies]
     for f in futures:
         f.result()
@@ -304,7 +345,7 @@ def write_back_copies(
     elsewhere the buffers are the state itself and nothing is left to do."""
     if st.tier != Tier.DISK:
         return
-    futures = [store.write_file(st.file(c), bufs[c], _FILE_CLASS[c]) for c in copies or bufs]
+    futures = [store.write_file(st.file(c), bufs[c], st.slot(c).cls) for c in copies or bufs]
     for f in futures:
         f.result()
     free_copies(store, st, bufs)
@@ -317,43 +358,105 @@ def free_copies(store: Store, st: SegmentState, bufs: dict[str, torch.Tensor]) -
 
 
 ChunkStep = Callable[[int, dict[str, torch.Tensor]], None]
-"""Work on one chunk of a segment's state: (first element, {copy: the chunk's host buffer})."""
+"""Work on one chunk of a segment's state: (first parameter element, {copy: the chunk's part of
+that copy, in the copy's dtype, on the host})."""
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One chunk's part of one copy file, in bytes: [start, end) its own, [env_start, env_end)
+    what crosses staging (O_DIRECT moves whole blocks: a part that starts or ends inside a
+    block carries the block's other bytes with it, which belong to the neighbouring chunks)."""
+
+    start: int
+    end: int
+    env_start: int
+    env_end: int
+
+
+def _spans(slot: StateSlot, layout: FlatLayout, lo: int, hi: int, block: int) -> _Span:
+    size = slot.dtype.itemsize
+    a, b = slot.range(layout, lo, hi)
+    total = slot.numel(layout) * size
+    start, end = a * size, b * size
+    env_end = end if end == total else min(-(-end // block) * block, total)
+    return _Span(start, end, start // block * block, env_end)
 
 
 def stream_chunks(
-    store: Store, st: SegmentState, chunk_numel: int, *, read: tuple[str, ...],
+    store: Store, st: SegmentState, ranges: list[tuple[int, int]], *, read: tuple[str, ...],
     write: tuple[str, ...], step: ChunkStep,
 ) -> None:
-    """Run `step` over a disk-tier segment's state chunk by chunk: the `read` copies of each
-    chunk come from their files into host staging, `step` works on them in place (and may fill
-    the `write`-only ones), the `write` copies go back to their files. Two sets of chunk
-    buffers alternate, so the next chunk's reads run while `step` works on this one and this
-    chunk's writes run behind the next `step`; host staging is two chunks per copy, not the
-    segment."""
-    ranges = chunk_ranges(st.numel, chunk_numel)
+    """Run `step` over a disk-tier segment's state chunk by chunk: `ranges` are (first, length)
+    in parameter elements (`chunk_ranges`, or the optimizer's `chunk_ranges` where slots are
+    involved); each copy's part of a chunk is the slot's range of it, in the slot's dtype. The
+    `read` copies of each chunk come from their files into host staging, `step` works on them in
+    place (and may fill the `write`-only ones), the `write` copies go back to their files. Two
+    sets of chunk buffers alternate, so the next chunk's reads run while `step` works on this one
+    and this chunk's writes run behind the next `step`; host staging is two chunks per copy, not
+    the segment.
+
+    A part whose bytes do not start or end on an O_DIRECT block (an 8-bit slot, per-block scales,
+    a cut at a parameter's start) shares that block with its neighbours: its head is patched
+    with the previous chunk's final bytes of the block before it is written, and a chunk's writes
+    go out only after the previous chunk's have landed, so the last write of a shared block holds
+    every chunk's update."""
     copies = tuple(dict.fromkeys(read + write))
-    sets = [{c: store.alloc(Tier.HOST, TensorClass.STAGING, ranges[0][1]) for c in copies}
-            for _ in ranges[:STAGING_SETS]]
+    block = ALIGN_BYTES if store.disk.direct else 1
+    spans = [{c: _spans(st.slot(c), st.layout, lo, lo + n, block) for c in copies}
+             for lo, n in ranges]
+    dtypes = {c: st.slot(c).dtype for c in copies}
+    # envelopes start on a block and end on one or at the file's end: whole elements each
+    size = {c: dtypes[c].itemsize for c in copies}
+    longest = {c: max(sp[c].env_end - sp[c].env_start for sp in spans) // size[c]
+               for c in copies}
+    sets = [{c: store.alloc(Tier.HOST, TensorClass.STAGING, max(longest[c], 1), dtypes[c])
+             for c in copies} for _ in ranges[:STAGING_SETS]]
     writes: list[list] = [[] for _ in sets]
+    carry: dict[str, tuple[int, torch.Tensor]] = {}  # copy -> (block start, its bytes so far)
 
     def start_reads(k: int) -> list:
-        lo, n = ranges[k]
         bufs = sets[k % len(sets)]
         for f in writes[k % len(sets)]:  # the chunk these buffers held is on disk first
             f.result()
-        return [store.read_file(st.file(c), bufs[c][:n], lo * 4) for c in read]
+        out = []
+        for c in read:
+            sp = spans[k][c]
+            if sp.end > sp.start:
+                n = (sp.env_end - sp.env_start) // size[c]
+                out.append(store.read_file(st.file(c), bufs[c][:n], sp.env_start))
+        return out
 
     try:
         reads = start_reads(0)
-        for k, (lo, n) in enumerate(ranges):
+        for k, (lo, _) in enumerate(ranges):
             for f in reads:
                 f.result()
             reads = start_reads(k + 1) if k + 1 < len(ranges) else []
-            bufs = {c: b[:n] for c, b in sets[k % len(sets)].items()}
-            step(lo, bufs)
-            writes[k % len(sets)] = [
-                store.write_file(st.file(c), bufs[c], _FILE_CLASS[c], lo * 4) for c in write
-            ]
+            raw = sets[k % len(sets)]
+            views = {}
+            for c in copies:
+                sp = spans[k][c]
+                if sp.start > sp.env_start and c in carry and carry[c][0] == sp.env_start:
+                    head = carry[c][1]
+                    raw[c][: head.numel()].copy_(head)
+                a, b = ((x - sp.env_start) // size[c] for x in (sp.start, sp.end))
+                views[c] = raw[c][a:b]
+            step(lo, views)
+            for f in writes[(k - 1) % len(sets)] if k else ():
+                f.result()  # a block this chunk shares with the previous one: theirs first
+            writes[k % len(sets)] = []
+            for c in write:
+                sp = spans[k][c]
+                if sp.end == sp.start:
+                    continue
+                tail = sp.end // block * block
+                if tail < sp.end and sp.end < sp.env_end:  # the next chunk starts in this block
+                    a, b = ((x - sp.env_start) // size[c] for x in (tail, sp.end))
+                    carry[c] = (tail, raw[c][a:b].clone())
+                n = (sp.env_end - sp.env_start) // size[c]
+                writes[k % len(sets)].append(store.write_file(
+                    st.file(c), raw[c][:n], st.slot(c).cls, sp.env_start))
         for fs in writes:
             for f in fs:
                 f.result()

@@ -106,7 +106,7 @@ def make_plan(
     cfg: Config, model_config: Any, hw: HardwareProfile, precision: str
 ) -> tuple[Plan, ModelShape, TrainShape]:
     mem = cfg.memory
-    shape = ModelShape.from_config(model_config)
+    shape = ModelShape.from_config(model_config, optim=cfg.optim)
     train = train_shape(cfg, precision)
     p = plan(
         shape,
@@ -197,7 +197,7 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     from tierlm.memory.planner import evaluate, usable_budgets
 
     hw = hardware_for(cfg)
-    shape = ModelShape.from_config(model_config)
+    shape = ModelShape.from_config(model_config, optim=cfg.optim)
     return evaluate(
         shape, train_shape(cfg, precision), hw, engine.report.placements,
         engine.opts.microbatch_order, engine.opts.keep_resident_activations,

@@ -104,7 +104,7 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
         from tierlm.memory.timeline import predicted_timeline
         from tierlm.train.planning import hardware_for, train_shape
 
-        shape = ModelShape.from_config(model_config)
+        shape = ModelShape.from_config(model_config, optim=cfg.optim)
         return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
     return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)

@@ -1,0 +1,106 @@
+"""Adafactor over flat segment state, with exactly the semantics of `torch.optim.Adafactor` as the
+reference trainer builds it (tierlm.optim.build): a parameter with two or more dimensions keeps
+its second moment factored into a row and a column statistic over its last two dimensions,
+a vector keeps it whole; the step is scaled by the parameter's RMS (at least eps2) times
+rho_t = min(lr, 1/sqrt(t)), and clipped so the update's RMS is at most d.
+
+The per-parameter arithmetic is the same sequence of torch operations the reference runs, on
+views of the flat master, gradient and slot buffers in each parameter's own shape, so the two
+agree bit for bit. Both the RMS scale and the clipping need whole parameters, and the factored
+statistics are not elementwise: the optimizer takes whole segments (`align = 0`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tierlm.memory.layout import FlatLayout, ParamSlot
+from tierlm.optim.flat import FlatOptimizer, StateSlot
+
+# torch.optim.Adafactor's settings as the reference trainer passes them
+BETA2_DECAY = -0.8
+EPS = (None, 1e-3)  # eps1 None: the dtype's machine epsilon
+D = 1.0
+
+
+def _factored(p: ParamSlot) -> bool:
+    return len(p.shape) >= 2
+
+
+def _row_shape(p: ParamSlot) -> tuple[int, ...]:
+    return (*p.shape[:-1], 1) if _factored(p) else (0,)
+
+
+def _col_shape(p: ParamSlot) -> tuple[int, ...]:
+    return (*p.shape[:-2], 1, p.shape[-1]) if _factored(p) else (0,)
+
+
+def _var_shape(p: ParamSlot) -> tuple[int, ...]:
+    return (0,) if _factored(p) else p.shape
+
+
+def _slot(name: str, shape_of) -> StateSlot:
+    return StateSlot(name, numel_of=lambda p: math.prod(shape_of(p)), shape_of=shape_of, block=0)
+
+
+class FlatAdafactor(FlatOptimizer):
+    name = "Adafactor"
+    # the reference's state keys; a parameter owns either row_var and col_var or variance
+    slots = (_slot("row_var", _row_shape), _slot("col_var", _col_shape),
+             _slot("variance", _var_shape))
+    align = 0
+
+    def update_range(
+        self,
+        layout: FlatLayout,
+        lo: int,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        steps: list[torch.Tensor],
+        lr: float,
+    ) -> None:
+        if lo != 0 or master.numel() != layout.numel:
+            raise ValueError("Adafactor updates whole segments (align = 0)")
+        row, col, var = (s.views(layout, state[s.name]) for s in self.slots)
+        counts = {decay: step for (_, _, decay), step in zip(layout.groups(), steps,
+                                                              strict=True)}
+        eps1, eps2 = EPS
+        for p in layout.slots:
+            param = master[p.offset : p.offset + p.numel].view(p.shape)
+            g = grad[p.offset : p.offset + p.numel].view(p.shape)
+            t = counts[p.decay].item() + 1
+            _adafactor_step(param, g, row[p.name], col[p.name], var[p.name], t, lr=lr,
+                            weight_decay=self.cfg.weight_decay if p.decay else 0.0,
+                            eps1=torch.finfo(param.dtype).eps if eps1 is None else eps1,
+                            eps2=eps2)
+
+
+def _adafactor_step(
+    param: torch.Tensor, grad: torch.Tensor, row_var: torch.Tensor, col_var: torch.Tensor,
+    variance: torch.Tensor, t: float, *, lr: float, weight_decay: float, eps1: float,
+    eps2: float,
+) -> None:
+    """One step of torch.optim.Adafactor (single-tensor path) on one parameter at count `t`."""
+    one_minus_beta2_t = t**BETA2_DECAY
+    rho_t = min(lr, 1 / (t**0.5))
+    alpha = max(eps2, param.norm(2).item() / (param.numel() ** 0.5)) * rho_t
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    if grad.dim() > 1:
+        # mean of g*g over the last (then the second-last) dimension without materialising g*g
+        row_mean = torch.norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1))
+        row_var.lerp_(row_mean, one_minus_beta2_t)
+        col_mean = torch.norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2))
+        col_var.lerp_(col_mean, one_minus_beta2_t)
+        var_estimate = row_var @ col_var
+        var_estimate.div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    else:
+        variance.lerp_(grad * grad, one_minus_beta2_t)
+        var_estimate = variance.clone()
+    update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
+    update.mul_(grad)
+    denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * D))
+    param.add_(update, alpha=-alpha / denom)
