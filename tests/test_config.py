@@ -190,8 +190,8 @@ def test_flags_override_yaml_and_dotted_flags_work(tmp_path):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--offload-policy", "disk", "--opt", "Adafactor"], "--opt Adafactor with"),
-        (["--opt", "Lion"], "--opt Lion"),
+        (["--backend", "fsdp", "--grad-checkpointing", "full"],
+         "--grad-checkpointing full with --backend fsdp"),
     ],
 )
 def test_unbuilt_features_fail_loudly(argv, flag, capsys):

@@ -214,10 +214,12 @@ def test_train_large_model_entry_point_forwards_flags():
 
     root = Path(__file__).parent.parent
     proc = subprocess.run(
-        [sys.executable, str(root / "train_large_model.py"), "--opt", "Lion"],
+        [sys.executable, str(root / "train_large_model.py"), "--backend", "fsdp",
+         "--grad-checkpointing", "full"],
         capture_output=True, text=True, cwd=root,
     )
-    assert proc.returncode == 2 and "not supported yet: --opt Lion" in proc.stderr
+    assert proc.returncode == 2
+    assert "not supported yet: --grad-checkpointing full with --backend fsdp" in proc.stderr
 
 
 @pytest.mark.parametrize("policy", ["host", "disk"])

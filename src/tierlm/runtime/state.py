@@ -330,7 +330,9 @@ def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict
         return {c: st.buffer(c) for c in copies}
     bufs = {c: store.alloc(Tier.HOST, TensorClass.STAGING, st.slot(c).numel(st.layout),
                            st.slot(c).dtype) for c in copies}
-    futures = [store.read_file(st.file(c), bufs[c]) for c in copies]
+    # a slot no parameter of the segment owns any of (a vector statistic of matrices) has no
+    # bytes, and no file to read
+    futures = [store.read_file(st.file(c), bufs[c]) for c in copies if bufs[c].numel()]
     for f in futures:
         f.result()
     return bufs
@@ -345,7 +347,8 @@ def write_back_copies(
     elsewhere the buffers are the state itself and nothing is left to do."""
     if st.tier != Tier.DISK:
         return
-    futures = [store.write_file(st.file(c), bufs[c], st.slot(c).cls) for c in copies or bufs]
+    futures = [store.write_file(st.file(c), bufs[c], st.slot(c).cls) for c in copies or bufs
+               if bufs[c].numel()]
     for f in futures:
         f.result()
     free_copies(store, st, bufs)
