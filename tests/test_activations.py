@@ -26,7 +26,7 @@ from tierlm.activations import (
     resolve_policies,
     storages_of,
 )
-from tierlm.config import ConfigError, NotSupportedYet, check_supported, from_dict
+from tierlm.config import ConfigError, check_supported, from_dict
 from tierlm.memory import Ledger, PlacementError, Tier
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import Link

@@ -17,10 +17,10 @@ out with the planner's rates and its overlap assumption:
   behind the next actions' compute. On a CPU profile nothing overlaps (copies and compute share
   the cores; the planner sums them);
 - the update: after the sweep, one worker, segment by segment in forward order: for disk state,
-  read master, gradient and moments (16 B/param), update on the CPU (`cpu_adam_params_per_s`),
-  write master and moments back (12 B/param). In the runtime it overlaps the next step's
-  forward, which this one-step view does not draw. Device-tier updates are not modelled (the
-  planner counts them in neither compute nor update time).
+  read master, gradient and the optimizer's slots (AdamW: 16 B/param), update on the CPU
+  (`cpu_adam_params_per_s`), write master and slots back (AdamW: 12 B/param). In the runtime
+  it overlaps the next step's forward, which this one-step view does not draw. Device-tier
+  updates are not modelled (the planner counts them in neither compute nor update time).
 
 Moves the replay makes before the first action (resident segments refreshed after the previous
 update) are drawn as the first action's inbound; the runtime makes them at each segment's first

@@ -1043,7 +1043,7 @@ def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 class _Suffixed(Mapping[str, torch.Tensor]):
     """`source[name + suffix]` as `view[name]`, looked up only when asked (a checkpoint's
-    optimizer state is a lazy mapping keyed `<parameter>.<moment>`)."""
+    optimizer state is a lazy mapping keyed `<parameter>.<slot>`)."""
 
     def __init__(self, source: Mapping[str, torch.Tensor], suffix: str) -> None:
         self.source, self.suffix = source, suffix
