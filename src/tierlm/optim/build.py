@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tierlm.config import OptimConfig
+from tierlm.memory.layout import FlatLayout
 from tierlm.optim import adafactor
 from tierlm.optim.adafactor import FlatAdafactor
 from tierlm.optim.flat import FlatOptimizer
@@ -81,3 +82,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 def build_flat_optimizer(cfg: OptimConfig) -> FlatOptimizer:
     """The tiered runtime's optimizer over flat segment state."""
     return _entry(cfg)[1](cfg)
+
+
+def model_state_nbytes(model: nn.Module, cfg: OptimConfig) -> int:
+    """Optimizer-state bytes of the whole model under `cfg.optim` (either runtime keeps the same
+    state: the flat optimizer's slots per parameter), for memory and disk estimates."""
+    decay = {id(p) for g in param_groups(model, 1.0) if g["weight_decay"] for p in g["params"]}
+    layout = FlatLayout([(name, tuple(p.shape), id(p) in decay)
+                         for name, p in model.named_parameters() if p.requires_grad])
+    return build_flat_optimizer(cfg).state_nbytes(layout)

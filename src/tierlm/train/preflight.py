@@ -209,9 +209,14 @@ class Preflight:
 
     def __init__(
         self, cfg: Config, run_dir: Path, *, n_params: int, device_is_cpu: bool,
-        start_rss_bytes: int | None = None, log: Callable[[str], None] = print,
+        optim_state_bytes: int | None = None, start_rss_bytes: int | None = None,
+        log: Callable[[str], None] = print,
     ) -> None:
+        """`optim_state_bytes`: the optimizer's state for the whole model
+        (tierlm.optim.model_state_nbytes); default AdamW's two fp32 moments."""
         self.cfg = cfg
+        self.optim_state_bytes = (8 * n_params if optim_state_bytes is None
+                                  else optim_state_bytes)
         self.start_rss_bytes = start_rss_bytes if start_rss_bytes is not None else rss_bytes()
         self.run_dir = run_dir
         self.n_params = n_params
@@ -245,9 +250,8 @@ class Preflight:
         return share
 
     def checkpoint_estimate_bytes(self) -> int:
-        """Size of one checkpoint: fp32 weights + optimizer state (AdamW: two fp32 moments)."""
-        optim_b = 8 if self.cfg.optim.name == "AdamW" else 4
-        return self.n_params * (4 + optim_b) + CHECKPOINT_SLACK_BYTES
+        """Size of one checkpoint: fp32 weights + optimizer state."""
+        return self.n_params * 4 + self.optim_state_bytes + CHECKPOINT_SLACK_BYTES
 
     def export_estimate_bytes(self) -> int:
         """Size of the Hugging Face export: every parameter once, in the export dtype."""
@@ -280,7 +284,7 @@ class Preflight:
             if not self.device_is_cpu:
                 return
             # weights, gradients and optimizer state in RAM; activations come on top
-            need = self.n_params * (16 if self.cfg.optim.name == "AdamW" else 12)
+            need = self.n_params * 8 + self.optim_state_bytes
             what = "weights, gradients and optimizer state of the reference runtime"
             available = available_ram_bytes() + model_bytes
         else:

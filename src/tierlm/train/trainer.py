@@ -62,6 +62,7 @@ from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
 from tierlm.runtime.state import InitialWeights, module_weights
@@ -342,6 +343,7 @@ class Trainer:
         self.eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
                               device_is_cpu=self.device.type == "cpu",
+                              optim_state_bytes=model_state_nbytes(self.model, cfg.optim),
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
