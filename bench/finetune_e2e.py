@@ -16,7 +16,7 @@ tiered runtime), and exported as a Hugging Face directory (the run's `hf/`). The
 3. `tierlm train --model PRETRAINED/hf --data.train_on assistant --data.packing documents`
    with the planner's placement (`--offload-policy auto` and make train's budgets);
 4. held-out loss on assistant tokens before and after, two ways: the run's own evaluation
-   (step 0 and the end, every held-out row), and plain transformers on the exported
+   (step 0 and the end, over whole batches of held-out rows), and plain transformers on the exported
    directories (each held-out conversation alone, loss over its assistant reply);
 5. greedy replies to held-out prompts from the exported fine-tuned model, loaded with
    `AutoModelForCausalLM.from_pretrained` and rendered with the exported tokenizer's own
