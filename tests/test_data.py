@@ -727,11 +727,11 @@ def test_all_trained_labels_reproduce_plain_batches_exactly():
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("name", ["llama_tied_gqa", "qwen2"])
+@pytest.mark.parametrize("name", ["llama_tied_gqa", "qwen2", "gpt2"])
 def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
     import copy
 
-    from runtime_helpers import OPTIM, VOCAB, tiny_model
+    from runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
 
     from tierlm.runtime import Engine, EngineOptions
     from tierlm.train.reference import ReferenceStep
@@ -755,14 +755,36 @@ def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
     ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
     eng = Engine(copy.deepcopy(model), OPTIM, EngineOptions(
         offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
+        grad_clip=0.0,
     ), device=cpu)
+    head = eng.states[-1].seg
+
+    def ref_logits(ids, positions=None):  # (T, V) fp32
+        kw = {} if positions is None else {"position_ids": positions, "use_cache": False}
+        with torch.no_grad():
+            return ref.model(input_ids=ids, **kw).logits[0].float()
+
+    def eng_logits(ids, positions=None):  # (T, V) fp32, streamed as eval_loss streams
+        with torch.no_grad():
+            return eng._streamed_head(
+                ids, lambda views, hn: head.project(views, hn[0]).float(), positions)
+
+    # the logits of each packed example are those of the example run alone
+    for logits in (ref_logits, eng_logits):
+        together = logits(ids, positions)
+        for span, example in ((slice(0, 7), a), (slice(7, 17), b)):
+            torch.testing.assert_close(together[span], logits(example[None]),
+                                       rtol=1e-5, atol=1e-5)
+        assert (logits(ids)[7:] - logits(b[None])).abs().max() > 1e-4  # a stream leaks
     for stepper in (ref, eng):
         want = stepper.eval_loss(alone)
         assert stepper.eval_loss(packed) == pytest.approx(want, rel=1e-5, abs=1e-5)
         assert abs(stepper.eval_loss(leaky) - want) > 1e-4
-    # the step's loss (the tiered runtime builds its context from the positions too)
+    # the step: its loss, and the weights its gradients move (GPT-2's position embedding
+    # included: the backward recomputes the embedding at the packed positions)
     assert eng.step([packed], 1e-2)["loss"] == pytest.approx(ref.step([packed], 1e-2)["loss"],
                                                              rel=1e-6)
+    assert_close_run([], [], eng.weights(), ref.weights())
     eng.close()
 
 
@@ -798,20 +820,3 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
-
-
-def test_packed_documents_on_gpt2_run_on_the_reference_and_are_refused_by_the_engine(tmp_path):
-    from runtime_helpers import OPTIM, tiny_model
-
-    from tierlm.config import ConfigError
-    from tierlm.runtime import Engine, EngineOptions
-
-    ids = torch.arange(1, 18)[None]
-    packed = torch.stack([ids, ids, torch.cat([torch.arange(7), torch.arange(10)])[None]], 1)
-    eng = Engine(tiny_model("gpt2"), OPTIM, EngineOptions(
-        offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
-    ), device=torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"--data\.packing documents: gpt2 .* --data\.packing "
-                                          r"off"):
-        eng.eval_loss(packed)
-    eng.close()

@@ -51,3 +51,64 @@ def test_load_train_export_reload_same_logits(name, tmp_path):
         assert torch.equal(reloaded(x).logits, trainer.model(x).logits)  # fp32 in, fp32 out
     assert hf_cfg.tie_word_embeddings  # every tiny config is tied; the export keeps the tie
     assert reloaded.get_input_embeddings().weight is reloaded.get_output_embeddings().weight
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_chat_finetune_from_an_exported_directory_through_the_cli(tmp_path, capsys):
+    """bench/finetune_e2e.py in seconds: a GPT-2 directory written by tierlm's export, its
+    tokenizer carrying its own chat template, fine-tuned for 3 steps by `tierlm train` on chat
+    records (assistant tokens, documents packing, the tiered runtime); the run's export loads
+    in transformers, keeps the template and answers a prompt rendered by it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tierlm.cli import main
+    from tierlm.models import export_hf
+
+    chats = [{"messages": [{"role": "user", "content": f"What is {i} and {i}?"},
+                           {"role": "assistant", "content": f"{i} and {i} is {2 * i}."}]}
+             for i in range(40)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    texts = [m["content"] for c in chats for m in c["messages"]]
+    tok = train_bpe_tokenizer(texts + ["<|user|> <|assistant|>"], vocab_size=300)
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_configs(vocab_size=300)["gpt2"],
+                                             attn_implementation="sdpa")
+    src = export_hf(model, tok, tmp_path / "pretrained")
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(src), "--data", str(data), "--data.packing",
+                 "documents", "--offload-policy", "host", "--seq-len", "32", "--batch-size",
+                 "2", "--max-steps", "3", "--lr", "1e-2", "--eval-every", "0",
+                 "--train.eval_batches", "2", "--train.sample_tokens", "0", "--out", str(run),
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    # the start-of-run summary: schema, mask, template, packing and a rendered example
+    assert ("chat, training on assistant tokens; template: the tokenizer's chat template; "
+            "packing documents") in out
+    assert "[[0 and 0 is 0.<|endoftext|>\n]]" in out
+    evals = [r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").open())
+             if "eval_loss" in r]
+    assert len(evals) >= 2 and evals[-1] < evals[0]  # held-out assistant loss fell
+
+    tuned = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    exported = AutoTokenizer.from_pretrained(run / "hf")
+    assert exported.chat_template == CHAT_TEMPLATE
+    before = dict(model.named_parameters())
+    assert any(not torch.equal(p, before[n]) for n, p in tuned.named_parameters())
+    prompt = exported.apply_chat_template([{"role": "user", "content": "What is 3 and 3?"}],
+                                          tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|user|>\nWhat is 3 and 3?<|endoftext|>\n<|assistant|>\n"
+    ids = torch.tensor([exported(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        gen = tuned.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=4, do_sample=False,
+                             pad_token_id=exported.eos_token_id)
+    assert gen.shape[1] > ids.shape[1]

@@ -76,8 +76,8 @@ class DataConfig:
     packing: Literal["stream", "documents", "off"] = "stream"
     """stream: examples joined by eos and cut into seq_len rows (an example may see the one
     before it); documents: the same rows, each example attending only to itself (per-example
-    positions, block-diagonal causal mask; the tiered runtime: Llama family); off: one example
-    per row, padded, longer ones truncated to their first seq_len+1 tokens."""
+    positions, block-diagonal causal mask); off: one example per row, padded, longer ones
+    truncated to their first seq_len+1 tokens."""
     seq_len: int = 256
     """Tokens per training sequence (--seq-len)."""
     vocab_size: int = 8192

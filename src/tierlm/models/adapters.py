@@ -22,8 +22,6 @@ from torch import nn
 from torch.func import functional_call
 from transformers import PreTrainedModel
 
-from tierlm.config import ConfigError
-
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 
@@ -163,8 +161,9 @@ class ModelAdapter:
         tr = self.model.transformer
 
         def embed(v, ids, ctx):
-            # The embed segment runs before the context exists: positions come from the ids.
-            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            # Learned positions: each token's position in its packed example (`embed_context`
+            # before the full context exists, the context itself when the backward recomputes).
+            positions = ctx.position_ids
             h = _call(tr.wte, self._prefix(tr.wte), v, ids)
             return tr.drop(h + _call(tr.wpe, self._prefix(tr.wpe), v, positions))
 
@@ -187,6 +186,14 @@ class ModelAdapter:
 
     # -- per micro-batch context ----
 
+    def embed_context(self, ids: torch.Tensor, positions: torch.Tensor | None) -> StepContext:
+        """What the `embed` segment reads, before `context` can be built from its output: the
+        positions of input ids (B, T) (None: 0..T-1 in every row), which GPT-2's learned
+        position embedding looks up. No masks: the embedding attends to nothing."""
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return StepContext(position_ids=positions, masks={})
+
     def context(
         self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
     ) -> StepContext:
@@ -200,12 +207,6 @@ class ModelAdapter:
         )
 
         cfg = self.model.config
-        if positions is not None and self.model_type not in LLAMA_FAMILY:
-            raise ConfigError(
-                f"--data.packing documents: {self.model_type} takes learned positions in its "
-                "embedding segment, which the tiered runtime does not pass per example yet; use "
-                "--data.packing off"
-            )
         position_ids = (torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
                         if positions is None else positions)
         kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=None,

@@ -521,11 +521,14 @@ class Engine(Stepper):
             self.transfer_wait_s = 0.0
             self.clock.take()  # drop what evaluation or a checkpoint measured
             m = len(batches)
-            mbs = [
-                _MicroBatch(*(t.to(self.device) for t in inputs_and_targets(b)),
-                            positions=_to(position_ids(b), self.device))
-                for b in batches
-            ]
+            mbs = []
+            for b in batches:
+                ids, targets = (t.to(self.device) for t in inputs_and_targets(b))
+                positions = _to(position_ids(b), self.device)
+                # the embed segment reads the positions (GPT-2's are learned); the full context
+                # replaces this one once the embedding exists
+                mbs.append(_MicroBatch(ids, targets, positions,
+                                       ctx=self.adapter.embed_context(ids, positions)))
             actions = self.schedule(m)
             if self.compute_copies.enabled:
                 self._size_cache()
@@ -856,7 +859,7 @@ class Engine(Stepper):
         n = len(self.states)
         actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
         self.cache.begin([self._needs(a) for a in actions])
-        h, ctx = ids, None
+        h, ctx = ids, self.adapter.embed_context(ids, positions)
         for k, a in enumerate(actions):
             st = self.states[a.seg]
             w = self._weights(k, a.seg)
