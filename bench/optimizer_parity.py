@@ -17,7 +17,9 @@ runtime gives the same losses (tests/test_optimizers.py), so this measures the o
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -90,6 +92,9 @@ def main() -> None:
     p.add_argument("--lrs", type=int, default=3, choices=(1, 3),
                    help="learning rates per optimizer: 3 (its grid) or 1 (the grid's middle)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--results", default="",
+                   help="a JSON-lines file of finished runs: a run with the same settings found "
+                   "there is not repeated, each new one is appended (a sweep split over sessions)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,12 +107,24 @@ def main() -> None:
     print(f"model {args.model_size}, {args.steps} steps of {args.batch_size} x {args.seq_len} "
           f"tokens, warm-up {args.warmup}, seed {args.seed}; held-out: {args.eval_batches} "
           f"batches; GaLore rank {args.galore_rank}")
+    key = {k: getattr(args, k) for k in ("model_size", "steps", "batch_size", "seq_len",
+                                         "warmup", "eval_batches", "seed", "galore_rank")}
+    cached = {}
+    if args.results and os.path.exists(args.results):
+        with open(args.results) as f:
+            for line in f:
+                r = json.loads(line)
+                if r.pop("key") == key:
+                    cached[(r.pop("optimizer"), r["lr"])] = r
     best: dict[str, dict] = {}
     sweeps: dict[str, list[dict]] = {}
     for name in names:
         grid = GRIDS[name] if args.lrs == 3 else GRIDS[name][1:2]
         for lr in grid:
-            r = run(args, name, lr)
+            r = cached.get((name, lr)) or run(args, name, lr)
+            if args.results and (name, lr) not in cached:
+                with open(args.results, "a") as f:
+                    f.write(json.dumps({"key": key, "optimizer": name, **r}) + "\n")
             sweeps.setdefault(name, []).append(r)
             print(f"  {name} lr {lr:g}: held-out ppl {r['ppl']:.3f} "
                   f"({r['step_s']:.2f} s/step)", file=sys.stderr, flush=True)

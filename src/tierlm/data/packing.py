@@ -107,13 +107,13 @@ class BatchSampler:
 
 
 def eval_batches(data: PackedSequences, batch_size: int, max_batches: int) -> list[torch.Tensor]:
-    """The first `max_batches` full batches in row order; one short batch if fewer rows exist."""
+    """The first `max_batches` batches in row order: full ones, then the remaining rows as one
+    short batch while batches are left (a small held-out set is evaluated whole; the loss is
+    averaged over tokens, so a short batch weighs what its tokens weigh)."""
     if batch_size < 1:
         raise DataError(f"eval batch size must be at least 1, got {batch_size}")
-    if len(data) < batch_size:
-        return [data.get(torch.arange(len(data)))] if max_batches > 0 else []
-    n_batches = min(max_batches, len(data) // batch_size)
-    return [data.get(torch.arange(i * batch_size, (i + 1) * batch_size)) for i in range(n_batches)]
+    starts = list(range(0, len(data), batch_size))[:max_batches]
+    return [data.get(torch.arange(i, min(i + batch_size, len(data)))) for i in starts]
 
 
 class MaskedSequences:
