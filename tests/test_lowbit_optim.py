@@ -115,9 +115,10 @@ def test_adamw8bit_flat_equals_per_parameter_twin(native):
 def test_adamw8bit_chunked_update_equals_one_call(native):
     layout = FlatLayout(SHAPES)
     slots = {p.name: p for p in layout.slots}
-    # a cut inside w1 on a block boundary, one at w2's start, one inside emb (not a decay group
-    # start) on a block boundary of emb
-    cuts = (1024, slots["w2"].offset, slots["emb"].offset + 512)
+    # cuts: inside w1 on a block boundary, at w2's start, at w3's start (after w2's short
+    # last block), at the no-decay group's start, and inside emb on one of its block boundaries
+    cuts = (1024, slots["w2"].offset, slots["w3"].offset, slots["norm"].offset,
+            slots["emb"].offset + 512)
     master = torch.randn(layout.numel)
     stream = grads(layout, 4, seed=1)
     one = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD, native=native), layout,

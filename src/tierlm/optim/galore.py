@@ -66,6 +66,11 @@ def project_back(low: torch.Tensor, proj: torch.Tensor, shape: tuple[int, ...]) 
     return low @ proj if shape[0] >= shape[1] else proj @ low
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else t.clone(
+        memory_format=torch.contiguous_format)
+
+
 def galore_step(w: torch.Tensor, g: torch.Tensor, proj: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, count: float, *, lr: float, betas: tuple[float, float],
                 eps: float, weight_decay: float, scale: float, rank: int, update_every: int
@@ -73,12 +78,13 @@ def galore_step(w: torch.Tensor, g: torch.Tensor, proj: torch.Tensor, exp_avg: t
     """One GaLore AdamW step on matrix `w` (rows, cols) in place, step number `count` (from 1);
     `proj`, `exp_avg`, `exp_avg_sq` are its state, in their own shapes."""
     beta1, beta2 = betas
-    # fresh copies for LAPACK/BLAS: their results can depend on a buffer's alignment, and a
-    # parameter's part of a flat buffer starts anywhere; the twin must see the same bits
-    g = g.clone()
+    # LAPACK/BLAS results can depend on a buffer's alignment, and a parameter's part of a flat
+    # buffer starts anywhere: copy such parts to fresh (64-byte aligned) memory, so the flat
+    # optimizer and its twin hand the kernels the same bits at the same alignment
+    g = _aligned(g)
     if (count - 1) % update_every == 0:
         proj.copy_(new_projection(g, rank))
-    p = proj.clone()
+    p = _aligned(proj)
     r = project(g, p)
     exp_avg.mul_(beta1).add_(r, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(r, r, value=1 - beta2)
@@ -130,11 +136,15 @@ class FlatGaLoreAdamW(FlatOptimizer):
         def moment_shape_of(p: ParamSlot) -> tuple[int, ...]:
             return moment_shape(p.shape, rank) if projected(p.shape, p.decay) else p.shape
 
+        # not averaged across ranks: under delayed sync each rank projects its own gradient,
+        # and moments in different bases do not average
         self.slots = (
             StateSlot("projection", numel_of=proj_numel, shape_of=proj_shape, block=0,
                       average=False),
-            StateSlot("exp_avg", numel_of=moment_numel, shape_of=moment_shape_of, block=0),
-            StateSlot("exp_avg_sq", numel_of=moment_numel, shape_of=moment_shape_of, block=0),
+            StateSlot("exp_avg", numel_of=moment_numel, shape_of=moment_shape_of, block=0,
+                      average=False),
+            StateSlot("exp_avg_sq", numel_of=moment_numel, shape_of=moment_shape_of, block=0,
+                      average=False),
         )
 
     def update_range(self, layout: FlatLayout, lo: int, master: torch.Tensor,
