@@ -360,3 +360,38 @@ def test_galore_full_rank_in_the_gradients_basis_is_adamw():
         ref.step()
     torch.testing.assert_close(flat.master.view(rows, cols), w.detach(), rtol=1e-6, atol=1e-7)
     assert math.prod(flat.opt.slots[0].param_shape(layout.slots[0])) == cols * cols
+
+
+# ---- resume (the reference trainer's optimizers) ----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["AdamW8bit", "GaLoreAdamW"])
+def test_per_parameter_optimizer_resumes_bit_for_bit(kind):
+    """3 steps, a state_dict through torch.save, a new optimizer loading it, 2 more steps:
+    equal to 5 uninterrupted steps (AdamW8bit's codes survive torch's dtype cast on load)."""
+    import io
+
+    layout = FlatLayout(SHAPES)
+    master = torch.randn(layout.numel)
+    stream = grads(layout, 5, seed=9)
+
+    def build(params):
+        if kind == "AdamW8bit":
+            return AdamW8bit(groups_of(layout, params), lr=LR, betas=BETAS, eps=EPS)
+        return GaLoreAdamW(groups_of(layout, params, galore=True), lr=LR, betas=BETAS, eps=EPS,
+                           rank=RANK, update_every=EVERY, scale=SCALE)
+
+    whole = twin_params(layout, master)
+    run_twin(build(whole), layout, whole, stream)
+    first = twin_params(layout, master)
+    opt = build(first)
+    run_twin(opt, layout, first, stream[:3])
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    resumed = {n: torch.nn.Parameter(p.detach().clone()) for n, p in first.items()}
+    opt = build(resumed)
+    opt.load_state_dict(torch.load(buf))
+    run_twin(opt, layout, resumed, stream[3:])
+    for n in whole:
+        assert torch.equal(whole[n].detach(), resumed[n].detach()), n

@@ -114,6 +114,8 @@ def step_span(p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor, qv: torch.Tens
                       qv[a:].view(1, -1), sm[full:], sv[full:], h)
 
 
+_CODE_DTYPES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
 SLOTS = (
     StateSlot("exp_avg", torch.int8, shape_of=_param_shape, average=False),
     StateSlot("exp_avg_sq", torch.uint8, shape_of=_param_shape, average=False),
@@ -183,6 +185,16 @@ class AdamW8bit(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.native = native
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim.Optimizer casts every loaded state tensor but `step` to the parameter's
+        dtype; the codes go back to their 8-bit types (their values are small integers, so
+        the round trip through fp32 is exact)."""
+        super().load_state_dict(state_dict)
+        for st in self.state.values():
+            for name, dtype in _CODE_DTYPES.items():
+                if name in st:
+                    st[name] = st[name].to(dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:

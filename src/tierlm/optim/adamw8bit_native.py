@@ -125,8 +125,10 @@ def run(fn: ctypes._CFuncPtr, p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor
         qv: torch.Tensor, sm: torch.Tensor, sv: torch.Tensor, h: torch.Tensor) -> None:
     """One call over a span: flat contiguous CPU tensors, p/g/qm/qv of n elements, sm/sv of
     ceil(n/256), `h` the 10 fp32 scalars listed in the C source."""
-    for t in (p, g, qm, qv, sm, sv, h):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("the 8-bit AdamW C kernel takes contiguous CPU tensors")
+    dtypes = (torch.float32, torch.float32, torch.int8, torch.uint8) + (torch.float32,) * 3
+    for t, dtype in zip((p, g, qm, qv, sm, sv, h), dtypes, strict=True):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != dtype:
+            raise ValueError("the 8-bit AdamW C kernel takes contiguous CPU tensors: fp32 "
+                             "master, gradient and scales, int8 and uint8 codes")
     fn(p.data_ptr(), g.data_ptr(), qm.data_ptr(), qv.data_ptr(), sm.data_ptr(), sv.data_ptr(),
        p.numel(), h.data_ptr(), torch.get_num_threads())
