@@ -83,11 +83,20 @@ _lock = threading.Lock()
 _loaded: list = []  # [function or None] once tried
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _build() -> ctypes._CFuncPtr | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc).encode()).hexdigest()[:16]
+    # -march=native: the build is this CPU's, so its flags are part of the cache key
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc + _cpu_flags()).encode()).hexdigest()[:16]
     folder = os.path.join(tempfile.gettempdir(), f"tierlm-kernels-{os.getuid()}")
     lib = os.path.join(folder, f"adamw8bit-{key}.so")
     if not os.path.exists(lib):
