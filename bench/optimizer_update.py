@@ -15,9 +15,7 @@ Rows:
 - GaLore rank r: `FlatGaLoreAdamW` on a step without a projection refresh; the refresh step
   (one SVD per matrix) is timed once, on one matrix, and reported per matrix and amortised
   over `--update-every` steps.
-- Adafactor, Lion: stand-ins until the flat versions land (another change ports them):
-  `torch.optim.Adafactor` on the matrices as parameters, and a Lion (Chen et al. 2023) in
-  whole-buffer torch ops written here.
+- Lion, Adafactor: the runtime's `FlatLion` and `FlatAdafactor`.
 """
 
 from __future__ import annotations
@@ -30,12 +28,16 @@ from collections.abc import Callable
 import torch
 from torch.optim.adam import adam
 
+from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
+from tierlm.optim.adafactor import FlatAdafactor
 from tierlm.optim.adamw8bit import FlatAdamW8bit
 from tierlm.optim.flat import FlatOptimizer
 from tierlm.optim.galore import FlatGaLoreAdamW, galore_step
+from tierlm.optim.lion import FlatLion
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+CFG = OptimConfig(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
 
 
 def flat_state(opt: FlatOptimizer, layout: FlatLayout) -> dict[str, torch.Tensor]:
@@ -72,22 +74,21 @@ def main() -> None:
              decoupled_weight_decay=True, amsgrad=False, beta1=BETAS[0], beta2=BETAS[1], lr=LR,
              weight_decay=WD, eps=EPS, maximize=False)
 
-    q8 = FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD)
+    q8 = FlatAdamW8bit(CFG)
     q8_state = flat_state(q8, layout)
 
     def adamw8bit() -> None:
         q8.update_range(layout, 0, master, grad, q8_state, steps, LR)
 
     eager_layout = FlatLayout([("w", (args.eager_numel,), True)])
-    q8e = FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD, native=False)
+    q8e = FlatAdamW8bit(CFG, native=False)
     q8e_state = flat_state(q8e, eager_layout)
 
     def adamw8bit_eager() -> None:
         q8e.update_range(eager_layout, 0, master[: args.eager_numel], grad[: args.eager_numel],
                          q8e_state, steps, LR)
 
-    galore = FlatGaLoreAdamW(rank=args.rank, update_every=args.update_every, betas=BETAS,
-                             eps=EPS, weight_decay=WD)
+    galore = FlatGaLoreAdamW(CFG, rank=args.rank, update_every=args.update_every, scale=0.25)
     galore_state = flat_state(galore, layout)
     galore_steps = [torch.ones(())]  # step 2: no refresh (the projection stays zero: same work)
 
@@ -95,25 +96,20 @@ def main() -> None:
         galore.update_range(layout, 0, master, grad, galore_state, galore_steps, LR)
 
     views = layout.views(master)
-    params = [torch.nn.Parameter(v) for v in views.values()]
-    for p, g in zip(params, layout.views(grad).values(), strict=True):
-        p.grad = g
-    adafactor = torch.optim.Adafactor(params, lr=LR, weight_decay=WD)
-    lion_m = torch.zeros(numel)
 
-    def lion() -> None:
-        # sign(beta1 m + (1 - beta1) g), decoupled decay; then m <- beta2 m + (1 - beta2) g
-        update = lion_m.mul(BETAS[0]).add_(grad, alpha=1 - BETAS[0]).sign_()
-        master.mul_(1 - LR * WD).add_(update, alpha=-LR)
-        lion_m.mul_(BETAS[1]).add_(grad, alpha=1 - BETAS[1])
+    def flat(opt: FlatOptimizer) -> Callable[[], None]:
+        state = flat_state(opt, layout)
+        return lambda: opt.update_range(layout, 0, master, grad, state, steps, LR)
+
+    lion, adafactor = flat(FlatLion(CFG)), flat(FlatAdafactor(CFG))
 
     rows: list[tuple[str, int, Callable[[], None]]] = [
         ("fused AdamW (fp32)", numel, fused),
         ("AdamW8bit (C kernel)", numel, adamw8bit),
         ("AdamW8bit (eager fallback)", args.eager_numel, adamw8bit_eager),
         (f"GaLore rank {args.rank}, step without refresh", numel, galore_normal),
-        ("torch.optim.Adafactor (stand-in)", numel, adafactor.step),
-        ("Lion, torch ops (stand-in)", numel, lion),
+        ("Lion (FlatLion)", numel, lion),
+        ("Adafactor (FlatAdafactor)", numel, adafactor),
     ]
     for _, _, fn in rows:  # warm-up: first-touch pages, kernel build
         fn()

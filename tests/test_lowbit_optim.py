@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
 from tierlm.optim import adamw8bit_native
 from tierlm.optim.adamw8bit import (
@@ -30,6 +31,7 @@ SHAPES = [  # (name, shape, decay): whole blocks, short last blocks, a block-siz
     ("emb", (40, 20), False),
 ]
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+CFG = OptimConfig(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
 NATIVE = [False] + ([True] if adamw8bit_native.kernel() is not None else [])
 
 
@@ -95,8 +97,7 @@ def test_adamw8bit_flat_equals_per_parameter_twin(native):
     layout = FlatLayout(SHAPES)
     master = torch.randn(layout.numel)
     stream = grads(layout, 6)
-    flat = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD, native=native), layout,
-                master)
+    flat = Flat(FlatAdamW8bit(CFG, native=native), layout, master)
     for g in stream:
         flat.step(g)
     params = twin_params(layout, master)
@@ -121,10 +122,8 @@ def test_adamw8bit_chunked_update_equals_one_call(native):
             slots["emb"].offset + 512)
     master = torch.randn(layout.numel)
     stream = grads(layout, 4, seed=1)
-    one = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD, native=native), layout,
-               master)
-    chunked = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD, native=native), layout,
-                   master)
+    one = Flat(FlatAdamW8bit(CFG, native=native), layout, master)
+    chunked = Flat(FlatAdamW8bit(CFG, native=native), layout, master)
     for g in stream:
         one.step(g)
         chunked.step(g, cuts)
@@ -141,8 +140,7 @@ def test_adamw8bit_native_kernel_agrees_with_eager():
     master = torch.randn(layout.numel)
     runs = []
     for native in (False, True):
-        flat = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD, native=native), layout,
-                    master)
+        flat = Flat(FlatAdamW8bit(CFG, native=native), layout, master)
         for g in grads(layout, 3, seed=2):
             flat.step(g)
         runs.append(flat)
@@ -178,7 +176,7 @@ def test_adamw8bit_moments_within_quantisation_error_of_fp32_adamw():
     layout = FlatLayout(SHAPES)
     master = torch.randn(layout.numel)
     stream = grads(layout, 20, seed=3)
-    flat = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD), layout, master)
+    flat = Flat(FlatAdamW8bit(CFG), layout, master)
     for g in stream:
         flat.step(g)
     params = twin_params(layout, master)
@@ -211,7 +209,7 @@ def test_adamw8bit_close_to_torchao():
     layout = FlatLayout([("w", (64, 128), True)])  # torchao quantises numel >= 4096 only
     master = torch.randn(layout.numel)
     stream = grads(layout, 20, seed=4)
-    flat = Flat(FlatAdamW8bit(betas=BETAS, eps=EPS, weight_decay=WD), layout, master)
+    flat = Flat(FlatAdamW8bit(CFG), layout, master)
     for g in stream:
         flat.step(g)
     w = torch.nn.Parameter(master.view(64, 128).clone())
@@ -237,7 +235,7 @@ def test_adamw8bit_close_to_torchao():
 
 def test_adamw8bit_slots_count_bytes():
     layout = FlatLayout(SHAPES)
-    opt = FlatAdamW8bit()
+    opt = FlatAdamW8bit(CFG)
     blocks = sum(n_blocks(p.numel) for p in layout.slots)
     assert opt.state_nbytes(layout) == 2 * layout.numel + 8 * blocks
     assert opt.slots[2].range(layout, 0, 1024) == (0, 4)
@@ -252,8 +250,7 @@ def test_galore_flat_equals_per_parameter_twin():
     layout = FlatLayout(SHAPES)
     master = torch.randn(layout.numel)
     stream = grads(layout, 5, seed=5)
-    opt = FlatGaLoreAdamW(rank=RANK, update_every=EVERY, scale=SCALE, betas=BETAS, eps=EPS,
-                          weight_decay=WD)
+    opt = FlatGaLoreAdamW(CFG, rank=RANK, update_every=EVERY, scale=SCALE)
     flat = Flat(opt, layout, master)
     for g in stream:
         flat.step(g)
@@ -301,8 +298,8 @@ def test_galore_matches_handwritten_reference(shape):
     layout = FlatLayout([("w", shape, True)])
     master = torch.randn(layout.numel)
     stream = grads(layout, 5, seed=6)
-    flat = Flat(FlatGaLoreAdamW(rank=RANK, update_every=EVERY, scale=SCALE, betas=BETAS,
-                                eps=EPS, weight_decay=WD), layout, master)
+    flat = Flat(FlatGaLoreAdamW(CFG, rank=RANK, update_every=EVERY, scale=SCALE), layout,
+                master)
     for g in stream:
         flat.step(g)
     ref = reference_galore(master.view(shape), [g.view(shape) for g in stream], rank=RANK,
@@ -319,8 +316,9 @@ def test_galore_matches_galore_torch(shape):
     layout = FlatLayout([("w", shape, True)])
     master = torch.randn(layout.numel)
     stream = grads(layout, 5, seed=7)
-    flat = Flat(FlatGaLoreAdamW(rank=RANK, update_every=EVERY, scale=SCALE, betas=BETAS,
-                                eps=0.0, weight_decay=0.0), layout, master)
+    cfg = OptimConfig(beta1=BETAS[0], beta2=BETAS[1], eps=0.0, weight_decay=0.0)
+    flat = Flat(FlatGaLoreAdamW(cfg, rank=RANK, update_every=EVERY, scale=SCALE), layout,
+                master)
     for g in stream:
         flat.step(g)
     w = torch.nn.Parameter(master.view(shape).clone())
@@ -349,8 +347,7 @@ def test_galore_full_rank_in_the_gradients_basis_is_adamw():
     proj = new_projection(stream[0].view(rows, cols), rank=64)
     torch.testing.assert_close(proj @ proj.T, torch.eye(cols), atol=1e-6, rtol=0)
     master = torch.randn(layout.numel)
-    flat = Flat(FlatGaLoreAdamW(rank=64, update_every=1, scale=1.0, betas=BETAS, eps=EPS,
-                                weight_decay=WD), layout, master)
+    flat = Flat(FlatGaLoreAdamW(CFG, rank=64, update_every=1, scale=1.0), layout, master)
     for g in stream:
         flat.step(g)
     w = torch.nn.Parameter(master.view(rows, cols).clone())

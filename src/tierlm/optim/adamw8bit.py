@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierlm.memory.layout import FlatLayout, ParamSlot
 from tierlm.optim import adamw8bit_native
 from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in
+
+if TYPE_CHECKING:
+    from tierlm.config import OptimConfig
 
 BLOCK = 256
 _CHUNK_BLOCKS = 4096  # eager kernel: 1M elements per call, so its temporaries stay in cache
@@ -125,16 +129,18 @@ SLOTS = (
 
 
 class FlatAdamW8bit(FlatOptimizer):
-    """8-bit AdamW over a segment's flat state (see the module's comment). `native=False` runs
-    the eager PyTorch kernel (same bits, several times slower)."""
+    """8-bit AdamW over a segment's flat state (see the module's comment): beta1, beta2, eps and
+    weight decay from `cfg`. `native=False` runs the eager PyTorch kernel (the same operations,
+    several times slower)."""
 
     name = "AdamW8bit"
+    # the per-parameter twin's state keys, so either runtime resumes the other's checkpoint
     slots = SLOTS
     align = BLOCK
 
-    def __init__(self, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, native: bool = True) -> None:
-        self.betas, self.eps, self.weight_decay, self.native = betas, eps, weight_decay, native
+    def __init__(self, cfg: OptimConfig, *, native: bool = True) -> None:
+        super().__init__(cfg)
+        self.native = native
 
     def update_range(self, layout: FlatLayout, lo: int, master: torch.Tensor,
                      grad: torch.Tensor, state: dict[str, torch.Tensor],
@@ -146,7 +152,8 @@ class FlatAdamW8bit(FlatOptimizer):
         s0 = SLOTS[2].range(layout, lo, hi)[0]
         for p, a, b, first_scale in _spans(params_in(layout, lo, hi), scale_at):
             g = groups.index(p.decay)
-            h = _hyper(lr, *self.betas, self.eps, self.weight_decay if p.decay else 0.0,
+            h = _hyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps,
+                       self.cfg.weight_decay if p.decay else 0.0,
                        float(steps[g]) + 1).to(master.device)
             e0, e1 = a - lo, b - lo
             k0 = first_scale - s0
@@ -212,13 +219,15 @@ class AdamW8bit(torch.optim.Optimizer):
                 if not st:
                     nb = n_blocks(p.numel())
                     st["step"] = torch.zeros((), dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros(p.numel(), dtype=torch.int8, device=p.device)
-                    st["exp_avg_sq"] = torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
+                    # codes in the parameter's shape, as the flat slots store them in checkpoints
+                    st["exp_avg"] = torch.zeros_like(p, dtype=torch.int8)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
                     st["exp_avg_scale"] = torch.zeros(nb, device=p.device)
                     st["exp_avg_sq_scale"] = torch.zeros(nb, device=p.device)
                 h = _hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"],
                            float(st["step"]) + 1).to(p.device)
                 flat = p.view(-1)
-                step_span(flat, p.grad.reshape(-1).contiguous(), st["exp_avg"], st["exp_avg_sq"],
-                          st["exp_avg_scale"], st["exp_avg_sq_scale"], h, self.native)
+                step_span(flat, p.grad.reshape(-1).contiguous(), st["exp_avg"].view(-1),
+                          st["exp_avg_sq"].view(-1), st["exp_avg_scale"], st["exp_avg_sq_scale"],
+                          h, self.native)
                 st["step"].add_(1)

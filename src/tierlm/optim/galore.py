@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.adam import adam
 
 from tierlm.memory.layout import FlatLayout, ParamSlot
 from tierlm.optim.flat import FlatOptimizer, StateSlot
+
+if TYPE_CHECKING:
+    from tierlm.config import OptimConfig
 
 
 def projected(shape: tuple[int, ...], decay: bool) -> bool:
@@ -108,19 +112,24 @@ def adamw_step(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Te
 
 
 class FlatGaLoreAdamW(FlatOptimizer):
-    """GaLore AdamW over a segment's flat state (see the module's comment). Not rangeable
-    (`align = 0`): the projection needs a whole matrix's gradient."""
+    """GaLore AdamW over a segment's flat state (see the module's comment): beta1, beta2, eps
+    and weight decay from `cfg`; rank, refresh interval and scale as given, else from `cfg`
+    (`--optim.galore_rank`, `--optim.galore_update_every`, `--optim.galore_scale`). Not
+    rangeable (`align = 0`): the projection needs a whole matrix's gradient."""
 
     name = "GaLoreAdamW"
     align = 0
 
-    def __init__(self, *, rank: int = 128, update_every: int = 200, scale: float = 0.25,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(self, cfg: OptimConfig, *, rank: int | None = None,
+                 update_every: int | None = None, scale: float | None = None) -> None:
+        super().__init__(cfg)
+        rank = cfg.galore_rank if rank is None else rank
+        update_every = cfg.galore_update_every if update_every is None else update_every
+        scale = cfg.galore_scale if scale is None else scale
         if rank < 1 or update_every < 1:
             raise ValueError("--optim.galore_rank and --optim.galore_update_every must be >= 1")
         self.rank, self.update_every, self.scale = rank, update_every, scale
-        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.betas = (cfg.beta1, cfg.beta2)
 
         def proj_numel(p: ParamSlot) -> int:
             return math.prod(projection_shape(p.shape, rank)) if projected(p.shape, p.decay) else 0
@@ -156,21 +165,22 @@ class FlatGaLoreAdamW(FlatOptimizer):
         w = layout.views(master)
         g = layout.views(grad)
         proj, m, v = (s.views(layout, state[s.name]) for s in self.slots)
+        eps = self.cfg.eps
         for (_, _, decay), step in zip(layout.groups(), steps, strict=True):
-            wd = self.weight_decay if decay else 0.0
+            wd = self.cfg.weight_decay if decay else 0.0
             plain = []
             for p in layout.slots:
                 if p.decay != decay:
                     continue
                 if projected(p.shape, p.decay):
                     galore_step(w[p.name], g[p.name], proj[p.name], m[p.name], v[p.name],
-                                float(step) + 1, lr=lr, betas=self.betas, eps=self.eps,
+                                float(step) + 1, lr=lr, betas=self.betas, eps=eps,
                                 weight_decay=wd, scale=self.scale, rank=self.rank,
                                 update_every=self.update_every)
                 else:
                     plain.append(p.name)
             adamw_step([w[n] for n in plain], [g[n] for n in plain], [m[n] for n in plain],
-                       [v[n] for n in plain], step, lr=lr, betas=self.betas, eps=self.eps,
+                       [v[n] for n in plain], step, lr=lr, betas=self.betas, eps=eps,
                        weight_decay=wd)
 
 
