@@ -193,16 +193,6 @@ class AdamW8bit(torch.optim.Optimizer):
                                   "weight_decay": weight_decay})
         self.native = native
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch.optim.Optimizer casts every loaded state tensor but `step` to the parameter's
-        dtype; the codes go back to their 8-bit types (their values are small integers, so
-        the round trip through fp32 is exact)."""
-        super().load_state_dict(state_dict)
-        for st in self.state.values():
-            for name, dtype in _CODE_DTYPES.items():
-                if name in st:
-                    st[name] = st[name].to(dtype)
-
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
         if closure is not None:
@@ -224,6 +214,12 @@ class AdamW8bit(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8)
                     st["exp_avg_scale"] = torch.zeros(nb, device=p.device)
                     st["exp_avg_sq_scale"] = torch.zeros(nb, device=p.device)
+                for name, dtype in _CODE_DTYPES.items():
+                    # loaders (torch.optim.Optimizer.load_state_dict, the reference trainer's
+                    # resume) cast state to the parameter's dtype; the codes are small
+                    # integers, so the round trip through fp32 is exact
+                    if st[name].dtype != dtype:
+                        st[name] = st[name].to(dtype)
                 h = _hyper(group["lr"], *group["betas"], group["eps"], group["weight_decay"],
                            float(st["step"]) + 1).to(p.device)
                 flat = p.view(-1)
