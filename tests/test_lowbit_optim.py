@@ -11,7 +11,7 @@ import torch
 
 from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
-from tierlm.optim import OPTIMIZERS, adamw8bit_native
+from tierlm.optim import adamw8bit_native
 from tierlm.optim.adamw8bit import (
     AdamW8bit,
     FlatAdamW8bit,
@@ -397,29 +397,15 @@ def test_per_parameter_optimizer_resumes_bit_for_bit(kind):
 # ---- on the tiered runtime ----------------------------------------------------------------
 
 
-def _register(name: str, monkeypatch) -> OptimConfig:
-    """Put the optimizer under `--opt name` for this test (the registry's wiring is another
-    change's): the reference trainer's twin and the runtime's flat optimizer."""
-
-    def adamw8bit(groups, cfg):
-        return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-    def galore(groups, cfg):
-        groups[0]["galore"] = True  # the weight-decay group: the linear weights
-        return GaLoreAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                           rank=RANK, update_every=EVERY, scale=SCALE)
-
-    entries = {
-        "AdamW8bit": (adamw8bit, FlatAdamW8bit),
-        "GaLoreAdamW": (galore, lambda cfg: FlatGaLoreAdamW(cfg, rank=RANK, update_every=EVERY,
-                                                             scale=SCALE)),
-    }
-    monkeypatch.setitem(OPTIMIZERS, name, entries[name])
-    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1)
+def _config(name: str) -> OptimConfig:
+    """`--opt name` as the registry builds it (tierlm.optim.build.OPTIMIZERS): the reference
+    trainer's twin and the runtime's flat optimizer, GaLore at a small rank that refreshes."""
+    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, galore_rank=RANK,
+                       galore_update_every=EVERY, galore_scale=SCALE)
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "GaLoreAdamW"])
-def test_runtime_matches_reference_trainer(name, tmp_path, monkeypatch):
+def test_runtime_matches_reference_trainer(name, tmp_path):
     """4 steps of tiny Llama, clipping active, every segment's state on disk (updated in chunks
     of 1024 elements where the optimizer allows), layer-outer, against the per-parameter twin
     on the reference trainer: the same losses, weights and state (the host tier and the other
@@ -431,7 +417,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path, monkeypatch):
     from tierlm.runtime import Engine, EngineOptions
     from tierlm.train.reference import ReferenceStep
 
-    cfg = _register(name, monkeypatch)
+    cfg = _config(name)
     clip, m, steps_n = 0.05, 2, 4
     base = tiny_model("llama_tied_gqa", layers=2)
     steps, lrs = batches(steps_n, m), [cfg.lr * (1 - 0.1 * i) for i in range(steps_n)]

@@ -88,11 +88,14 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: Literal["AdamW", "Lion", "Adafactor"] = "AdamW"
+    name: Literal["AdamW", "Lion", "Adafactor", "AdamW8bit", "GaLoreAdamW"] = "AdamW"
     """Optimizer (--opt), the same on the reference trainer and the tiered runtime. AdamW uses
     beta1, beta2 and eps; Lion uses beta1 (the update's interpolation) and beta2 (the moment's
     decay), whose usual values are 0.9 and 0.99 with an lr 3-10x smaller than AdamW's; Adafactor
-    ignores betas and eps (torch.optim.Adafactor's beta2_decay -0.8, eps (None, 1e-3), d 1)."""
+    ignores betas and eps (torch.optim.Adafactor's beta2_decay -0.8, eps (None, 1e-3), d 1).
+    AdamW8bit: AdamW with both moments in 8 bits per element plus an fp32 scale per block of 256
+    (2 B/param of state instead of 8). GaLoreAdamW: AdamW whose moments for the linear weights
+    live in a rank-`galore_rank` projection of their gradient."""
     lr: float = 1e-3
     """Peak learning rate after warm-up (--lr)."""
     min_lr_ratio: float = 0.1
@@ -109,6 +112,14 @@ class OptimConfig:
     """Denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    galore_rank: int = 128
+    """GaLoreAdamW: rank of the moments' projection (full rank where a weight has fewer rows
+    or columns)."""
+    galore_update_every: int = 200
+    """GaLoreAdamW: optimizer steps between refreshes of the projection (an SVD of each
+    linear weight's gradient; the first step computes it)."""
+    galore_scale: float = 0.25
+    """GaLoreAdamW: factor on the update projected back to the weight's shape."""
 
 
 @dataclass(kw_only=True)
@@ -677,6 +688,8 @@ def validate(cfg: Config) -> None:
     _positive("monitor.log_every", cfg.monitor.log_every)
     _check_trace_step(cfg)
     _positive("optim.lr", cfg.optim.lr, "--lr")
+    _positive("optim.galore_rank", cfg.optim.galore_rank)
+    _positive("optim.galore_update_every", cfg.optim.galore_update_every)
     _positive("memory.disk_endurance_tbw", cfg.memory.disk_endurance_tbw, "--disk-endurance-tbw")
     if cfg.data.vocab_size < 260:
         raise ConfigError("data.vocab_size: must be >= 260 (256 bytes + special tokens)")

@@ -14,8 +14,10 @@ from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
 from tierlm.optim import adafactor
 from tierlm.optim.adafactor import FlatAdafactor
+from tierlm.optim.adamw8bit import AdamW8bit, FlatAdamW8bit
 from tierlm.optim.flat import FlatOptimizer
 from tierlm.optim.flat_adamw import FlatAdamW
+from tierlm.optim.galore import FlatGaLoreAdamW, GaLoreAdamW
 from tierlm.optim.lion import FlatLion, Lion
 
 
@@ -58,12 +60,25 @@ def _adafactor(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
                                  eps=adafactor.EPS, d=adafactor.D)
 
 
+def _adamw8bit(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    return AdamW8bit(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def _galore(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups[0]["galore"] = True  # the weight-decay group: the linear weights (param_groups)
+    return GaLoreAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                       rank=cfg.galore_rank, update_every=cfg.galore_update_every,
+                       scale=cfg.galore_scale)
+
+
 # --opt name -> (the reference trainer's optimizer, the tiered runtime's)
 OPTIMIZERS: dict[str, tuple[Callable[[list[dict], OptimConfig], torch.optim.Optimizer],
                             type[FlatOptimizer]]] = {
     "AdamW": (_adamw, FlatAdamW),
     "Lion": (_lion, FlatLion),
     "Adafactor": (_adafactor, FlatAdafactor),
+    "AdamW8bit": (_adamw8bit, FlatAdamW8bit),
+    "GaLoreAdamW": (_galore, FlatGaLoreAdamW),
 }
 
 
