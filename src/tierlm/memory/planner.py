@@ -104,14 +104,11 @@ class ModelShape:
         from tierlm.memory.layout import FlatLayout
         from tierlm.models import build_model
         from tierlm.models.adapters import ModelAdapter
-        from tierlm.optim import build_flat_optimizer
-
         model = build_model(config, device="meta")
         adapter = ModelAdapter(model)
         segs = adapter.segments
         names = [s.name for s in segs]
         numels = [sum(p.numel() for _, p, _ in s.params) for s in segs]
-        optimizer = build_flat_optimizer(optim or OptimConfig())
         layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
         tied = sum(
             p.numel() for n, p, _ in segs[0].params if n in getattr(segs[-1], "borrowed", {})
@@ -126,13 +123,22 @@ class ModelShape:
             n_layers=len(segs) - 2,
             block_saved_bytes_per_token=saved,
             head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
-            optim_state_bytes=[optimizer.state_nbytes(lay) for lay in layouts],
-            optim_name=optimizer.name,
-            optim_whole=optimizer.align == 0,
+            **optimizer_fields(layouts, optim or OptimConfig()),
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
             matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
         )
+
+    def with_optimizer(self, config: Any, optim: Any) -> ModelShape:
+        """This shape under another optimizer (`optim`: an OptimConfig) for the same model
+        `config`: only the optimizer's fields differ."""
+        from tierlm.memory.layout import FlatLayout
+        from tierlm.models import build_model
+        from tierlm.models.adapters import ModelAdapter
+
+        segs = ModelAdapter(build_model(config, device="meta")).segments
+        layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
+        return dataclasses.replace(self, **optimizer_fields(layouts, optim))
 
     def wire_bytes(self, s: int, precision: str) -> int | None:
         """Bytes of segment `s`'s compute copy, the form its weights are kept in (host RAM or
@@ -149,6 +155,15 @@ class ModelShape:
             return 2 * mat + 4 * (n - mat)
         scales = 0 if self.matrix_counts is None else 4 * self.matrix_counts[s]
         return mat + scales + 4 * (n - mat)
+
+
+def optimizer_fields(layouts: list, optim: Any) -> dict[str, Any]:
+    """ModelShape's optimizer fields for segments with these flat layouts under `optim`."""
+    from tierlm.optim import build_flat_optimizer
+
+    optimizer = build_flat_optimizer(optim)
+    return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
+            "optim_name": optimizer.name, "optim_whole": optimizer.align == 0}
 
 
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:

@@ -1,6 +1,6 @@
-"""The 8-bit AdamW block kernel in C, built with the system compiler on first use and loaded with
-ctypes; `kernel()` returns None where no compiler is found or the build fails, and the caller
-runs the eager PyTorch kernel instead.
+"""The 8-bit AdamW block kernel (and Lion's update) in C, built with the system compiler on first
+use and loaded with ctypes; `kernel()` (`lion_kernel()`) returns None where no compiler is found
+or the build fails, and the caller runs the eager PyTorch kernel instead.
 
 Why C: the update is compute-bound (dequantise, two moment updates, two block maxima,
 requantise, the Adam step), and eager PyTorch makes a pass over memory per operation; Inductor
@@ -73,6 +73,21 @@ void adamw8bit_blocks(float *p, const float *g, int8_t *qm, uint8_t *qv, float *
         }
     }
 }
+
+/* Lion (tierlm.optim.lion): one pass where eager PyTorch makes eight over memory; the same
+   operations in the same order, each rounded to fp32 (no contraction), so the two agree bit for
+   bit. h: beta1, 1-beta1, beta2, 1-beta2, decay factor (1 where no decay), lr */
+void lion_update(float *p, const float *g, float *m, int64_t n, const float *h, int nthreads) {
+    const float b1 = h[0], w1 = h[1], b2 = h[2], w2 = h[3], decay = h[4], lr = h[5];
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i], mi = m[i];
+        const float c = mi * b1 + gi * w1;
+        const float s = (float)((c > 0.0f) - (c < 0.0f));
+        p[i] = p[i] * decay - s * lr;
+        m[i] = mi * b2 + gi * w2;
+    }
+}
 """
 
 # no contraction: the rounding stays the eager kernel's; finite math without signed zeros lets
@@ -91,17 +106,17 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build() -> ctypes._CFuncPtr | None:
+def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
     # -march=native: the build is this CPU's, so its flags are part of the cache key
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc + _cpu_flags()).encode()).hexdigest()[:16]
     folder = os.path.join(tempfile.gettempdir(), f"tierlm-kernels-{os.getuid()}")
-    lib = os.path.join(folder, f"adamw8bit-{key}.so")
+    lib = os.path.join(folder, f"optim-{key}.so")
     if not os.path.exists(lib):
         os.makedirs(folder, exist_ok=True)
-        src = os.path.join(folder, f"adamw8bit-{key}.c")
+        src = os.path.join(folder, f"optim-{key}.c")
         with open(src, "w") as f:
             f.write(_SOURCE)
         tmp = f"{lib}.{os.getpid()}"
@@ -111,14 +126,29 @@ def _build() -> ctypes._CFuncPtr | None:
                   f"kernel:\n{done.stderr[-2000:]}", file=sys.stderr)
             return None
         os.replace(tmp, lib)  # atomic: concurrent builders each publish a whole file
-    fn = ctypes.CDLL(lib).adamw8bit_blocks
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    return fn
+    dll = ctypes.CDLL(lib)
+    dll.adamw8bit_blocks.restype = None
+    dll.adamw8bit_blocks.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p,
+                                                              ctypes.c_int]
+    dll.lion_update.restype = None
+    dll.lion_update.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
+                                                         ctypes.c_int]
+    return dll
 
 
 def kernel() -> ctypes._CFuncPtr | None:
-    """The compiled block kernel, or None where it cannot be built here."""
+    """The compiled 8-bit AdamW block kernel, or None where it cannot be built here."""
+    dll = _library()
+    return None if dll is None else dll.adamw8bit_blocks
+
+
+def lion_kernel() -> ctypes._CFuncPtr | None:
+    """The compiled Lion update, or None where it cannot be built here."""
+    dll = _library()
+    return None if dll is None else dll.lion_update
+
+
+def _library() -> ctypes.CDLL | None:
     with _lock:
         if not _loaded:
             try:
@@ -141,3 +171,14 @@ def run(fn: ctypes._CFuncPtr, p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor
                              "master, gradient and scales, int8 and uint8 codes")
     fn(p.data_ptr(), g.data_ptr(), qm.data_ptr(), qv.data_ptr(), sm.data_ptr(), sv.data_ptr(),
        p.numel(), h.data_ptr(), torch.get_num_threads())
+
+
+def run_lion(fn: ctypes._CFuncPtr, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor,
+             h: torch.Tensor) -> None:
+    """Lion over flat contiguous fp32 CPU tensors of equal size; `h` the 6 fp32 scalars listed
+    in the C source."""
+    for t in (p, g, m, h):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.float32:
+            raise ValueError("the Lion C kernel takes contiguous fp32 CPU tensors")
+    fn(p.data_ptr(), g.data_ptr(), m.data_ptr(), p.numel(), h.data_ptr(),
+       torch.get_num_threads())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tierlm.memory.layout import FlatLayout
+from tierlm.optim import adamw8bit_native as native
 from tierlm.optim.flat import FlatOptimizer, StateSlot
 
 
@@ -23,11 +24,19 @@ def lion_update(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, *, lr: float, beta1: float, beta2: float,
     weight_decay: float,
 ) -> None:
-    """One Lion step on tensors of any (equal) shape, in place on `p` and `m`."""
+    """One Lion step on contiguous tensors of any (equal) shape, in place on `p` and `m`: one
+    pass of the C kernel on the CPU (tierlm.optim.adamw8bit_native; eager PyTorch makes eight
+    passes and allocates three temporaries, measured 10x slower than fused AdamW), the same
+    operations in PyTorch elsewhere. Both round every operation to fp32 alike."""
+    fn = native.lion_kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
+    if fn is not None and p.is_contiguous() and g.is_contiguous() and m.is_contiguous():
+        h = torch.tensor([beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, lr],
+                         dtype=torch.float32)
+        native.run_lion(fn, p, g, m, h)
+        return
     c = m * beta1
     c += g * (1 - beta1)
-    if weight_decay:
-        p.mul_(1 - lr * weight_decay)
+    p.mul_(1 - lr * weight_decay)
     p.sub_(c.sign_().mul_(lr))  # sign(c) * lr is exact: +-lr or 0
     m.mul_(beta2)
     m.add_(g * (1 - beta2))

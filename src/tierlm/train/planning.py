@@ -103,10 +103,12 @@ def train_shape(cfg: Config, precision: str) -> TrainShape:
 
 
 def make_plan(
-    cfg: Config, model_config: Any, hw: HardwareProfile, precision: str
+    cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
+    shape: ModelShape | None = None,
 ) -> tuple[Plan, ModelShape, TrainShape]:
+    """`shape`: the model's (default: from `model_config` under the run's optimizer)."""
     mem = cfg.memory
-    shape = ModelShape.from_config(model_config, optim=cfg.optim)
+    shape = shape or ModelShape.from_config(model_config, optim=cfg.optim)
     train = train_shape(cfg, precision)
     p = plan(
         shape,
@@ -161,7 +163,35 @@ def print_plan(cfg: Config, *, as_json: bool = False) -> int:
             print(wear.describe())
             if wear.warning():
                 print(wear.warning())
+        print(optimizer_table(cfg, model_config_for(cfg), hw, precision, shape, p))
     return 0 if p.fits else 3
+
+
+def optimizer_table(cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
+                    shape: ModelShape, chosen: Plan) -> str:
+    """What each --opt would change in this plan: its state bytes, the state left on disk (or
+    how far it is from fitting), the disk traffic and the predicted tokens/s."""
+    from dataclasses import replace
+
+    from tierlm.memory.placement import gib
+    from tierlm.optim import OPTIMIZERS
+
+    n = sum(shape.numels)
+    rows = ["", "each optimizer (--opt) in this plan:",
+            "  optimizer     state     B/param  state on disk   disk r+w/step  tokens/s  fits"]
+    for name in OPTIMIZERS:
+        if name == cfg.optim.name:
+            s, p = shape, chosen
+        else:
+            s = shape.with_optimizer(model_config, replace(cfg.optim, name=name))
+            p = make_plan(cfg, model_config, hw, precision, shape=s)[0]
+        state = sum(s.optim_state_bytes)
+        on_disk = p.disk_bytes
+        moved = p.moved_bytes.get("disk_read", 0) + p.moved_bytes.get("disk_write", 0)
+        fits = "yes" if p.fits else "no: " + "; ".join(p.problems)
+        rows.append(f"  {name:<12}{gib(state):>10}{state / n:>9.2f}  {gib(on_disk):>13}  "
+                    f"{gib(moved):>13}  {p.tokens_per_s:>8,.0f}  {fits}")
+    return "\n".join(rows)
 
 
 def _input_flags(cfg: Config, precision: str) -> list[str]:
