@@ -298,3 +298,12 @@ def test_plan_prints_each_optimizers_state_bytes(capsys):
     # AdamW: 8 bytes per parameter; Adafactor: a few bytes per row and column
     assert "(8.00 B/param)" in printed["AdamW"]
     assert "(0.0" in printed["Adafactor"].split("Adafactor state")[1].split("\n")[0]
+    # every optimizer's row in the comparison, the same whichever --opt was planned
+    table = {name: out.split("each optimizer (--opt) in this plan:")[1]
+             for name, out in printed.items()}
+    assert table["AdamW"] == table["Adafactor"]
+    rows = {line.split()[0]: line.split() for line in table["AdamW"].strip().splitlines()[1:]}
+    assert set(rows) == set(OPTIMIZERS)
+    bpp = {name: float(row[3]) for name, row in rows.items()}  # "<name> <x> GiB <B/param>"
+    assert bpp["AdamW"] == 8.0 and bpp["Lion"] == 4.0 and 2.0 < bpp["AdamW8bit"] < 2.1
+    assert bpp["Adafactor"] < 0.1 and bpp["GaLoreAdamW"] < bpp["AdamW"]
