@@ -67,6 +67,8 @@ class ModelShape:
     optim_state_bytes: list[int]
     optim_name: str = "AdamW"
     optim_whole: bool = False
+    # the optimizer's CPU update time per parameter relative to fused fp32 AdamW's
+    optim_cpu_cost: float = 1.0
     # per segment, the entries of its 2-D weights (the matmuls a precision policy lowers to
     # bf16 or fp8; the rest, norms and biases, stays fp32); None: every entry
     matrix_numels: list[int] | None = None
@@ -163,7 +165,8 @@ def optimizer_fields(layouts: list, optim: Any) -> dict[str, Any]:
 
     optimizer = build_flat_optimizer(optim)
     return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
-            "optim_name": optimizer.name, "optim_whole": optimizer.align == 0}
+            "optim_name": optimizer.name, "optim_whole": optimizer.align == 0,
+            "optim_cpu_cost": optimizer.cpu_cost}
 
 
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:
@@ -576,7 +579,7 @@ def _times(
     )
     cpu_params = sum(n for n, p in zip(shape.numels, placements, strict=True)
                      if p.state_tier != Tier.DEVICE)
-    update_cpu = cpu_params / hw.cpu_adam_params_per_s
+    update_cpu = cpu_params * shape.optim_cpu_cost / hw.cpu_adam_params_per_s
     update_disk = update_read / hw.disk_read_Bps + update_write / hw.disk_write_Bps
     update = update_cpu + update_disk
     if hw.device_is_cpu:

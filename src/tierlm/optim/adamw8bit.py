@@ -137,6 +137,8 @@ class FlatAdamW8bit(FlatOptimizer):
     # the per-parameter twin's state keys, so either runtime resumes the other's checkpoint
     slots = SLOTS
     align = BLOCK
+    # bench/optimizer_update.py, 16.8M params: 0.74-0.75x fused AdamW's params/s (C kernel)
+    cpu_cost = 1.35
 
     def __init__(self, cfg: OptimConfig, *, native: bool = True) -> None:
         super().__init__(cfg)

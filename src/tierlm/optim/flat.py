@@ -125,6 +125,9 @@ class FlatOptimizer(ABC):
     name: str = ""
     slots: tuple[StateSlot, ...] = ()
     align: int = 1  # see the module's comment; 0: whole segments only
+    # CPU update time per parameter relative to fused fp32 AdamW (the planner's CPU-update time
+    # is the hardware profile's AdamW rate times this), from bench/optimizer_update.py
+    cpu_cost: float = 1.0
 
     def __init__(self, cfg) -> None:  # cfg: tierlm.config.OptimConfig
         self.cfg = cfg
