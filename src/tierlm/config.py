@@ -22,6 +22,10 @@ from typing import Any, Literal
 
 import yaml
 
+# Every block's attention and MLP projections: Llama family and GPT-2 module names.
+LORA_DEFAULT_TARGETS = (
+    r".*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|c_attn|c_proj|c_fc)"
+)
 MODEL_SIZES = ("tiny", "small", "125m", "350m", "1b", "3b", "7b", "13b")
 
 
@@ -123,7 +127,27 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = 16
+    """Rank r of each adapter: lora_A is (r, in), lora_B is (out, r) (--lora.rank)."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter adds (alpha / rank) * B A x to the frozen layer's output
+    (--lora.alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (peft's lora_dropout); > 0 makes a run depend on the
+    random stream, as any dropout does (--lora.dropout)."""
+    targets: str = LORA_DEFAULT_TARGETS
+    """Regex over module names (re.fullmatch, as peft's target_modules) of the linear layers
+    that get adapters; the default: every block's attention and MLP projections of the Llama
+    family (q/k/v/o, gate/up/down) and GPT-2 (c_attn, c_proj, c_fc) (--lora.targets)."""
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
+    finetune: Literal["full", "lora", "qlora"] = "full"
+    """What training updates: full (every parameter), lora (low-rank adapters on the layers
+    --lora.targets names, the base frozen; the run writes RUN_DIR/adapter in peft's format and
+    its checkpoints hold the adapters only), qlora (not built yet) (--finetune)."""
     max_steps: int = 100
     """Optimizer steps to run (--max-steps)."""
     batch_size: int = 8
@@ -350,6 +374,8 @@ class Config:
     """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Loop length, batching, evaluation and checkpoints."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (--finetune lora)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Numeric precision."""
     activations: ActivationConfig = field(default_factory=ActivationConfig)
@@ -389,6 +415,7 @@ SEED_FLAGS: dict[str, str] = {
     "--sync-moments": "distributed.sync_moments",
     "--lr": "optim.lr",
     "--max-steps": "train.max_steps",
+    "--finetune": "train.finetune",
     "--seq-len": "data.seq_len",
     "--data": "data.train",
     "--eval-data": "data.eval",
@@ -770,6 +797,7 @@ def validate(cfg: Config) -> None:
             "--boundary-activations host needs --grad-checkpointing full (a kept graph pins the "
             "boundary input on the device); pass both, or --boundary-activations device"
         )
+    _validate_lora(cfg.lora)
     if cfg.run.resume == "auto" and not cfg.run.out:
         raise ConfigError("--resume auto needs --out: the run directory to continue or start")
     offload = cfg.memory.offload_dir
@@ -785,6 +813,17 @@ def validate(cfg: Config) -> None:
 
     validate_distributed(cfg)
     _validate_precision(cfg.precision)
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    _positive("lora.rank", lora.rank, "--lora.rank")
+    _positive("lora.alpha", lora.alpha, "--lora.alpha")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"--lora.dropout: must be in [0, 1), got {lora.dropout}")
+    try:
+        re.compile(lora.targets)
+    except re.error as exc:
+        raise ConfigError(f"--lora.targets: {lora.targets!r} is not a regex: {exc}") from None
 
 
 def _check_trace_step(cfg: Config) -> None:
@@ -816,6 +855,14 @@ def uses_tiered_runtime(cfg: Config) -> bool:
 
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
+    if cfg.train.finetune == "qlora":
+        raise NotSupportedYet("--finetune qlora", "the NF4 base is not built yet; use "
+                              "--finetune lora (fp32 or bf16 base) or --finetune full")
+    if cfg.train.finetune == "lora" and (
+        cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
+    ):
+        raise NotSupportedYet("--finetune lora with --nproc > 1 or --backend fsdp",
+                              "LoRA runs in one process; drop --nproc/--backend")
     if cfg.distributed.backend == "fsdp" and cfg.activations.policy != "none":
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy} with --backend fsdp",

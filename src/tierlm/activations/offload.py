@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from tierlm.activations.saved import SavedTensorScope
+from tierlm.activations.saved import FrozenWeights, SavedTensorScope
 from tierlm.memory.disk import aligned_empty
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link
@@ -118,12 +118,13 @@ class OffloadScope(SavedTensorScope):
         weights: torch.Tensor,
         shared: set[int],
         *,
+        frozen: FrozenWeights | None = None,
         pool: HostPool,
         copier: Copier,
         ledger: Ledger,
         segment: str,
     ) -> None:
-        super().__init__(weights, shared)
+        super().__init__(weights, shared, frozen)
         self.pool, self.copier, self.ledger, self.segment = pool, copier, ledger, segment
         self.device = weights.device
         self._copies: dict[int, _HostCopy] = {}  # storage key -> its copy (the latest)

@@ -31,7 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from tierlm.activations.offload import Copier, CudaCopier, HostPool, OffloadScope
-from tierlm.activations.saved import SavedTensorScope, storage_key
+from tierlm.activations.saved import FrozenWeights, SavedTensorScope, storage_key
 from tierlm.activations.selective import SelectiveRun
 from tierlm.memory.ledger import Ledger
 
@@ -46,6 +46,11 @@ class RunScope:
     segment: str
     ledger: Ledger
     shared: set[int]  # storages the step holds anyway: boundary input, micro-batch context
+    frozen: FrozenWeights | None = None  # the segment's frozen weights (LoRA's base), if any
+
+    def frozen_keys(self) -> set[int]:
+        return {storage_key(self.frozen.flat)} if self.frozen and self.frozen.flat is not None \
+            and self.frozen.flat.numel() else set()
 
 
 def _leaves(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +113,7 @@ class Keep(ActivationPolicy):
 
     def forward(self, run, w, x, scope):
         leaf, xin = _leaves(w, x)
-        saved = SavedTensorScope(leaf, scope.shared)
+        saved = SavedTensorScope(leaf, scope.shared, scope.frozen)
         with torch.enable_grad(), saved.hooks():
             out = run(leaf, xin)
         _release_weights(leaf)
@@ -127,7 +132,7 @@ class Selective(ActivationPolicy):
     def forward(self, run, w, x, scope):
         leaf, xin = _leaves(w, x)
         sel = SelectiveRun(
-            lambda: scope.shared | {storage_key(leaf)},
+            lambda: scope.shared | {storage_key(leaf)} | scope.frozen_keys(),
             lambda nbytes: scope.ledger.hold_activation(scope.segment, "workspace", nbytes),
         )
         # Early stop would end the re-run by raising inside it once every needed tensor exists;
@@ -187,7 +192,7 @@ class Full(ActivationPolicy):
 
     def backward(self, handle, run, w, x, gout, grad, scope):
         leaf, xin = _leaves(w, x)
-        saved = SavedTensorScope(leaf, scope.shared)  # counts what the re-run saves
+        saved = SavedTensorScope(leaf, scope.shared, scope.frozen)  # what the re-run saves
         with torch.enable_grad(), self.rng.replay(handle), saved.hooks():
             out = run(leaf, xin)
         scope.ledger.hold_activation(scope.segment, "workspace", saved.bytes)
@@ -206,7 +211,7 @@ class Offload(ActivationPolicy):
     def forward(self, run, w, x, scope):
         leaf, xin = _leaves(w, x)
         host = OffloadScope(
-            leaf, scope.shared, pool=self.pool, copier=self.copier, ledger=scope.ledger,
+            leaf, scope.shared, frozen=scope.frozen, pool=self.pool, copier=self.copier, ledger=scope.ledger,
             segment=scope.segment,
         )
         with torch.enable_grad(), host.hooks():

@@ -5,6 +5,8 @@ A saved tensor is one of three things:
 - a view of the segment's **weights**: packed as a `WeightRef` (shape, strides, offset) and
   rebuilt in the backward from whatever buffer then holds the weights, so a kept graph never pins
   the device copy of a streamed segment;
+- a view of a segment's **frozen weights** (a LoRA run's base, `FrozenWeights`): packed the same
+  way and rebuilt from the base's device copy the backward runs with;
 - a view of a **shared** tensor the step holds anyway (the segment's boundary input, the
   micro-batch context: rotary tables, masks, positions): kept as is and not counted;
 - an **activation**: what the activation policy keeps, offloads or counts.
@@ -75,13 +77,32 @@ class WeightRef:
                         self.stride)
 
 
+class FrozenWeights:
+    """Where a segment's frozen weights (a LoRA run's base: no gradient) are on the device for
+    the action running now. The engine points `flat` at the action's copy before the segment
+    runs, forward or backward, so a kept graph or a recompute reads the copy of its own action
+    (a streamed base may come back in another slot)."""
+
+    def __init__(self) -> None:
+        self.flat: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _FrozenRef:
+    ref: WeightRef
+
+
 class SavedTensorScope:
     """Sorts saved tensors of one segment run into weights, shared tensors and activations, and
     counts the activations' bytes per storage. Subclasses decide where activations go."""
 
-    def __init__(self, weights: torch.Tensor, shared: Iterable[int]) -> None:
+    def __init__(self, weights: torch.Tensor, shared: Iterable[int],
+                 frozen: FrozenWeights | None = None) -> None:
         self.weights = weights  # the flat leaf the segment's parameter views come from
         self.weight_key = storage_key(weights)
+        self.frozen = frozen
+        self.frozen_key = (storage_key(frozen.flat) if frozen is not None
+                           and frozen.flat is not None else None)
         self.shared = set(shared)
         self.count = 0  # saved tensors that are activations
         self.bytes = 0  # their memory, each storage once
@@ -93,10 +114,14 @@ class SavedTensorScope:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> object:
+        if t.numel() == 0:  # (an empty flat, a segment without adapters, has no address)
+            return t
         key = storage_key(t)
         if key == self.weight_key:
             return WeightRef.of(t, self.weights)
-        if key in self.shared or t.numel() == 0:
+        if key == self.frozen_key:
+            return _FrozenRef(WeightRef.of(t, self.frozen.flat))
+        if key in self.shared:
             return t
         self.count += 1
         seen = self._seen.get(key)
@@ -109,6 +134,8 @@ class SavedTensorScope:
     def unpack(self, packed: object) -> torch.Tensor:
         if isinstance(packed, WeightRef):
             return packed.rebuild(self.weights)
+        if isinstance(packed, _FrozenRef):
+            return packed.ref.rebuild(self.frozen.flat)
         if isinstance(packed, torch.Tensor):
             return packed
         return self.unpack_activation(packed)

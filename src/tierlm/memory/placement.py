@@ -72,16 +72,17 @@ class PlacementReport:
 
 
 def _stream_bytes(
-    numels: list[int], compute: list[int], placements: list[SegmentPlacement]
+    numels: list[int], compute: list[int], placements: list[SegmentPlacement],
+    frozen: bool = False,
 ) -> int:
     """Device bytes the streaming window needs: compute copies for the slots and one gradient
-    (fp32)."""
+    (fp32; none for frozen weights)."""
     streamed = [(c, n) for n, c, p in zip(numels, compute, placements, strict=True)
                 if not p.resident]
     if not streamed:
         return 0
     slots = sorted((c for c, _ in streamed), reverse=True)[:STREAM_SLOTS]
-    return sum(slots) + max(n for _, n in streamed) * 4
+    return sum(slots) + (0 if frozen else max(n for _, n in streamed) * GRAD_B)
 
 
 def update_staging_bytes(
@@ -101,13 +102,14 @@ def update_staging_bytes(
 def _account(
     numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0,
     compute_bytes: list[int] | None = None, state_bytes: list[int] | None = None,
-    whole_update: bool = False,
+    whole_update: bool = False, frozen: bool = False,
 ) -> PlacementReport:
     """`compute_bytes`: per segment, the bytes of its compute copy (None: fp32, COMPUTE_B per
     parameter); a copy smaller than fp32 is kept besides the master, in host RAM or on disk.
-    `state_bytes`: per segment, master + gradient + optimizer state (`place`)."""
+    `state_bytes`: per segment, master + gradient + optimizer state (`place`). `frozen`: the
+    weights are never updated (a LoRA run's base): no gradient, no update staging."""
     compute = compute_bytes or [n * COMPUTE_B for n in numels]
-    state = state_bytes or [n * (MASTER_B + GRAD_B) for n in numels]
+    state = state_bytes or [n * (MASTER_B + (0 if frozen else GRAD_B)) for n in numels]
     device, host, disk = activation_bytes, 0, 0
     for n, c, b, p in zip(numels, compute, state, placements, strict=True):
         own_copy = c if c != n * COMPUTE_B else 0  # fp32 streams the master itself
@@ -119,15 +121,15 @@ def _account(
         else:
             disk += b + own_copy  # the gradient has a file too
             device += c if p.resident else 0
-    device += _stream_bytes(numels, compute, placements)
+    device += _stream_bytes(numels, compute, placements, frozen)
     on_disk = [(n, c, b) for n, c, b, p in zip(numels, compute, state, placements, strict=True)
                if p.state_tier == Tier.DISK]
     if on_disk:
         # staging for one update and one streamed read: chunk by chunk in fp32, whole where the
         # segment has a compute copy (its fp8 scales need whole tensors)
         host += max(
-            update_staging_bytes(n, b, whole=whole_update) + staging_numel(n) * COMPUTE_B
-            if c == n * COMPUTE_B else b + c
+            (0 if frozen else update_staging_bytes(n, b, whole=whole_update))
+            + staging_numel(n) * COMPUTE_B if c == n * COMPUTE_B else b + c
             for n, c, b in on_disk)
     return PlacementReport(placements, device, host, disk)
 
@@ -145,6 +147,7 @@ def place(
     compute_bytes: list[int] | None = None,
     state_bytes: list[int] | None = None,
     whole_update: bool = False,
+    frozen: bool = False,
 ) -> PlacementReport:
     """Choose a placement per segment and check it against the budgets.
 
@@ -154,10 +157,12 @@ def place(
     bytes where a precision policy shrinks them (see `_account`). `state_bytes`: each segment's
     master, gradient and optimizer-state bytes (None: master and gradient only);
     `whole_update`: the optimizer updates whole segments (align 0), so a disk segment's update
-    stages all of its state at once.
+    stages all of its state at once; `frozen`: the segments are frozen weights (a LoRA run's
+    base: master bytes only, `state_bytes` says so; no gradient in the streaming window, no
+    update staging), whose trained adapters' device bytes come in `activation_bytes`.
     """
     account = functools.partial(_account, compute_bytes=compute_bytes, state_bytes=state_bytes,
-                                whole_update=whole_update)
+                                whole_update=whole_update, frozen=frozen)
     if placements is not None:
         report = account(numels, placements, activation_bytes)
         _check(report, device_budget_bytes, host_budget_bytes, policy)

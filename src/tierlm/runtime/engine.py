@@ -39,7 +39,8 @@ from tierlm.activations import (
     resolve_policies,
     storages_of,
 )
-from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.activations.saved import FrozenWeights
+from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
@@ -195,13 +196,29 @@ class Engine(Stepper):
 
         segs = self.adapter.segments
         self.index = {s.name: i for i, s in enumerate(segs)}
-        layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
+        # Frozen parameters (requires_grad False: a LoRA run's base) are streamed weights with
+        # no gradient and no optimizer state; the trained ones (its adapters) then live on the
+        # device, a small flat layout per segment (`self.trained`). Without frozen parameters
+        # the segment's streamed weights are what is trained.
+        self.frozen_base = any(not p.requires_grad for s in segs for _, p, _ in s.params)
+        if self.frozen_base and (options.activations and options.activations.policy
+                                 == "dynamic"):
+            raise NotSupportedYet("--grad-checkpointing dynamic with --finetune lora",
+                                  "its probe measures full-parameter segments; pick a policy")
+        layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params
+                               if not (self.frozen_base and p.requires_grad)]) for s in segs]
+        trained_layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params
+                                       if p.requires_grad]) for s in segs]
+        trained_bytes = sum(
+            (4 + 4) * lay.numel + self.optimizer.state_nbytes(lay)
+            for lay in trained_layouts if lay.numel) if self.frozen_base else 0
         hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
         in_flight = options.micro_batches if options.microbatch_order == "layer-outer" else 1
         # the owner's gradient holding the head's contribution to tied weights, one per
         # micro-batch in flight (`_owner_grad_target`)
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
-        tied_bytes = layouts[0].numel * 4 if tied else 0
+        self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
+        tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
         self.host_boundaries = options.boundary_tier == Tier.HOST
         self.activation_bytes = (
             self.boundary_activation_bytes(
@@ -240,11 +257,14 @@ class Engine(Stepper):
             resident=options.resident,
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
-            activation_bytes=self.activation_bytes + reserve,
+            # the adapters of a frozen base and their optimizer state: on the device throughout
+            activation_bytes=self.activation_bytes + reserve + trained_bytes,
             placements=options.placements,
             compute_bytes=[self.compute_copies.layout_nbytes(lay) for lay in layouts],
-            state_bytes=[8 * lay.numel + self.optimizer.state_nbytes(lay) for lay in layouts],
+            state_bytes=[4 * lay.numel if self.frozen_base
+                         else 8 * lay.numel + self.optimizer.state_nbytes(lay) for lay in layouts],
             whole_update=self.optimizer.align == 0,
+            frozen=self.frozen_base,
         )
         options.check_placement(self.report)
         budget = options.device_budget_bytes
@@ -260,19 +280,34 @@ class Engine(Stepper):
         self._make_policy = PolicyFactory(device, dropout=self.has_dropout)
         self.set_activation_policies(self.activation_policies)
         self.states: list[SegmentState] = []
+        # per segment: the state the optimizer updates (the segment's own, or its adapters on
+        # the device; None: nothing of it is trained), and its frozen weights' current copy
+        self.trained: list[SegmentState | None] = []
+        self.frozen: list[FrozenWeights | None] = []
         for i, (seg, lay, plc) in enumerate(
             zip(segs, layouts, self.report.placements, strict=True)
         ):
             st = SegmentState(index=i, seg=seg, layout=lay, placement=plc,
-                              slots=self.optimizer.slots)
+                              slots=() if self.frozen_base else self.optimizer.slots,
+                              frozen=self.frozen_base)
             optim_device = device if plc.state_tier == Tier.DEVICE else torch.device("cpu")
             self.compute_copies.choose_format(st)
             # packed straight into the segment's tier (or the disk tier's staging), tensor by
             # tensor from the source, before the next segment is read
-            fill = functools.partial(lay.pack, LookupOnce(initial_weights(seg)))
-            init_state(self.store, st, fill, optim_device, self._update_ranges(st))
-            del fill  # it holds the tensor packed last: gone before the next segment is read
+            source = LookupOnce(initial_weights(seg))
+            init_state(self.store, st, functools.partial(lay.pack, source), optim_device,
+                       self._update_ranges(st))
             self.compute_copies.attach(self.store, st)
+            trained: SegmentState | None = None if self.frozen_base else st
+            if self.frozen_base and trained_layouts[i].numel:
+                trained = SegmentState(
+                    index=i, seg=seg, layout=trained_layouts[i],
+                    placement=SegmentPlacement(True, Tier.DEVICE), slots=self.optimizer.slots)
+                init_state(self.store, trained, functools.partial(trained_layouts[i].pack,
+                                                                  source), device, [])
+            del source  # it holds the tensor packed last: gone before the next segment is read
+            self.trained.append(trained)
+            self.frozen.append(FrozenWeights() if self.frozen_base else None)
             # Modules never own live storage: drop the parameters' memory, the runtime supplies
             # views of its flat buffers on every call.
             for _, p, _ in seg.params:
@@ -307,11 +342,44 @@ class Engine(Stepper):
         self.param_norms: dict[str, torch.Tensor] = {}
         self._syncing: list = []  # (segment, gradient, pending sync) until the norms are taken
         # The reference optimizer's order: decaying parameters, then the rest, in model order.
-        slots = [slot for st in self.states for slot in st.layout.slots]
+        slots = [slot for st in self.trainable for slot in st.layout.slots]
         model_order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.norm_order = [
             s.name for s in sorted(slots, key=lambda s: (not s.decay, model_order[s.name]))
         ]
+        # what a segment without trained parameters differentiates, and its gradient
+        self._no_params = torch.empty(0, device=device)
+
+    @property
+    def trainable(self) -> list[SegmentState]:
+        """The states the optimizer updates, in segment order."""
+        return [t for t in self.trained if t is not None]
+
+    def _runs_backward(self, s: int) -> bool:
+        """Whether segment `s` has a backward: every segment but an untrained first one (a
+        LoRA run's embedding: nothing before it takes a gradient)."""
+        return s > 0 or self.trained[0] is not None
+
+    def _trained_flat(self, s: int, w: torch.Tensor) -> torch.Tensor:
+        """The flat the activation policy differentiates for segment `s`, whose weights on the
+        device are `w`: `w` itself when the segment's weights are trained; for a frozen base,
+        `w` becomes the frozen copy this action reads and the adapters are differentiated."""
+        frozen = self.frozen[s]
+        if frozen is None:
+            return w
+        frozen.flat = w
+        t = self.trained[s]
+        return self._no_params if t is None else t.master
+
+    def _param_views(self, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter views of segment `s` on the flat `_trained_flat` gave (or a leaf of it)."""
+        frozen = self.frozen[s]
+        if frozen is None:
+            return self.states[s].views(flat)
+        views = self.states[s].views(frozen.flat)
+        if self.trained[s] is not None:
+            views.update(self.trained[s].layout.views(flat))
+        return views
 
     def _size_cache(self) -> None:
         """Room for the STREAM_SLOTS largest streamed device copies, in the format their next
@@ -346,7 +414,8 @@ class Engine(Stepper):
         for mbs in groups:
             actions += [Action("fwd", s, mbs) for s in range(last)]
             actions.append(Action("head", last, mbs))
-            actions += [Action("bwd", s, mbs) for s in reversed(range(last))]
+            actions += [Action("bwd", s, mbs) for s in reversed(range(last))
+                        if self._runs_backward(s)]
         return actions
 
     def stream_plan(self, m: int) -> list[list[int]]:
@@ -410,13 +479,14 @@ class Engine(Stepper):
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as
         leaves of their own whose gradients `_head` collects for the owner."""
-        views = self.states[s].views(flat)
+        views = self._param_views(s, flat)
         self._borrowed_leaf = {}
         if s == len(self.states) - 1:
             for name, (owner, off, n) in self.borrowed.items():
-                leaf = self._weights(k, owner).narrow(0, off, n).detach().requires_grad_()
-                self._borrowed_leaf[name] = leaf
-                views[name] = leaf.view(self._slot_shape(owner, name))
+                tied = self._weights(k, owner).narrow(0, off, n).detach()
+                if self.tied_trained:
+                    self._borrowed_leaf[name] = tied.requires_grad_()
+                views[name] = tied.view(self._slot_shape(owner, name))
         return views
 
     def _slot_shape(self, owner: int, name: str) -> tuple[int, ...]:
@@ -489,12 +559,12 @@ class Engine(Stepper):
 
         def run(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             with self.opts.autocast():
-                return st.seg.forward(st.views(flat), x, mb.ctx)
+                return st.seg.forward(self._param_views(st.index, flat), x, mb.ctx)
 
         return run
 
     def _scope(self, st: SegmentState, mb: _MicroBatch, x: torch.Tensor) -> RunScope:
-        return RunScope(st.seg.name, self.ledger, storages_of(x, mb.ctx))
+        return RunScope(st.seg.name, self.ledger, storages_of(x, mb.ctx), self.frozen[st.index])
 
     def _bring_back(self, upcoming: list[Action], mbs: list[_MicroBatch]) -> None:
         """The next backward's offloaded activations start back to the device now, so their
@@ -571,19 +641,20 @@ class Engine(Stepper):
         if a.kind == "bwd":
             with self.tracer.span("step", "gradient buffer", cat="step"):
                 # the owner of tied weights off the device starts from the head's buffer
-                grad = None if self._grad_from_head(st) else self._grad_target(st)
+                grad = None if self._grad_from_head(st) else self._grad_target(a.seg)
             return self._weights(k, a.seg), grad
         w = self._weights(k, a.seg)
         if a.kind == "fwd":
             return w, None
         with self.tracer.span("step", "gradient buffer", cat="step"):
-            grad = self._grad_target(st)
+            grad = self._grad_target(a.seg)
         for owner, _, _ in self.borrowed.values():
             self._weights(k, owner)
         return w, grad
 
     def _forward(self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor) -> None:
         st = self.states[a.seg]
+        w = self._trained_flat(a.seg, w)
         for i in a.mbs:
             mb = mbs[i]
             x = mb.ids if a.seg == 0 else mb.h[a.seg]
@@ -611,6 +682,8 @@ class Engine(Stepper):
         st = self.states[s]
         seg: HeadSegment = st.seg  # type: ignore[assignment]
         loss_total = 0.0
+        w = self._trained_flat(s, w)
+        frozen = self.frozen[s]
         for i in a.mbs:
             mb = mbs[i]
             leaf = w.detach().requires_grad_()
@@ -620,8 +693,8 @@ class Engine(Stepper):
             x = mb.h[s].detach().requires_grad_()
             # The ledger counts what autograd saves here: the norm's tensors and the normed input
             # for the whole action, each chunk's log-softmax during that chunk.
-            shared = storages_of(x, mb.ctx, list(self._borrowed_leaf.values()))
-            norm = SavedTensorScope(leaf, shared)
+            shared = storages_of(x, mb.ctx, [views[n] for n in self.borrowed])
+            norm = SavedTensorScope(leaf, shared, frozen)
             with self.clock.measure(), torch.enable_grad(), self.opts.autocast(), norm.hooks():
                 hn = seg.forward(views, x, mb.ctx)
             hn_leaf = hn.detach().requires_grad_()
@@ -636,7 +709,7 @@ class Engine(Stepper):
                     chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
                     grad_divisor=m,
                     autocast=self.opts.autocast,
-                    saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared),
+                    saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared, frozen),
                     ledger=self.ledger,
                     segment=seg.name,
                 )
@@ -646,7 +719,8 @@ class Engine(Stepper):
                 self._borrowed_grad[i] = owner_grad
             mb.gout[s] = self._hold(x.grad)
             self._drop_input(mb, s)
-        self._land_grad(st, grad, final=a.mbs[-1] == m - 1)
+        if self.trained[s] is not None:
+            self._land_grad(self.trained[s], grad, final=a.mbs[-1] == m - 1)
         return loss_total
 
     def _backward(
@@ -657,6 +731,7 @@ class Engine(Stepper):
         `_grad_from_head`)."""
         s = a.seg
         st = self.states[s]
+        w = self._trained_flat(s, w)
         owns_borrowed = s == 0 and bool(self._borrowed_grad)
         for i in a.mbs:
             mb = mbs[i]
@@ -673,14 +748,16 @@ class Engine(Stepper):
                 )
             self._drop(mb.gout, s + 1)
             if s > 0:
-                mb.gout[s] = self._hold(dx)
+                if self._runs_backward(s - 1):
+                    mb.gout[s] = self._hold(dx)
                 self._drop_input(mb, s)
             if owns_borrowed and grad is None:
                 grad = target  # a fresh zeroed gradient plus `target` is `target`
             elif owns_borrowed:
                 grad.add_(target)
                 self.store.free(Tier.DEVICE, TensorClass.GRAD, target)
-        self._land_grad(st, grad, final=a.mbs[-1] == len(mbs) - 1)
+        if self.trained[s] is not None:
+            self._land_grad(self.trained[s], grad, final=a.mbs[-1] == len(mbs) - 1)
 
     # -- gradients ----
 
@@ -689,7 +766,7 @@ class Engine(Stepper):
         its own for a backward action: the buffer the head's contribution and its own first
         micro-batch's are summed in takes that place, and the later micro-batches join it
         (so the device holds one gradient per micro-batch in flight, not one more)."""
-        return st.index == 0 and bool(self.borrowed) and st.tier != Tier.DEVICE
+        return st.index == 0 and self.tied_trained and st.tier != Tier.DEVICE
 
     def _owner_grad_target(self) -> torch.Tensor | None:
         """For the head's tied weights (`_borrowed_leaf`, just made by `_views`): a zeroed
@@ -705,9 +782,13 @@ class Engine(Stepper):
             b.grad = buf.narrow(0, off, n)
         return buf
 
-    def _grad_target(self, st: SegmentState) -> torch.Tensor:
-        """Where autograd accumulates this segment's gradient: the persistent gradient buffer
-        for device state, a transient device buffer otherwise."""
+    def _grad_target(self, s: int) -> torch.Tensor:
+        """Where autograd accumulates segment `s`'s gradient: the persistent gradient buffer
+        for device state, a transient device buffer otherwise (an empty one where nothing of
+        the segment is trained)."""
+        st = self.trained[s]
+        if st is None:
+            return self._no_params
         if st.tier == Tier.DEVICE:
             return st.grad
         return self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel)
@@ -806,13 +887,13 @@ class Engine(Stepper):
         self.cache.drop_all()  # every streamed copy is about to be stale
         if not math.isfinite(grad_norm):
             self.skipped_steps += 1
-            for st in self.states:
+            for st in self.trainable:
                 if st.grad is not None:
                     st.grad.zero_()
                 st.grad_written = False
             return grad_norm, True
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for st in self.states:
+        for st in self.trainable:
             if st.tier == Tier.DEVICE:
                 with self.clock.measure():
                     self._update(st, coef, lr)
@@ -863,9 +944,10 @@ class Engine(Stepper):
         for k, a in enumerate(actions):
             st = self.states[a.seg]
             w = self._weights(k, a.seg)
+            w = self._trained_flat(a.seg, w)
             with self.opts.autocast():
                 if a.kind == "fwd":
-                    h = st.seg.forward(st.views(w), h, ctx)
+                    h = st.seg.forward(self._param_views(a.seg, w), h, ctx)
                     if a.seg == 0:
                         ctx = self.adapter.context(ids, h, positions)
                 else:
@@ -903,8 +985,13 @@ class Engine(Stepper):
         )
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Current fp32 weights by the model's parameter names (CPU copies)."""
+        """Current fp32 weights by the model's parameter names (CPU copies): the trained ones
+        (a LoRA run's adapters; its frozen base: `frozen_weights`)."""
         return self._named(("master",))
+
+    def frozen_weights(self) -> dict[str, torch.Tensor]:
+        """The frozen base's weights by parameter name (CPU copies; empty when all is trained)."""
+        return self._named(("master",), self.states) if self.frozen_base else {}
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Optimizer state by parameter name (`<name>.<slot>` in the slot's checkpoint shape,
@@ -912,10 +999,11 @@ class Engine(Stepper):
         either runtime resumes the other's checkpoint."""
         return self._named(tuple(s.name for s in self.optimizer.slots))
 
-    def _named(self, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def _named(self, copies: tuple[str, ...], states: list[SegmentState] | None = None
+               ) -> dict[str, torch.Tensor]:
         self.synchronize()
         out = {}
-        for st in self.states:
+        for st in self.trainable if states is None else states:
             bufs = read_copies(self.store, st, copies)
             for copy in copies:
                 for name, view in _parts(st, copy, bufs[copy]).items():
@@ -931,7 +1019,7 @@ class Engine(Stepper):
         """Restore weights and optimizer state written by `weights`/`optimizer_state` (or by
         the reference trainer)."""
         self.synchronize()
-        for st in self.states:
+        for st in self.trainable:
             if st.tier == Tier.DISK:
                 self._load_disk(st, weights, optim)
                 continue
@@ -982,7 +1070,7 @@ class Engine(Stepper):
         and `optimizer_state`, so a checkpoint never holds the whole model in RAM. The tensors
         are views of the state or of staging buffers, valid until the next shard is asked for."""
         self.synchronize()
-        for st in self.states:
+        for st in self.trainable:
             slots = tuple(s.name for s in st.slots)
             if st.tier == Tier.DISK:  # read parameter by parameter as the writer asks
                 weights = DiskTensor.of(self.store, st, "master")

@@ -58,8 +58,13 @@ class SegmentState:
     # state, the host copy (disk state keeps it in its `compute` file).
     compute_format: ComputeFormat | None = None
     wire: torch.Tensor | None = None
+    # Frozen weights (a LoRA run's base): the master is all the state there is, read-only, no
+    # gradient (no buffer, no file) and no optimizer slots; streamed like any other.
+    frozen: bool = False
 
     def __post_init__(self) -> None:
+        if self.frozen and self.slots:
+            raise ValueError("frozen weights take no optimizer state")
         names = [s.name for s in self.slots]
         bad = [n for n in names if n in _RESERVED or names.count(n) > 1]
         if bad:
@@ -145,9 +150,11 @@ def init_state(
     can be cut) into the staging its files are written from, so no second copy of the segment
     is made on the way."""
     n = st.numel
-    st.steps = [new_step_counter(optim_device) for _ in st.layout.groups()]
+    st.steps = [] if st.frozen else [new_step_counter(optim_device)
+                                      for _ in st.layout.groups()]
+    grad = () if st.frozen else ("grad",)
     if st.tier == Tier.DISK:
-        copies = (*st.state_copies, "grad")
+        copies = (*st.state_copies, *grad)
         for c in copies:  # the gradient file too: the disk tier's size is known up front
             slot = st.slot(c)
             store.reserve_file(st.file(c), slot.nbytes(st.layout), slot.cls)
@@ -168,7 +175,8 @@ def init_state(
     for slot in st.slots:
         st.state[slot.name] = store.alloc(st.tier, slot.cls, slot.numel(st.layout), slot.dtype)
         st.state[slot.name].zero_()
-    st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
+    if not st.frozen:
+        st.grad = store.zeros(st.tier, TensorClass.GRAD, n)
     if st.tier == Tier.DEVICE:
         st.device_weights = st.master  # fp32: the master is what the matmuls read
     elif st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach

@@ -101,7 +101,9 @@ class ReferenceStep(Stepper):
         return {k: _cpu_copy(t) for k, t in self._live_optimizer_state().items()}
 
     def _live_weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """The trained parameters (all of them, or a LoRA run's adapters: its frozen base is
+        rebuilt from --model or the preset's seed, never checkpointed)."""
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def _live_optimizer_state(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -113,7 +115,8 @@ class ReferenceStep(Stepper):
     def load(self, weights: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for n, p in self.model.named_parameters():
-                p.copy_(weights[n])
+                if p.requires_grad:
+                    p.copy_(weights[n])
         for p in self.params:
             prefix = self.names[id(p)] + "."
             # keys first: `optim` may be a lazy mapping that reads a tensor per access

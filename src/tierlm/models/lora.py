@@ -1,0 +1,183 @@
+"""LoRA adapters (--finetune lora) in peft's own layers and file format.
+
+`apply_lora` wraps the model with peft (`get_peft_model`): every module `--lora.targets` names
+becomes peft's `lora.Linear`, whose forward adds `(alpha / r) * B A dropout(x)` to the frozen
+layer's. Both steppers keep calling the transformers model inside the wrapper (the peft model's
+`base_model.model`, changed in place), so segments, checkpoints and the reference trainer see one
+set of parameter names: the base's under `<module>.base_layer.` (requires_grad False) and the
+adapters' `<module>.lora_A.default.weight` / `lora_B` (requires_grad True). The math is peft's:
+the tiered runtime runs the same modules through `functional_call` on its flat buffers.
+
+Adapters are initialised as peft does (A Kaiming-uniform with a = sqrt(5), B zero, so the model
+starts as the base), from a generator seeded by --seed, and computed on the CPU whether the model
+is real or a meta skeleton, so the reference trainer and the runtime start from the same bits.
+
+The adapter is saved in peft's layout (`adapter_config.json` + `adapter_model.safetensors`,
+keys `base_model.model.<module>.lora_A.weight`), so `PeftModel.from_pretrained(base, dir)` loads
+it; the Hugging Face export merges it into the base (W + alpha/r * B A), tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tierlm.config import ConfigError, LoraConfig
+from tierlm.models.adapters import Segment
+
+ADAPTER = "default"  # peft's adapter name, part of every adapter parameter's name
+BASE_LAYER = ".base_layer."
+PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
+
+
+def _linear_types() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def lora_targets(model: nn.Module, regex: str) -> list[str]:
+    """Names of the linear layers `regex` fully matches (peft's rule for a string)."""
+    import re
+
+    pattern = re.compile(regex)
+    found = [n for n, m in model.named_modules()
+             if isinstance(m, _linear_types()) and pattern.fullmatch(n)]
+    if not found:
+        names = [n for n, m in model.named_modules() if isinstance(m, _linear_types())][:4]
+        raise ConfigError(f"--lora.targets {regex!r} matches no linear layer of this model; "
+                          f"its names read like {', '.join(names)}")
+    return found
+
+
+def peft_config(model: nn.Module, lora: LoraConfig, base_path: str | None = None):
+    """peft's LoraConfig for `model` (GPT-2's Conv1D stores weights (in, out): fan_in_fan_out)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    targets = lora_targets(model, lora.targets)
+    modules = dict(model.named_modules())
+    return PeftLoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=lora.targets, bias="none", task_type="CAUSAL_LM",
+        fan_in_fan_out=any(isinstance(modules[t], Conv1D) for t in targets),
+        base_model_name_or_path=base_path,
+    )
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> dict[str, torch.Tensor]:
+    """Wrap `model` with peft's LoRA layers in place (real or meta parameters), freeze the base,
+    and return the adapters' initial values by parameter name (CPU, fp32). A real model gets
+    them copied in; a skeleton's runtime reads them through `LoraWeights`."""
+    from peft import get_peft_model
+
+    cfg = peft_config(model, lora)
+    with torch.random.fork_rng(devices=[]):  # peft's own init draws: the run's stream stays
+        wrapped = get_peft_model(model, cfg)
+    if wrapped.base_model.model is not model:
+        raise AssertionError("peft did not wrap the model in place")
+    values = initial_adapters(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in values and not p.is_meta:
+                p.copy_(values[name])
+    return values
+
+
+def initial_adapters(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """peft's initialisation (A: kaiming_uniform_(a=sqrt(5)), B: zeros) from one generator
+    seeded with `seed`, layer by layer in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and ADAPTER in m.lora_A:
+            a = torch.empty(m.lora_A[ADAPTER].weight.shape)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            out[f"{name}.lora_A.{ADAPTER}.weight"] = a
+            out[f"{name}.lora_B.{ADAPTER}.weight"] = torch.zeros(m.lora_B[ADAPTER].weight.shape)
+    return out
+
+
+def base_name(name: str) -> str:
+    """The base model's name of a frozen parameter of the wrapped model."""
+    return name.replace(BASE_LAYER, ".")
+
+
+def peft_key(name: str) -> str:
+    """peft's saved key of an adapter parameter: `base_model.model.` + the name without the
+    adapter's name."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+class LoraWeights:
+    """The runtime's source of initial weights (runtime.state.InitialWeights) for a wrapped
+    skeleton: adapters from `adapters`, the base from `base` (the unwrapped model's source,
+    asked under the base's own names)."""
+
+    def __init__(self, base: Callable[[Segment], Mapping[str, torch.Tensor]],
+                 adapters: Mapping[str, torch.Tensor]) -> None:
+        self.base, self.adapters = base, adapters
+
+    def __call__(self, seg: Segment) -> Mapping[str, torch.Tensor]:
+        frozen = [(base_name(n), p, d) for n, p, d in seg.params if n not in self.adapters]
+        return _Joined(self.base(replace(seg, params=frozen)), self.adapters,
+                       [n for n, _, _ in seg.params])
+
+
+class _Joined(Mapping[str, torch.Tensor]):
+    def __init__(self, base: Mapping[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],
+                 names: list[str]) -> None:
+        self._base, self._adapters, self._names = base, adapters, names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._adapters:
+            return self._adapters[name]
+        if name not in self._names:
+            raise KeyError(name)
+        return self._base[base_name(name)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def save_adapter(out_dir: Path, model: nn.Module, lora: LoraConfig,
+                 weights: Mapping[str, torch.Tensor], base_path: str | None = None) -> Path:
+    """Write the adapters `weights` (keyed by the wrapped model's names) as a peft adapter
+    directory, into a temporary sibling renamed into place."""
+    from safetensors.torch import save_file
+
+    from tierlm.models.export import publish_dir
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        peft_config(model, lora, base_path).save_pretrained(str(tmp))
+        save_file({peft_key(n): t.detach().to("cpu", torch.float32).contiguous()
+                   for n, t in weights.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+           fan_in_fan_out: bool) -> torch.Tensor:
+    """A target's weight with its adapter folded in, as peft's merge: W + scale * B A (its
+    transpose for a Conv1D, whose weight is (in, out))."""
+    delta = (b.float() @ a.float()) * scale
+    return base.float() + (delta.T if fan_in_fan_out else delta)
