@@ -43,13 +43,19 @@ def _linear_types() -> tuple[type, ...]:
     return (nn.Linear, Conv1D)
 
 
+def _base(module: nn.Module) -> nn.Module:
+    """A layer as it was before peft wrapped it (the module itself if it is not wrapped)."""
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
 def lora_targets(model: nn.Module, regex: str) -> list[str]:
-    """Names of the linear layers `regex` fully matches (peft's rule for a string)."""
+    """Names of the linear layers `regex` fully matches (peft's rule for a string), before or
+    after `apply_lora` wrapped them."""
     import re
 
     pattern = re.compile(regex)
     found = [n for n, m in model.named_modules()
-             if isinstance(m, _linear_types()) and pattern.fullmatch(n)]
+             if isinstance(_base(m), _linear_types()) and pattern.fullmatch(n)]
     if not found:
         names = [n for n, m in model.named_modules() if isinstance(m, _linear_types())][:4]
         raise ConfigError(f"--lora.targets {regex!r} matches no linear layer of this model; "
@@ -67,7 +73,7 @@ def peft_config(model: nn.Module, lora: LoraConfig, base_path: str | None = None
     return PeftLoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=lora.targets, bias="none", task_type="CAUSAL_LM",
-        fan_in_fan_out=any(isinstance(modules[t], Conv1D) for t in targets),
+        fan_in_fan_out=any(isinstance(_base(modules[t]), Conv1D) for t in targets),
         base_model_name_or_path=base_path,
     )
 
@@ -181,3 +187,101 @@ def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
     transpose for a Conv1D, whose weight is (in, out))."""
     delta = (b.float() @ a.float()) * scale
     return base.float() + (delta.T if fan_in_fan_out else delta)
+
+
+class FullFinetune:
+    """--finetune full: the model as built, every parameter trained, nothing more to write."""
+
+    def save(self, run_dir: Path, weights: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        return None
+
+
+class LoraFinetune:
+    """--finetune lora: the model wrapped by `apply_lora`; `save` writes RUN_DIR/adapter."""
+
+    def __init__(self, model: nn.Module, lora: LoraConfig, base_path: str | None) -> None:
+        self.model, self.lora, self.base_path = model, lora, base_path
+
+    def save(self, run_dir: Path, weights: Callable[[], Mapping[str, torch.Tensor]]) -> Path:
+        """`weights`: the stepper's `weights` (the adapters, by parameter name)."""
+        return save_adapter(Path(run_dir) / "adapter", self.model, self.lora, weights(),
+                            self.base_path)
+
+
+def prepare_finetune(
+    method: str, model: nn.Module, lora: LoraConfig, initial_weights, *, seed: int,
+    base_path: str | None = None,
+) -> tuple[FullFinetune | LoraFinetune, Callable[[Segment], Mapping[str, torch.Tensor]]]:
+    """Wrap `model` for `--finetune method` (full: as is) and return what writes the run's
+    adapter, and the initial-weights source the tiered runtime reads (a skeleton's base from
+    `initial_weights`, its adapters from their seeded initialisation)."""
+    if method == "full":
+        return FullFinetune(), initial_weights
+    if method != "lora":
+        raise ConfigError(f"--finetune {method}: not built; use full or lora")
+    adapters = apply_lora(model, lora, seed=seed)
+    return LoraFinetune(model, lora, base_path), LoraWeights(initial_weights, adapters)
+
+
+# -- the merged export --------------------------------------------------------------------------
+
+
+def _base_reader(run_config: Mapping, checkpoint: Path) -> tuple[nn.Module, Callable[[str], torch.Tensor]]:
+    """The unwrapped base a LoRA run trained on, as a skeleton and a reader of its fp32 weights
+    by name, one tensor at a time: --model's files, or the preset rebuilt from the checkpoint's
+    config.json and the run's --seed, segment by segment (models.init)."""
+    from tierlm.models.adapters import ModelAdapter
+    from tierlm.models.hf import hf_model_skeleton
+    from tierlm.models.load import CheckpointWeights
+
+    path = (run_config.get("model") or {}).get("path")
+    if path:
+        skeleton = hf_model_skeleton(path)
+        return skeleton, CheckpointWeights(path, skeleton).read
+    from transformers import AutoConfig
+
+    from tierlm.models.init import preset_skeleton
+
+    config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
+    skeleton, weights = preset_skeleton(config, seed=(run_config.get("run") or {}).get("seed", 0))
+    owner = {n: seg for seg in ModelAdapter(skeleton).segments for n, _, _ in seg.params}
+    last: dict[str, Mapping[str, torch.Tensor]] = {}
+
+    def read(name: str) -> torch.Tensor:
+        seg = owner[name]
+        if seg.name not in last:  # a segment's weights are drawn together: keep the last one's
+            last.clear()
+            last[seg.name] = dict(weights(seg))
+        return last[seg.name][name].float()
+
+    return skeleton, read
+
+
+def merged_sources(run_config: Mapping, checkpoint: Path,
+                   adapters: Mapping[str, torch.Tensor]) -> list:
+    """Export sources (tierlm.models.export.SourceTensor) of the base with the checkpoint's
+    `adapters` merged into their targets, each tensor computed when the writer reads it."""
+    from transformers.pytorch_utils import Conv1D
+
+    from tierlm.models.export import SourceTensor
+
+    lora = LoraConfig(**(run_config.get("lora") or {}))
+    skeleton, read = _base_reader(run_config, checkpoint)
+    modules = dict(skeleton.named_modules())
+    targets = set(lora_targets(skeleton, lora.targets))
+    scale = lora.alpha / lora.rank
+
+    def source(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SourceTensor:
+        module = name.rpartition(".")[0]
+
+        def values(chunk: int) -> Iterator[torch.Tensor]:
+            w = read(name)
+            if module in targets and name.endswith(".weight"):
+                w = merged(w, adapters[f"{module}.lora_A.{ADAPTER}.weight"],
+                           adapters[f"{module}.lora_B.{ADAPTER}.weight"], scale,
+                           isinstance(modules[module], Conv1D))
+            yield from w.reshape(-1).split(chunk)
+
+        return SourceTensor(name, shape, dtype, values)
+
+    return [source(n, tuple(p.shape), p.dtype) for n, p in skeleton.named_parameters()]

@@ -907,6 +907,9 @@ def export_hf_from_checkpoint(
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: config.json is unreadable: {exc}") from None
+    run_config = state.get("run_config") or {}
+    if (run_config.get("train") or {}).get("finetune") == "lora":
+        return _export_lora(path, out_dir, state, config, manifest, dtype, max_shard_bytes)
     weights: TensorFiles | DCPTensors
     if state.get("tensors") == "dcp":
         weights = DCPTensors(path, "model.", 0)
@@ -930,6 +933,24 @@ def export_hf_from_checkpoint(
                               dtype=export_dtype(dtype, source),
                               max_shard_bytes=max_shard_bytes)
     except ValueError as exc:  # what the checkpoint holds cannot be exported as asked
+        raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
+
+
+def _export_lora(path: Path, out_dir: Path, state: dict, config: dict, manifest: dict,
+                 dtype: str, max_shard_bytes: int) -> Path:
+    """A LoRA run's checkpoint holds its adapters only: the export is the base (--model, or the
+    preset from --seed) with them merged in (W + alpha/r * B A), tensor by tensor."""
+    from tierlm.models.lora import merged_sources
+
+    adapters = TensorFiles(path / n for n in sorted(manifest) if _MODEL_SHARD.fullmatch(n))
+    others = [path / n for n in sorted(manifest)
+              if not (_NOT_EXPORTED.fullmatch(n) or _MODEL_SHARD.fullmatch(n))]
+    try:
+        return write_hf_model(out_dir, merged_sources(state["run_config"], path, adapters),
+                              config=config, files=others,
+                              dtype=export_dtype(dtype, state.get("source_dtype")),
+                              max_shard_bytes=max_shard_bytes)
+    except ValueError as exc:
         raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
 
 

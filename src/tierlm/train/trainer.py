@@ -23,6 +23,7 @@ import yaml
 from tierlm.config import (
     Config,
     ConfigError,
+    NotSupportedYet,
     check_supported,
     parse_bytes,
     to_dict,
@@ -61,6 +62,7 @@ from tierlm.models import (
 from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
+from tierlm.models.lora import prepare_finetune
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision
@@ -236,6 +238,11 @@ class Trainer:
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
+        if cfg.train.finetune == "lora" and choice.mode != "fp32":
+            # the precision policy would swap peft's adapter layers and the frozen base's
+            # compute copy is fp32 only so far
+            raise NotSupportedYet(f"--finetune lora with --precision {choice.mode}",
+                                  "use --precision fp32")
         self.cfg = cfg
         self.precision = choice.mode
         run_dir, resume_ckpt = self.world.main_first(
@@ -315,6 +322,11 @@ class Trainer:
             else:
                 self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
                                          seed=cfg.run.seed)
+        # --finetune lora: peft's adapters on the frozen base (tierlm.models.lora); before the
+        # precision policy and the stepper, which both see the wrapped modules
+        self.finetune, initial_weights = prepare_finetune(
+            cfg.train.finetune, self.model, cfg.lora, initial_weights, seed=cfg.run.seed,
+            base_path=cfg.model.path)
         # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
         # the stored dtype unless --export-dtype says otherwise
         self.source_dtype = source_dtype(cfg.model.path) if cfg.model.path else "float32"
@@ -327,8 +339,10 @@ class Trainer:
             check_token_stream(eval_ids, vocab, corpus.eval, eos, "held-out data")
         self.model.train()
         self.n_params = count_params(self.model)
-        # names and shapes: a checkpoint of another model size has the same names
-        self.param_names = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        # names and shapes of what checkpoints hold (a LoRA run's adapters only): a checkpoint
+        # of another model size has the same names
+        self.param_names = {n: tuple(p.shape) for n, p in self.model.named_parameters()
+                            if p.requires_grad}
 
         if corpus is None:
             train_seqs, eval_seqs = finetune.train, finetune.eval
@@ -560,6 +574,8 @@ class Trainer:
         if self.plan is not None:
             self._report_prediction()
         result.final_checkpoint = self.save()
+        if self.world.is_main:  # --finetune lora: RUN_DIR/adapter in peft's format
+            self.finetune.save(self.run_dir, self.stepper.weights)
         result.skipped_steps = self.skipped_steps
         self.metrics.close()
         return result
