@@ -100,7 +100,7 @@ def test_qlora_and_unbuilt_combinations_are_refused():
         apply_lora(tiny_model("llama_tied_gqa"), LoraConfig(targets="nothing"), seed=0)
 
 
-def _run_cfg(tmp_path, out, **train):
+def _run_cfg(tmp_path, out, policy, **train):
     return from_dict({
         "model": {"path": str(tmp_path / "src")},
         "data": {"train": str(tmp_path / "corpus.txt"), "seq_len": 16},
@@ -109,12 +109,13 @@ def _run_cfg(tmp_path, out, **train):
         "lora": {"rank": 4, "alpha": 8.0},
         "optim": {"lr": 1e-2, "warmup_steps": 0},
         "precision": {"mode": "fp32"},
-        "memory": {"offload_policy": "host"},
+        "memory": {"offload_policy": policy},
         "run": {"out": str(tmp_path / out), "device": "cpu", "seed": 5},
     })
 
 
-def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("policy", ["none", "host"])  # the reference trainer; the runtime
+def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(policy, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +127,7 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(tmp_p
     train_bpe_tokenizer([TEXT], vocab_size=300).save_pretrained(src)
     (tmp_path / "corpus.txt").write_text(TEXT)
 
-    trainer = Trainer(_run_cfg(tmp_path, "a", save_every=2), log=lambda _m: None)
+    trainer = Trainer(_run_cfg(tmp_path, "a", policy, save_every=2), log=lambda _m: None)
     result = trainer.train()
     ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     trained = trainer.stepper.next_token_logits(ids)
@@ -155,10 +156,10 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(tmp_p
         assert (merged(input_ids=ids).logits[0, -1] - trained).abs().max().item() <= 1e-5
 
     # stopped at step 2 and resumed (the base reloaded from --model): the same adapters, bitwise
-    first = Trainer(_run_cfg(tmp_path, "b", save_every=2), log=lambda _m: None)
+    first = Trainer(_run_cfg(tmp_path, "b", policy, save_every=2), log=lambda _m: None)
     first.train(until_step=2)
     first.stepper.close()
-    cfg = _run_cfg(tmp_path, "b", save_every=2)
+    cfg = _run_cfg(tmp_path, "b", policy, save_every=2)
     cfg.run.resume = str(tmp_path / "b")
     second = Trainer(cfg, log=lambda _m: None)
     second.train()
@@ -166,3 +167,39 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(tmp_p
     second.stepper.close()
     assert resumed.keys() == adapters.keys()
     assert all(torch.equal(resumed[k], adapters[k]) for k in adapters)
+
+
+@pytest.mark.parametrize(("spec", "order"), [("host", "layer-outer"),
+                                             ("mixed", "microbatch-outer")])
+def test_planner_counts_the_frozen_base(spec, order, tmp_path):
+    """The planner's replay of a LoRA step (the base master-only, no gradient landing, the
+    adapters on the device) predicts the ledger's device peak, disk bytes and moves exactly."""
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.memory.placement import SegmentPlacement
+    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.memory.tiers import Tier
+
+    model = _lora_model("llama_tied_gqa")
+    shape = ModelShape.from_config(copy.deepcopy(model.config), optim=OPTIM, lora=LORA)
+    n = len(shape.names)
+    placements = ([SegmentPlacement(False, Tier.HOST)] * n if spec == "host" else
+                  [SegmentPlacement(True, Tier.DEVICE)] + [SegmentPlacement(False, Tier.DISK)]
+                  * (n - 2) + [SegmentPlacement(True, Tier.HOST)])
+    hw = PROFILES["cpu"]
+    predicted = evaluate(shape, TrainShape(2, 16, M, "fp32"), hw, placements, order, True,
+                         usable_budgets(hw))
+    eng = Engine(model, OPTIM, EngineOptions(
+        policy="auto", placements=placements, microbatch_order=order, batch_size=2, seq_len=16,
+        micro_batches=M, offload_dir=str(tmp_path)), device=CPU)
+    led = eng.ledger
+    moved = []
+    for b in batches(2, M):
+        before = dict(led.total_moved_bytes)
+        eng.step(b, 1e-3)
+        moved.append({k.value: v - before.get(k, 0) for k, v in led.total_moved_bytes.items()
+                      if v - before.get(k, 0)})
+    assert eng.ledger.peak_tier_bytes[Tier.DEVICE] == predicted.device_peak_bytes
+    assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+    assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
+    assert "d2h" not in moved[1]  # no gradient of the base leaves the device
+    eng.close()

@@ -842,6 +842,11 @@ def _check_trace_step(cfg: Config) -> None:
                           "--monitor.trace_step or use --backend engine")
 
 
+def lora_of(cfg: Config) -> LoraConfig | None:
+    """The adapters' config under --finetune lora, else None (full fine-tuning)."""
+    return cfg.lora if cfg.train.finetune == "lora" else None
+
+
 def uses_tiered_runtime(cfg: Config) -> bool:
     """Whether the run needs the tiered runtime (tierlm.runtime.Engine) rather than the plain
     reference step: any offload policy, or an activation policy the reference does not have

@@ -211,8 +211,8 @@ class Offload(ActivationPolicy):
     def forward(self, run, w, x, scope):
         leaf, xin = _leaves(w, x)
         host = OffloadScope(
-            leaf, scope.shared, frozen=scope.frozen, pool=self.pool, copier=self.copier, ledger=scope.ledger,
-            segment=scope.segment,
+            leaf, scope.shared, frozen=scope.frozen, pool=self.pool, copier=self.copier,
+            ledger=scope.ledger, segment=scope.segment,
         )
         with torch.enable_grad(), host.hooks():
             out = run(leaf, xin)

@@ -74,6 +74,13 @@ class ModelShape:
     matrix_numels: list[int] | None = None
     # per segment, how many 2-D weights (an fp8 compute copy carries one fp32 scale for each)
     matrix_counts: list[int] | None = None
+    # --finetune lora: the segments are a frozen base (master bytes only: no gradient, no
+    # optimizer state, never updated or written back) and the trained adapters, `trained_numel`
+    # parameters with `trained_optim_bytes` of optimizer state, live on the device
+    frozen: bool = False
+    trained_numel: int = 0
+    trained_optim_bytes: int = 0
+    lora: Any = None  # its tierlm.config.LoraConfig
 
     @property
     def n_params(self) -> int:
@@ -81,11 +88,15 @@ class ModelShape:
 
     def state_bytes(self, s: int) -> int:
         """Segment `s`'s master, gradient and optimizer state: what its state tier holds."""
+        if self.frozen:
+            return MASTER_B * self.numels[s]
         return (MASTER_B + GRAD_B) * self.numels[s] + self.optim_state_bytes[s]
 
     def update_disk_bytes(self, s: int, compute_copy: int | None) -> tuple[int, int]:
         """Disk bytes (read, written) by one update of segment `s` on the disk tier: master,
         gradient and slots read; master and slots written back, and its compute copy."""
+        if self.frozen:
+            return 0, 0
         written = MASTER_B * self.numels[s] + self.optim_state_bytes[s] + (compute_copy or 0)
         return self.state_bytes(s), written
 
@@ -93,15 +104,18 @@ class ModelShape:
                        chunk_numel: int = STAGING_CHUNK_NUMEL) -> int:
         """Host staging of segment `s`'s disk-tier update: in chunks, or whole where it has a
         compute copy to encode (fp8 scales need whole tensors) or the optimizer needs it."""
+        if self.frozen:
+            return 0
         if compute_copy is not None:
             return self.state_bytes(s) + compute_copy
         return update_staging_bytes(self.numels[s], self.state_bytes(s),
                                     whole=self.optim_whole, chunk_numel=chunk_numel)
 
     @classmethod
-    def from_config(cls, config: Any, *, probe_tokens: int = 256, optim: Any = None
-                    ) -> ModelShape:
-        """`optim`: the run's tierlm.config.OptimConfig (None: the default, AdamW)."""
+    def from_config(cls, config: Any, *, probe_tokens: int = 256, optim: Any = None,
+                    lora: Any = None) -> ModelShape:
+        """`optim`: the run's tierlm.config.OptimConfig (None: the default, AdamW); `lora`:
+        its tierlm.config.LoraConfig under --finetune lora (None: full fine-tuning)."""
         from tierlm.config import OptimConfig
         from tierlm.memory.layout import FlatLayout
         from tierlm.models import build_model
@@ -116,7 +130,11 @@ class ModelShape:
             p.numel() for n, p, _ in segs[0].params if n in getattr(segs[-1], "borrowed", {})
         )
         saved = _saved_bytes_meta(model, adapter, probe_tokens) / probe_tokens
+        trained = _lora_layout(model, lora) if lora is not None else None
         return cls(
+            lora=lora,
+            frozen=trained is not None,
+            trained_numel=trained.numel if trained else 0,
             names=names,
             numels=numels,
             tied_numel=tied,
@@ -125,7 +143,7 @@ class ModelShape:
             n_layers=len(segs) - 2,
             block_saved_bytes_per_token=saved,
             head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
-            **optimizer_fields(layouts, optim or OptimConfig()),
+            **optimizer_fields(layouts, optim or OptimConfig(), trained),
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
             matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
@@ -138,9 +156,11 @@ class ModelShape:
         from tierlm.models import build_model
         from tierlm.models.adapters import ModelAdapter
 
-        segs = ModelAdapter(build_model(config, device="meta")).segments
+        model = build_model(config, device="meta")
+        segs = ModelAdapter(model).segments
         layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
-        return dataclasses.replace(self, **optimizer_fields(layouts, optim))
+        trained = _lora_layout(model, self.lora) if self.lora is not None else None
+        return dataclasses.replace(self, **optimizer_fields(layouts, optim, trained))
 
     def wire_bytes(self, s: int, precision: str) -> int | None:
         """Bytes of segment `s`'s compute copy, the form its weights are kept in (host RAM or
@@ -159,14 +179,32 @@ class ModelShape:
         return mat + scales + 4 * (n - mat)
 
 
-def optimizer_fields(layouts: list, optim: Any) -> dict[str, Any]:
-    """ModelShape's optimizer fields for segments with these flat layouts under `optim`."""
+def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str, Any]:
+    """ModelShape's optimizer fields for segments with these flat layouts under `optim`
+    (`trained`: a LoRA run's adapters' flat layout, whose state is all the optimizer holds)."""
     from tierlm.optim import build_flat_optimizer
 
     optimizer = build_flat_optimizer(optim)
     return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
             "optim_name": optimizer.name, "optim_whole": optimizer.align == 0,
-            "optim_cpu_cost": optimizer.cpu_cost}
+            "optim_cpu_cost": optimizer.cpu_cost,
+            "trained_optim_bytes": optimizer.state_nbytes(trained) if trained else 0}
+
+
+def _lora_layout(model, lora):
+    """The flat layout of the adapters `apply_lora` would add: (r, in) and (out, r) per target
+    (matrices: they decay, as AdamW's grouping gives them)."""
+    from tierlm.memory.layout import FlatLayout
+    from tierlm.models.lora import lora_targets
+    from tierlm.precision.policy import linear_dims
+
+    modules = dict(model.named_modules())
+    shapes = []
+    for name in lora_targets(model, lora.targets):
+        d_in, d_out = linear_dims(modules[name])
+        shapes += [(f"{name}.lora_A", (lora.rank, d_in), True),
+                   (f"{name}.lora_B", (d_out, lora.rank), True)]
+    return FlatLayout(shapes)
 
 
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:
@@ -350,8 +388,9 @@ def _simulate(
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
     tied = shape.tied_numel
     # the head's contribution to tied weights is held in a buffer the size of the owner's
-    # gradient, which the owner's backward then accumulates its own into
-    owner_grad = numels[0] if tied else 0
+    # gradient, which the owner's backward then accumulates its own into (frozen: no gradient)
+    frozen = shape.frozen
+    owner_grad = numels[0] if tied and not frozen else 0
 
     def staged(n: int) -> int:
         return staging_numel(n, chunk_numel)
@@ -363,8 +402,14 @@ def _simulate(
 
     def allocate_state(tier: Tier, s: int) -> None:
         ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
-        ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
-        ledger.allocate(tier, TensorClass.GRAD, GRAD_B * numels[s])
+        if not frozen:
+            ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
+            ledger.allocate(tier, TensorClass.GRAD, GRAD_B * numels[s])
+
+    if frozen:  # the adapters, their gradient and optimizer state, on the device throughout
+        ledger.allocate(Tier.DEVICE, TensorClass.MASTER, MASTER_B * shape.trained_numel)
+        ledger.allocate(Tier.DEVICE, TensorClass.GRAD, GRAD_B * shape.trained_numel)
+        ledger.allocate(Tier.DEVICE, TensorClass.OPTIM, shape.trained_optim_bytes)
 
     for s, p in enumerate(placements):  # persistent state
         if p.state_tier == Tier.DEVICE:
@@ -406,7 +451,8 @@ def _simulate(
     for mbs in groups:
         actions += [Action("fwd", s, mbs) for s in range(last)]
         actions.append(Action("head", last, mbs))
-        actions += [Action("bwd", s, mbs) for s in reversed(range(last))]
+        # a frozen embedding has no backward (Engine._runs_backward)
+        actions += [Action("bwd", s, mbs) for s in reversed(range(last)) if s or not frozen]
     keep = [p.resident and keep_resident for p in placements]
 
     def needs(a: Action) -> list[int]:
@@ -418,7 +464,7 @@ def _simulate(
     cache.begin([needs(a) for a in actions])
     # resident segments with host/disk state are refreshed after each update: one copy per step
     for s, p in enumerate(placements):
-        if p.resident and p.state_tier != Tier.DEVICE:
+        if p.resident and p.state_tier != Tier.DEVICE and not frozen:
             ledger.record_move(Link.H2D, h2d[s])
             if p.state_tier == Tier.DISK:
                 ledger.record_move(Link.DISK_READ, h2d[s])
@@ -437,7 +483,7 @@ def _simulate(
             store.free(Tier.DEVICE, TensorClass.ACTIVATION, t)
 
     def grad_target(s: int):
-        if placements[s].state_tier == Tier.DEVICE:
+        if placements[s].state_tier == Tier.DEVICE or frozen:  # frozen: the adapters' buffer
             return None
         return store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s])
 
@@ -481,7 +527,7 @@ def _simulate(
             for i in a.mbs:
                 if tied and not placements[0].resident:
                     cache.acquire(k, 0)
-                if tied:
+                if owner_grad:
                     borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, owner_grad)
                 hold(gouts, (i, s))
                 drop(acts, (i, s))
@@ -500,7 +546,8 @@ def _simulate(
                     store.free(Tier.HOST, TensorClass.ACTIVATION, parked.pop((i, s)))
                 drop(gouts, (i, s + 1))
                 if s > 0:
-                    hold(gouts, (i, s))
+                    if s > 1 or not frozen:  # a frozen embedding takes no gradient
+                        hold(gouts, (i, s))
                     drop(acts, (i, s))
                 if s == 0 and i in borrowed:
                     if from_head and g is None:
@@ -555,7 +602,8 @@ def _times(
     # forward 2 FLOPs/param/token, backward 4; recomputed blocks run their forward twice;
     # attention scores add 2*2*T*D per token per layer forward (causal: half), x3 with backward
     attn = 6 * train.seq_len * shape.hidden_size * shape.n_layers
-    block_flops = tokens * (6 * block_params + 2 * recomputed)
+    # a frozen base's weights take no gradient: the backward is 2 FLOPs/param/token
+    block_flops = tokens * ((4 if shape.frozen else 6) * block_params + 2 * recomputed)
     flops = block_flops + tokens * (6 * head_params + attn)
     rate = hw.matmul_flops * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
     if not hw.device_is_cpu and train.precision == "fp32":
@@ -577,8 +625,8 @@ def _times(
         (moved.get(Link.DISK_READ.value, 0) - update_read) / hw.disk_read_Bps
         + (moved.get(Link.DISK_WRITE.value, 0) - update_write) / hw.disk_write_Bps
     )
-    cpu_params = sum(n for n, p in zip(shape.numels, placements, strict=True)
-                     if p.state_tier != Tier.DEVICE)
+    cpu_params = 0 if shape.frozen else sum(  # a frozen base is never updated
+        n for n, p in zip(shape.numels, placements, strict=True) if p.state_tier != Tier.DEVICE)
     update_cpu = cpu_params * shape.optim_cpu_cost / hw.cpu_adam_params_per_s
     update_disk = update_read / hw.disk_read_Bps + update_write / hw.disk_write_Bps
     update = update_cpu + update_disk

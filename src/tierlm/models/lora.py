@@ -226,7 +226,9 @@ def prepare_finetune(
 # -- the merged export --------------------------------------------------------------------------
 
 
-def _base_reader(run_config: Mapping, checkpoint: Path) -> tuple[nn.Module, Callable[[str], torch.Tensor]]:
+def _base_reader(
+    run_config: Mapping, checkpoint: Path
+) -> tuple[nn.Module, Callable[[str], torch.Tensor]]:
     """The unwrapped base a LoRA run trained on, as a skeleton and a reader of its fp32 weights
     by name, one tensor at a time: --model's files, or the preset rebuilt from the checkpoint's
     config.json and the run's --seed, segment by segment (models.init)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tierlm.config import Config
+from tierlm.config import Config, lora_of
 from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
@@ -104,7 +104,7 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
         from tierlm.memory.timeline import predicted_timeline
         from tierlm.train.planning import hardware_for, train_shape
 
-        shape = ModelShape.from_config(model_config, optim=cfg.optim)
+        shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg))
         return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
     return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)
