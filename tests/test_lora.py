@@ -8,7 +8,14 @@ import pytest
 import torch
 from runtime_helpers import OPTIM, batches, tiny_model
 
-from tierlm.config import ActivationConfig, LoraConfig, NotSupportedYet, check_supported, from_dict
+from tierlm.config import (
+    ActivationConfig,
+    ConfigError,
+    LoraConfig,
+    NotSupportedYet,
+    check_supported,
+    from_dict,
+)
 from tierlm.data import train_bpe_tokenizer
 from tierlm.models import build_model
 from tierlm.models.lora import apply_lora
@@ -96,8 +103,12 @@ def test_qlora_and_unbuilt_combinations_are_refused():
     with pytest.raises(NotSupportedYet, match=r"--finetune lora with --nproc"):
         check_supported(from_dict({"train": {"finetune": "lora"},
                                    "distributed": {"nproc": 2}}))
-    with pytest.raises(Exception, match=r"--lora.targets"):
+    with pytest.raises(ConfigError, match=r"--lora.targets 'nothing' matches no linear"):
         apply_lora(tiny_model("llama_tied_gqa"), LoraConfig(targets="nothing"), seed=0)
+    with pytest.raises(ConfigError, match=r"--lora.rank: must be > 0"):
+        from_dict({"lora": {"rank": 0}})
+    with pytest.raises(ConfigError, match=r"--lora.targets: '\(' is not a regex"):
+        from_dict({"lora": {"targets": "("}})
 
 
 def _run_cfg(tmp_path, out, policy, **train):
