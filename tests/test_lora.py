@@ -213,4 +213,9 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
     assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
     assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
     assert "d2h" not in moved[1]  # no gradient of the base leaves the device
+    from tierlm.train.trace import placement_map
+
+    held = [seg["bytes"] for seg in placement_map(eng)]  # the trace's per-segment table
+    assert all(set(b.get(t, {})) <= {"master", "compute"} for b in held for t in ("host", "disk"))
+    assert sum(b.get("device", {}).get("optim_state", 0) for b in held) == 8 * shape.trained_numel
     eng.close()

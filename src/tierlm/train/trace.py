@@ -123,8 +123,14 @@ def placement_map(engine: Any) -> list[dict[str, Any]]:
             by_class[str(cls)] = by_class.get(str(cls), 0) + nbytes
 
         add(tier, TensorClass.MASTER, 4 * n)
-        add(tier, TensorClass.OPTIM, 8 * n)
-        add(tier, TensorClass.GRAD, 4 * n)
+        if not st.frozen:  # a LoRA run's base is its master alone
+            add(tier, TensorClass.OPTIM, 8 * n)
+            add(tier, TensorClass.GRAD, 4 * n)
+        trained = engine.trained[st.index]
+        if trained is not None and trained is not st:  # its adapters, on the device
+            for cls, per in ((TensorClass.MASTER, 4), (TensorClass.OPTIM, 8),
+                             (TensorClass.GRAD, 4)):
+                add(Tier.DEVICE, cls, per * trained.numel)
         if st.placement.resident and tier != Tier.DEVICE:
             add(Tier.DEVICE, TensorClass.COMPUTE, st.device_nbytes())
         if st.wire is not None:

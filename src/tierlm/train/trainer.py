@@ -229,6 +229,8 @@ class Trainer:
         if not self.world.is_main:
             log = quiet  # rank 0 logs, writes metrics and checkpoints for the whole run
         self.log = log
+        if cfg.train.finetune == "lora" and self.world.distributed:
+            raise NotSupportedYet("--finetune lora under torchrun", "LoRA runs in one process")
         self.device = resolve_device(cfg.run.device)
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         choice = resolve_precision(cfg.precision, self.device, None,
