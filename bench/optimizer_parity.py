@@ -91,6 +91,8 @@ def main() -> None:
                    help="comma-separated; AdamW is required: every gap is measured against it")
     p.add_argument("--lrs", type=int, default=3, choices=(1, 3),
                    help="learning rates per optimizer: 3 (its grid) or 1 (the grid's middle)")
+    p.add_argument("--extra", default="",
+                   help="more learning rates to try, e.g. Lion=6e-4,AdamW8bit=1e-3")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--results", default="",
                    help="a JSON-lines file of finished runs: a run with the same settings found "
@@ -120,6 +122,10 @@ def main() -> None:
     sweeps: dict[str, list[dict]] = {}
     for name in names:
         grid = GRIDS[name] if args.lrs == 3 else GRIDS[name][1:2]
+        grid += tuple(float(v) for k, v in (e.split("=") for e in args.extra.split(",") if e)
+                      if k == name)
+        # every rate this sweep has tried so far (--results), in order
+        grid = sorted(set(grid) | {lr for n, lr in cached if n == name})
         for lr in grid:
             r = cached.get((name, lr)) or run(args, name, lr)
             if args.results and (name, lr) not in cached:
