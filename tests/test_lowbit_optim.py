@@ -407,9 +407,9 @@ def _config(name: str) -> OptimConfig:
 @pytest.mark.parametrize("name", ["AdamW8bit", "GaLoreAdamW"])
 def test_runtime_matches_reference_trainer(name, tmp_path):
     """4 steps of tiny Llama, clipping active, every segment's state on disk (updated in chunks
-    of 1024 elements where the optimizer allows), layer-outer, against the per-parameter twin
-    on the reference trainer: the same losses, weights and state (the host tier and the other
-    order share these code paths; one placement keeps the test short)."""
+    of 1024 elements where the optimizer allows) with layer-outer, and in host RAM with
+    microbatch-outer, against the per-parameter twin on the reference trainer: the same losses,
+    weights and state."""
     import copy
 
     from runtime_helpers import assert_close_run, batches, tiny_model
@@ -427,7 +427,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
     assert all(r["grad_norm"] > clip for r in ref_recs)
     ref_weights = {k: v.detach().clone() for k, v in ref_model.named_parameters()}
     ref_state = ref.optimizer_state()
-    for policy, order in (("disk", "layer-outer"),):
+    for policy, order in (("disk", "layer-outer"), ("host", "microbatch-outer")):
         opts = EngineOptions(offload_dir=str(tmp_path / f"{policy}-{order}"), batch_size=2,
                              seq_len=16, micro_batches=m, grad_clip=clip,
                              staging_chunk_numel=1024, policy=policy, microbatch_order=order)
