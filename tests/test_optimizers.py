@@ -305,6 +305,9 @@ def test_plan_prints_each_optimizers_state_bytes(capsys):
     # AdamW: 8 bytes per parameter; Adafactor: a few bytes per row and column
     assert "(8.00 B/param)" in printed["AdamW"]
     assert "(0.0" in printed["Adafactor"].split("Adafactor state")[1].split("\n")[0]
+    assert main(["plan", "--model-size", "1b", "--hardware", "rtx4060ti-16g",
+                 "--no-optimizer-table"]) == 0
+    assert "each optimizer" not in capsys.readouterr().out
     # every optimizer's row in the comparison, the same whichever --opt was planned
     table = {name: out.split("each optimizer (--opt) in this plan:")[1]
              for name, out in printed.items()}

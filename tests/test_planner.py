@@ -61,7 +61,7 @@ def test_big_model_plans_fit_their_budgets(size, hw, host_gib, batch, seq, accum
 def test_plan_cli_prints_breakdown_and_flags(capsys):
     rc = main(["plan", "--model-size", "7b", "--hardware", "rtx4090", "--host-memory", "64GiB",
                "--disk-budget", "200GiB", "--batch-size", "4", "--seq-len", "2048",
-               "--grad-accum-steps", "8"])
+               "--grad-accum-steps", "8", "--no-optimizer-table"])
     out = capsys.readouterr().out
     assert rc == 0
     for text in ("6.74B params", "peak bytes per tier", "device", "host", "disk",
@@ -80,7 +80,8 @@ def test_plan_json(capsys):
 
 def test_impossible_plan_says_what_would_fit(capsys):
     rc = main(["plan", "--model-size", "7b", "--hardware", "rtx4060ti-16g", "--host-memory",
-               "16GiB", "--disk-budget", "20GiB", "--batch-size", "4", "--seq-len", "2048"])
+               "16GiB", "--disk-budget", "20GiB", "--batch-size", "4", "--seq-len", "2048",
+               "--no-optimizer-table"])
     out = capsys.readouterr().out
     assert rc == 3
     assert "DOES NOT FIT" in out and "would fit with" in out and "--disk-budget" in out
@@ -313,7 +314,7 @@ def test_precision_auto_refuses_flags_its_choice_ignores(flags, flag, resolved):
 def test_plan_without_precision_resolves_auto_against_the_profile(hw, resolved, capsys):
     import json
 
-    assert main(["plan", "--model-size", "tiny", "--hardware", hw]) == 0
+    assert main(["plan", "--model-size", "tiny", "--hardware", hw, "--no-optimizer-table"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith(f"precision: auto -> {resolved} ({hw}")
     assert f"--precision {resolved}" in out  # the train flags pin what was planned

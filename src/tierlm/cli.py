@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--no-optimizer-table", action="store_true",
+                      help="skip the table of what each --opt would change (it plans the run "
+                      "once more per optimizer: seconds each for a 7B model)")
     probe = sub.add_parser(
         "probe", help="measure this machine's disk, memory, CPU-update and matmul rates",
     )
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             from tierlm.train.planning import print_plan
 
-            return print_plan(cfg, as_json=args.json)
+            return print_plan(cfg, as_json=args.json,
+                              optimizer_table=not args.no_optimizer_table)
         if args.command == "print-config":
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             return 0

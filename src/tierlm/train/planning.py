@@ -140,8 +140,9 @@ def model_config_for(cfg: Config) -> Any:
     return preset_config(cfg.model.size, max_seq_len=cfg.data.seq_len)
 
 
-def print_plan(cfg: Config, *, as_json: bool = False) -> int:
-    """`tierlm plan`: 0 when a plan fits, 3 when nothing does (the output says what would)."""
+def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = True) -> int:
+    """`tierlm plan`: 0 when a plan fits, 3 when nothing does (the output says what would).
+    `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
     import json
 
     from tierlm.memory.planner import describe
@@ -163,11 +164,12 @@ def print_plan(cfg: Config, *, as_json: bool = False) -> int:
             print(wear.describe())
             if wear.warning():
                 print(wear.warning())
-        print(optimizer_table(cfg, model_config_for(cfg), hw, precision, shape, p))
+        if optimizer_table:
+            print(optimizer_table_text(cfg, model_config_for(cfg), hw, precision, shape, p))
     return 0 if p.fits else 3
 
 
-def optimizer_table(cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
+def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
                     shape: ModelShape, chosen: Plan) -> str:
     """What each --opt would change in this plan: its state bytes, the state left on disk (or
     how far it is from fitting), the disk traffic and the predicted tokens/s."""
