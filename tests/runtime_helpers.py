@@ -68,3 +68,13 @@ def assert_close_run(losses, ref_losses, weights, ref_weights, *, rel=1e-6, atol
     for k, v in ref_weights.items():
         diff = (weights[k] - v).abs().max().item()
         assert diff <= atol, f"{k}: max abs diff {diff}"
+
+
+def assert_same_state(state: dict, ref_state: dict, where: object = None) -> None:
+    """Optimizer state under the reference's keys and shapes, each tensor within 1e-6 of it
+    (relative to its largest value, at least 1): either runtime resumes the other's."""
+    assert state.keys() == ref_state.keys(), where
+    for k, v in ref_state.items():
+        assert state[k].shape == v.shape, k
+        assert (state[k].float() - v.float()).abs().max().item() <= 1e-6 * max(
+            1.0, v.float().abs().max().item()), k

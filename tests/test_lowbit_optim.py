@@ -412,7 +412,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
     weights and state."""
     import copy
 
-    from runtime_helpers import assert_close_run, batches, tiny_model
+    from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
 
     from tierlm.runtime import Engine, EngineOptions
     from tierlm.train.reference import ReferenceStep
@@ -437,8 +437,4 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
         eng.close()
         assert_close_run([r["loss"] for r in recs], [r["loss"] for r in ref_recs], weights,
                          ref_weights)
-        assert state.keys() == ref_state.keys(), (policy, order)
-        for k, v in ref_state.items():
-            assert state[k].shape == v.shape, k
-            assert (state[k].float() - v.float()).abs().max() <= 1e-6 * max(
-                1.0, v.float().abs().max().item()), k
+        assert_same_state(state, ref_state, (policy, order))

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import assert_close_run, batches, tiny_model
+from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
 
 from tierlm.config import NotSupportedYet, OptimConfig
 from tierlm.distributed.delayed import Delayed
@@ -74,11 +74,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
         eng.close()
         assert_close_run([r["loss"] for r in recs], [r["loss"] for r in ref_recs], weights,
                          ref_weights)
-        # the same state under the same keys and shapes: either runtime resumes the other
-        assert state.keys() == ref_state.keys(), (policy, order)
-        for k, v in ref_state.items():
-            assert state[k].shape == v.shape, k
-            assert (state[k] - v).abs().max().item() <= 1e-6 * max(1.0, v.abs().max().item()), k
+        assert_same_state(state, ref_state, (policy, order))
 
 
 def test_lion_reference_is_the_papers_update():
