@@ -11,7 +11,7 @@ import torch
 
 from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
-from tierlm.optim import adamw8bit_native
+from tierlm.optim import native as kernels
 from tierlm.optim.adamw8bit import (
     AdamW8bit,
     FlatAdamW8bit,
@@ -32,7 +32,7 @@ SHAPES = [  # (name, shape, decay): whole blocks, short last blocks, a block-siz
 ]
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 CFG = OptimConfig(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
-NATIVE = [False] + ([True] if adamw8bit_native.kernel() is not None else [])
+NATIVE = [False] + ([True] if kernels.kernel() is not None else [])
 
 
 def grads(layout: FlatLayout, steps: int, seed: int = 0) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierlm.memory.layout import FlatLayout, ParamSlot
-from tierlm.optim import adamw8bit_native
+from tierlm.optim import native as kernels  # `native` names the flag below
 from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in
 
 if TYPE_CHECKING:
@@ -101,9 +101,9 @@ def step_span(p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor, qv: torch.Tens
     """One step on a span of whole blocks: flat p, g, qm, qv of n elements whose blocks start
     at the span's start (only the last may be short), sm/sv their ceil(n/256) scales. The C
     kernel runs CPU tensors; the eager one anything else (a segment resident on the GPU)."""
-    fn = adamw8bit_native.kernel() if native and p.device.type == "cpu" else None
+    fn = kernels.kernel() if native and p.device.type == "cpu" else None
     if fn is not None:
-        adamw8bit_native.run(fn, p, g, qm, qv, sm, sv, h)
+        kernels.run(fn, p, g, qm, qv, sm, sv, h)
         return
     n = p.numel()
     full = n // BLOCK

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tierlm.memory.layout import FlatLayout
-from tierlm.optim import adamw8bit_native as native
+from tierlm.optim import native
 from tierlm.optim.flat import FlatOptimizer, StateSlot
 
 
@@ -25,9 +25,9 @@ def lion_update(
     weight_decay: float,
 ) -> None:
     """One Lion step on contiguous tensors of any (equal) shape, in place on `p` and `m`: one
-    pass of the C kernel on the CPU (tierlm.optim.adamw8bit_native; eager PyTorch makes eight
-    passes and allocates three temporaries, measured 10x slower than fused AdamW), the same
-    operations in PyTorch elsewhere. Both round every operation to fp32 alike."""
+    pass of the C kernel on the CPU (tierlm.optim.native; eager PyTorch makes eight passes and
+    allocates three temporaries, measured 10x slower than fused AdamW), the same operations in
+    PyTorch elsewhere. Both round every operation to fp32 alike."""
     fn = native.lion_kernel() if p.device.type == "cpu" and p.dtype == torch.float32 else None
     if fn is not None and p.is_contiguous() and g.is_contiguous() and m.is_contiguous():
         h = torch.tensor([beta1, 1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, lr],

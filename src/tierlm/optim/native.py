@@ -1,8 +1,9 @@
-"""The 8-bit AdamW block kernel (and Lion's update) in C, built with the system compiler on first
-use and loaded with ctypes; `kernel()` (`lion_kernel()`) returns None where no compiler is found
-or the build fails, and the caller runs the eager PyTorch kernel instead.
+"""The optimizers' CPU kernels in C (8-bit AdamW's block update, Lion's update), built with the
+system compiler on first use and loaded with ctypes; `kernel()` (`lion_kernel()`) returns None
+where no compiler is found or the build fails, and the caller runs the eager PyTorch kernel
+instead.
 
-Why C: the update is compute-bound (dequantise, two moment updates, two block maxima,
+Why C (8-bit AdamW): the update is compute-bound (dequantise, two moment updates, two block maxima,
 requantise, the Adam step), and eager PyTorch makes a pass over memory per operation; Inductor
 fuses them, but its code for this kernel stayed several times slower than fused AdamW here. One
 pass per block of 256, with the block's fp32 moments in L1, runs near fused AdamW's speed.
@@ -122,8 +123,8 @@ def _build() -> ctypes.CDLL | None:
         tmp = f"{lib}.{os.getpid()}"
         done = subprocess.run([cc, *_FLAGS, src, "-o", tmp, "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            print(f"tierlm: the 8-bit AdamW C kernel did not build ({cc}); using the eager "
-                  f"kernel:\n{done.stderr[-2000:]}", file=sys.stderr)
+            print(f"tierlm: the optimizer C kernels did not build ({cc}); using the eager "
+                  f"kernels:\n{done.stderr[-2000:]}", file=sys.stderr)
             return None
         os.replace(tmp, lib)  # atomic: concurrent builders each publish a whole file
     dll = ctypes.CDLL(lib)
@@ -154,8 +155,8 @@ def _library() -> ctypes.CDLL | None:
             try:
                 _loaded.append(_build())
             except OSError as e:
-                print(f"tierlm: the 8-bit AdamW C kernel did not load ({e}); using the eager "
-                      "kernel", file=sys.stderr)
+                print(f"tierlm: the optimizer C kernels did not load ({e}); using the eager "
+                      "kernels", file=sys.stderr)
                 _loaded.append(None)
         return _loaded[0]
 
