@@ -15,7 +15,8 @@ Rows:
 - GaLore rank r: `FlatGaLoreAdamW` on a step without a projection refresh; the refresh step
   (one SVD per matrix) is timed once, on one matrix, and reported per matrix and amortised
   over `--update-every` steps.
-- Lion, Adafactor: the runtime's `FlatLion` and `FlatAdafactor`.
+- Lion, Adafactor: the runtime's `FlatLion` and `FlatAdafactor` (C kernels); Adafactor's eager
+  fallback (torch.optim.Adafactor's operations) over the whole segment too.
 """
 
 from __future__ import annotations
@@ -102,14 +103,16 @@ def main() -> None:
         return lambda: opt.update_range(layout, 0, master, grad, state, steps, LR)
 
     lion, adafactor = flat(FlatLion(CFG)), flat(FlatAdafactor(CFG))
+    adafactor_eager = flat(FlatAdafactor(CFG, native=False))
 
     rows: list[tuple[str, int, Callable[[], None]]] = [
         ("fused AdamW (fp32)", numel, fused),
         ("AdamW8bit (C kernel)", numel, adamw8bit),
         ("AdamW8bit (eager fallback)", args.eager_numel, adamw8bit_eager),
         (f"GaLore rank {args.rank}, step without refresh", numel, galore_normal),
-        ("Lion (FlatLion)", numel, lion),
-        ("Adafactor (FlatAdafactor)", numel, adafactor),
+        ("Lion (FlatLion, C kernel)", numel, lion),
+        ("Adafactor (FlatAdafactor, C kernel)", numel, adafactor),
+        ("Adafactor (eager fallback)", numel, adafactor_eager),
     ]
     for _, _, fn in rows:  # warm-up: first-touch pages, kernel build
         fn()
