@@ -110,8 +110,9 @@ void lion_update(float *p, const float *g, float *m, int64_t n, const float *h, 
    (A); otherwise a pass (B) over the gradient sums it element by element. The results agree
    with torch's to a few units in the last place, not bit for bit.
 
-   Every sum accumulates in double per block of rows (vector elements) fixed by the shape, and
-   blocks are added in order: results do not depend on the thread count. Each pass is one
+   Sums accumulate in double (the column sums: in fp32 over 64 rows, then in double) per block
+   of rows (vector elements) fixed by the shape, and blocks are added in order: results do not
+   depend on the thread count. Each pass is one
    parallel loop over all the segment's blocks, taken as threads come free: on a shared machine
    a descheduled thread stalls the others at two barriers a segment, not two a parameter.
 
@@ -122,6 +123,7 @@ void lion_update(float *p, const float *g, float *m, int64_t n, const float *h, 
 
 #define AF_BIG 1.152921504606846976e18f /* 2^60: a_i b_j stays finite */
 #define AF_VBLOCK 16384                 /* vector elements per block; (C) takes as many */
+#define AF_SUBROWS 64                   /* rows a column sum adds in fp32 before double */
 
 static inline float af_lerp(float s, float e, float w) {
     /* ATen's lerp: from the nearer end, fused */
@@ -165,7 +167,7 @@ int adafactor_segment(float *p, const float *g, float *row, float *col, float *v
             na += nb * ((R + rpb - 1) / rpb);
             nc += nb * ((R + per - 1) / per);
             nab += nb * (R + C);
-            ncol += nb * ((R + rpb - 1) / rpb) * 2 * C;
+            ncol += nb * ((R + rpb - 1) / rpb) * 3 * C;
         } else {
             na += (C + AF_VBLOCK - 1) / AF_VBLOCK;
             nc += (C + AF_VBLOCK - 1) / AF_VBLOCK;
@@ -197,7 +199,7 @@ int adafactor_segment(float *p, const float *g, float *row, float *col, float *v
             for (int64_t t = 0; t < nb; t++) {
                 for (int64_t i = 0; i < R; i += rpb) {
                     colat[ia] = at_col;
-                    at_col += 2 * C;
+                    at_col += 3 * C;
                     ta[ia++] = (af_task){q, t, i, i + rpb < R ? i + rpb : R};
                 }
                 for (int64_t i = 0; i < R; i += per)
@@ -224,17 +226,18 @@ int adafactor_segment(float *p, const float *g, float *row, float *col, float *v
             const int64_t R = d[3], mat = d[0] + tk.t * R * C;
             float *rt = row + d[5] + tk.t * R;
             double *cs = colpart + colat[k], *cs2 = cs + C;
+            float *sub = (float *)(cs2 + C), *sub2 = sub + C; /* the last rows, in fp32 */
             double *rq = rowsq + abat[tk.param] + tk.t * R;
-            memset(cs, 0, (size_t)(2 * C) * sizeof(double));
+            memset(cs, 0, (size_t)(3 * C) * sizeof(double));
             for (int64_t i = tk.i0; i < tk.i1; i++) {
                 const float *gi = g + mat + i * C, *pi = p + mat + i * C;
                 double rs = 0.0, pr = 0.0;
                 #pragma omp simd reduction(+:rs, pr)
                 for (int64_t j = 0; j < C; j++) {
-                    const double x = gi[j], y = pi[j];
-                    rs += x * x;
-                    cs[j] += x * x;
-                    pr += y * y;
+                    const float x = gi[j], y = pi[j], xx = x * x;
+                    rs += (double)xx;
+                    sub[j] += xx;
+                    pr += (double)y * y;
                 }
                 const float norm = (float)sqrt(rs);
                 const float r = af_lerp(rt[i], (norm * norm) / (float)C, w);
@@ -242,11 +245,18 @@ int adafactor_segment(float *p, const float *g, float *row, float *col, float *v
                 rq[i] = rs;
                 ps += pr;
                 if (rs > 0.0 && r > 0.0f) {
-                    const double inv = 1.0 / (double)r;
+                    const float inv = (float)(1.0 / (double)r);
+                    #pragma omp simd
+                    for (int64_t j = 0; j < C; j++)
+                        sub2[j] += gi[j] * gi[j] * inv;
+                }
+                if ((i + 1 - tk.i0) % AF_SUBROWS == 0 || i + 1 == tk.i1) {
                     #pragma omp simd
                     for (int64_t j = 0; j < C; j++) {
-                        const double x = gi[j];
-                        cs2[j] += x * x * inv;
+                        cs[j] += (double)sub[j];
+                        cs2[j] += (double)sub2[j];
+                        sub[j] = 0.0f;
+                        sub2[j] = 0.0f;
                     }
                 }
             }
@@ -300,8 +310,8 @@ int adafactor_segment(float *p, const float *g, float *row, float *col, float *v
                 for (int64_t j = 0; j < C; j++) {
                     double s = 0.0, s2 = 0.0;
                     for (int64_t k = 0; k < nblk; k++) {
-                        s += parts[2 * C * k + j];
-                        s2 += parts[2 * C * k + C + j];
+                        s += parts[3 * C * k + j];
+                        s2 += parts[3 * C * k + C + j];
                     }
                     const float norm = (float)sqrt(s);
                     ct[j] = af_lerp(ct[j], (norm * norm) / (float)R, w);
@@ -512,5 +522,5 @@ def run_adafactor(fn: ctypes._CFuncPtr, p: torch.Tensor, g: torch.Tensor, row: t
             len(params), (ctypes.c_int64 * len(desc))(*desc),
             (ctypes.c_double * len(flat_hyper))(*flat_hyper), torch.get_num_threads())
     if rc != 0:
-        raise MemoryError("the Adafactor C kernel could not allocate its scratch (up to 512 "
+        raise MemoryError("the Adafactor C kernel could not allocate its scratch (up to 768 "
                           "bytes per matrix column)")
