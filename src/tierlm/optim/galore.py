@@ -66,10 +66,6 @@ def project(grad: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     return grad @ proj.T if grad.shape[0] >= grad.shape[1] else proj.T @ grad
 
 
-def project_back(low: torch.Tensor, proj: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    return low @ proj if shape[0] >= shape[1] else proj @ low
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 64 == 0 else t.clone(
         memory_format=torch.contiguous_format)
@@ -90,13 +86,16 @@ def galore_step(w: torch.Tensor, g: torch.Tensor, proj: torch.Tensor, exp_avg: t
         proj.copy_(new_projection(g, rank))
     p = _aligned(proj)
     r = project(g, p)
-    exp_avg.mul_(beta1).add_(r, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(r, r, value=1 - beta2)
-    bc1 = 1 - beta1**count
-    bc2 = 1 - beta2**count
-    direction = (exp_avg / bc1).div_(exp_avg_sq.sqrt().div_(math.sqrt(bc2)).add_(eps))
-    w.mul_(1 - lr * weight_decay)
-    w.add_(project_back(direction, p, tuple(w.shape)), alpha=-lr * scale)
+    # Adam on the projected gradient in torch's fused kernel (one pass; the eager operations
+    # made eight, each a parallel region): run on a zero buffer with lr 1 and no decay, it
+    # leaves minus Adam's direction there, m_hat / (sqrt(v_hat) + eps)
+    neg_direction = torch.zeros_like(r)
+    adam([neg_direction], [r], [exp_avg], [exp_avg_sq], [], [torch.tensor(count - 1.0)],
+         fused=True, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+         lr=1.0, weight_decay=0.0, eps=eps, maximize=False)
+    # decay, back-projection and update in one GEMM: w = (1 - lr wd) w - lr scale back(direction)
+    a, b = (neg_direction, p) if w.shape[0] >= w.shape[1] else (p, neg_direction)
+    w.addmm_(a, b, beta=1 - lr * weight_decay, alpha=lr * scale)
 
 
 def adamw_step(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
