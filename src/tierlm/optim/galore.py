@@ -118,10 +118,10 @@ class FlatGaLoreAdamW(FlatOptimizer):
 
     name = "GaLoreAdamW"
     align = 0
-    # bench/optimizer_update.py, 16.8M params, rank 128, a step without a refresh: 0.04-0.08x
-    # fused AdamW's params/s; the SVD refresh every galore_update_every steps comes on top and is
-    # not counted
-    cpu_cost = 15.0
+    # bench/optimizer_update.py, 16.8M params, rank 128, a step without a refresh: 0.10x fused
+    # AdamW's params/s (two GEMMs a matrix, 4 * rank flops per parameter); the SVD refresh every
+    # galore_update_every steps comes on top and is not counted
+    cpu_cost = 10.0
 
     def __init__(self, cfg: OptimConfig, *, rank: int | None = None,
                  update_every: int | None = None, scale: float | None = None) -> None:
