@@ -1,0 +1,146 @@
+"""Context parallel (ring attention) on gloo: CP 2 and CP 4, and DP 2 x CP 2, against one process
+over the same full sequences (tests/runtime_helpers.py's reference step), with GQA.
+
+Each rank returns its gradients of the first micro-batch, its losses and its final weights; all
+must equal the reference within 1e-5 (fp32: the ring sums attention blocks and the all-reduce
+sums rank shares in another order than one process does).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from runtime_helpers import OPTIM, batches, tiny_model
+from test_distributed import run_ranks
+
+from tierlm.config import ConfigError
+from tierlm.distributed.context import (
+    ContextLayout,
+    _block_backward,
+    _block_forward,
+    build_ring,
+    ring_send_bytes,
+    zigzag_positions,
+)
+from tierlm.distributed.context_step import ContextParallelStep
+from tierlm.distributed.world import World
+from tierlm.train.reference import ReferenceStep
+
+MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads
+STEPS, M, T = 3, 2, 32
+LR = 1e-2
+OPTIM = dataclasses.replace(OPTIM, eps=1e-3)  # see tests/test_distributed.py: rounding, not Adam
+CPU = torch.device("cpu")
+
+
+def _reference(rows: int) -> dict:
+    model = tiny_model(MODEL, layers=LAYERS)
+    ref = ReferenceStep(model, OPTIM, grad_clip=1.0, device=CPU)
+    step_batches = batches(STEPS, M, b=rows, t=T)
+    ref._loss(step_batches[0][0]).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    losses = [ref.step(b, LR)["loss"] for b in step_batches]
+    return {"grads": grads, "losses": losses, "weights": ref.weights(),
+            "eval": ref.eval_loss(step_batches[0][0])}
+
+
+def _cp_run(world: World, cp: int, rows: int) -> dict:
+    """This rank's run: the row group's rows of the global batches, its zig-zag share of each."""
+    layout = ContextLayout(world.rank, world.size, cp)
+    step = ContextParallelStep(
+        ReferenceStep(tiny_model(MODEL, layers=LAYERS), OPTIM, grad_clip=1.0, device=CPU),
+        layout, build_ring(layout),
+    )
+    global_batches = batches(STEPS, M, b=rows, t=T)
+    step_batches = [[b.tensor_split(layout.dp)[layout.dp_rank] for b in micro]
+                    for micro in global_batches]
+    nll, tokens = step._nll(step_batches[0][0])
+    (nll / tokens).backward()
+    step._sum_gradients()
+    grads = {n: p.grad.clone() for n, p in step.ref.model.named_parameters()}
+    step.ref.model.zero_grad(set_to_none=True)
+    outs = [step.step(b, LR) for b in step_batches]
+    # numpy across the process boundary: a tensor would travel as shared memory of an ended rank
+    return {"grads": _numpy(grads), "losses": [o["loss"] for o in outs],
+            "weights": _numpy(step.weights()),
+            "kv_send_bytes": outs[-1]["kv_send_bytes"],
+            "net_send_bytes": outs[-1]["net_send_bytes"],
+            "eval": step.eval_loss(global_batches[0][0])}  # every row group: all rows
+
+
+def _numpy(tensors: dict[str, torch.Tensor]) -> dict:
+    return {k: v.detach().numpy().copy() for k, v in tensors.items()}
+
+
+def _assert_equal(run: dict, ref: dict) -> None:
+    for a, b in zip(run["losses"], ref["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (run["losses"], ref["losses"])
+    for key in ("grads", "weights"):
+        for name, want in ref[key].items():
+            diff = (torch.from_numpy(run[key][name]) - want).abs().max().item()
+            assert diff <= 1e-5, f"{key} {name}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize(("world", "cp"), [(2, 2), (4, 4), (4, 2)],
+                         ids=["cp2", "cp4", "dp2xcp2"])
+def test_ring_equals_one_process_over_the_full_sequences(world, cp):
+    rows = 2 * (world // cp)  # 2 rows per row group: DP 2 x CP 2 is one process with 4 rows
+    ref = _reference(rows)
+    runs = run_ranks(lambda w: _cp_run(w, cp, rows), world=world)
+    for run in runs:
+        _assert_equal(run, ref)
+    # the bytes: K/V around the ring in both sweeps (context.py), plus the gradient all-reduce
+    model = tiny_model(MODEL, layers=LAYERS)
+    c = model.config
+    kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=c.num_key_value_heads,
+                         local_len=T // cp, head_dim=c.hidden_size // c.num_attention_heads,
+                         element_bytes=4, layers=c.num_hidden_layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    for run in runs:
+        assert run["kv_send_bytes"] == M * kv
+        assert run["net_send_bytes"] == M * kv + int(2 * (world - 1) / world * 4 * n_params)
+        assert run["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+
+
+def test_zigzag_shares_cover_the_sequence_once_and_balance_causal_work():
+    shares = [zigzag_positions(32, 4, r) for r in range(4)]
+    assert torch.equal(torch.sort(torch.cat(shares)).values, torch.arange(32))
+    # keys below each query (the causal work) per rank: equal
+    work = {int((s + 1).sum()) for s in shares}
+    assert len(work) == 1
+    with pytest.raises(ValueError, match="multiple of 2 x 4"):
+        zigzag_positions(36, 4, 0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_block_equals_the_fused_cpu_block(causal):
+    """The block used off CPU (exact fp32 math) against the CPU flash kernel, with GQA."""
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 12 if not causal else 8, 16, generator=g) for _ in range(2))
+    out, lse = _block_forward(q, k, v, causal, 0.25, fused=True)
+    out_m, lse_m = _block_forward(q, k, v, causal, 0.25, fused=False)
+    torch.testing.assert_close(out_m, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_m, lse, atol=1e-5, rtol=1e-5)
+    fused = _block_backward(dout, q, k, v, out, lse, causal, 0.25, fused=True)
+    math_ = _block_backward(dout, q, k, v, out, lse, causal, 0.25, fused=False)
+    for a, b in zip(math_, fused, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_is_refused_naming_the_flag():
+    ref = ReferenceStep(tiny_model("gpt2"), OPTIM, grad_clip=1.0, device=CPU)
+    with pytest.raises(ConfigError, match="--context-parallel"):
+        ContextParallelStep(ref, ContextLayout(0, 2, 2), ring=None)
+
+
+def test_packed_examples_are_refused_naming_the_flag():
+    ref = ReferenceStep(copy.deepcopy(tiny_model(MODEL)), OPTIM, grad_clip=1.0, device=CPU)
+    step = ContextParallelStep(ref, ContextLayout(0, 2, 2), ring=None)
+    packed = torch.zeros(1, 3, T + 1, dtype=torch.long)  # ids, labels, positions
+    with pytest.raises(ConfigError, match="--data.packing"):
+        step._nll(packed)
