@@ -1,4 +1,4 @@
-"""Context parallelism: N ranks share every sequence, attention runs as a ring (`--context-parallel`).
+"""Context parallelism: N ranks share every sequence, attention runs as a ring over them.
 
 Layout. The run's ranks form a (dp, cp) grid, rank = dp_rank * cp + cp_rank: the cp ranks of one
 data-parallel group see the same rows and each holds a zig-zag share of every sequence. The

@@ -25,6 +25,11 @@ def join_world(cfg: Config) -> World:
             f"--nproc {d.nproc}, but torchrun started {world.size} processes; drop --nproc "
             "under torchrun, or make the two agree"
         )
+    if world.size % d.context_parallel:
+        raise ConfigError(
+            f"{world.size} processes is not a multiple of --context-parallel "
+            f"{d.context_parallel}: launch dp x {d.context_parallel} processes (--nproc)"
+        )
     mode = resolved_mode(d)
     if not world.distributed and mode in ("topk", "delayed"):
         flag = "--sparse-grad-ratio" if mode == "topk" else "--sync-every"
@@ -50,7 +55,15 @@ def build_parallel_stepper(
     the gradient sync, dense); otherwise one process gets the single-process stepper; several
     processes each get the tiered engine (with `--offload-policy none` it keeps everything on
     the device and reproduces the reference trainer exactly), with the sync strategy as the
-    engine's per-segment gradient hook, wrapped for what spans ranks."""
+    engine's per-segment gradient hook, wrapped for what spans ranks. Context parallel
+    (checked at config validation to run resident, dense, not under FSDP) wraps the reference
+    step: every rank holds the whole model and a zig-zag share of each row."""
+    if cfg.distributed.context_parallel > 1:
+        from tierlm.distributed.context import ContextLayout, build_ring
+        from tierlm.distributed.context_step import ContextParallelStep
+
+        layout = ContextLayout(world.rank, world.size, cfg.distributed.context_parallel)
+        return ContextParallelStep(build_single(), layout, build_ring(layout))
     comm = Comm(world.size, Ledger())
     if cfg.distributed.backend == "fsdp":
         from tierlm.distributed.fsdp import FSDPStep
@@ -75,14 +88,17 @@ def build_parallel_stepper(
 class RankSlice:
     """Rank r's rows of each global batch: with W ranks of micro-batch b, the sampler draws
     batches of W*b rows and rank r takes rows [r*b, (r+1)*b), so W ranks see exactly the rows
-    one process with micro-batch W*b would. Position and resume are the global sampler's."""
+    one process with micro-batch W*b would. Position and resume are the global sampler's.
+    Under context parallel the W / cp row groups split the rows (rank r's group is r // cp)
+    and the ranks of a group share theirs."""
 
-    def __init__(self, sampler: Any, world: World) -> None:
+    def __init__(self, sampler: Any, world: World, cp: int = 1) -> None:
         self.sampler = sampler
         self.world = world
+        self.groups, self.group = world.size // cp, world.rank // cp
 
     def next_batch(self) -> torch.Tensor:
-        return self.sampler.next_batch().tensor_split(self.world.size)[self.world.rank]
+        return self.sampler.next_batch().tensor_split(self.groups)[self.group]
 
     def __getattr__(self, name: str):  # state_dict, load_state_dict, epoch, ...
         if name == "sampler":
@@ -90,8 +106,8 @@ class RankSlice:
         return getattr(self.sampler, name)
 
 
-def shard_batches(sampler: Any, world: World) -> Any:
-    return RankSlice(sampler, world) if world.distributed else sampler
+def shard_batches(sampler: Any, world: World, cp: int = 1) -> Any:
+    return RankSlice(sampler, world, cp) if world.size > cp else sampler
 
 
 class NullMetrics:
