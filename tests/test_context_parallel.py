@@ -16,7 +16,7 @@ import torch
 from runtime_helpers import OPTIM, batches, tiny_model
 from test_distributed import run_ranks
 
-from tierlm.config import ConfigError
+from tierlm.config import ConfigError, from_dict
 from tierlm.distributed.context import (
     ContextLayout,
     _block_backward,
@@ -144,3 +144,26 @@ def test_packed_examples_are_refused_naming_the_flag():
     packed = torch.zeros(1, 3, T + 1, dtype=torch.long)  # ids, labels, positions
     with pytest.raises(ConfigError, match="--data.packing"):
         step._nll(packed)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"distributed": {"nproc": 3}}, r"--nproc 3 is not a multiple of --context-parallel 2"),
+        ({"data": {"seq_len": 30}}, r"--seq-len 30 is not a multiple of 2 x --context-parallel"),
+        ({"distributed": {"backend": "fsdp"}}, r"--context-parallel with --backend fsdp"),
+        ({"memory": {"offload_policy": "host"}}, r"--context-parallel with the tiered runtime"),
+        ({"activations": {"policy": "selective"}}, r"--context-parallel with the tiered"),
+        ({"distributed": {"sparse_grad_ratio": 0.1}}, r"--context-parallel with --grad-sync topk"),
+        ({"precision": {"mode": "fp8"}}, r"--context-parallel with --precision fp8"),
+        ({"data": {"packing": "documents"}}, r"--context-parallel with --data.packing documents"),
+    ],
+)
+def test_combinations_not_built_are_refused_naming_the_flag(extra, match):
+    data = {"distributed": {"nproc": 2, "context_parallel": 2}, "data": {"seq_len": 32}}
+    for section, values in extra.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError, match=match):
+        from_dict(data)
+    from_dict({"distributed": {"nproc": 4, "context_parallel": 2}, "data": {"seq_len": 32},
+               "activations": {"policy": "full"}})  # what is built passes
