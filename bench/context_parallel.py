@@ -6,9 +6,9 @@ at one sequence length with CP 1 (the plain reference step, one process), 2 or 4
 that many gloo processes forked here). Per rank it measures:
 
 - activation bytes: the bytes of every distinct tensor (weights aside) autograd saved for the
-  backward during the last step (a `saved_tensors_hooks` count, taken at pack time: with one micro-batch all of
-  it is alive at the end of the forward, so it is the peak of saved activations; logits
-  included);
+  backward during the last step (a `saved_tensors_hooks` count, taken at pack time: with one
+  micro-batch all of it is alive at the end of the forward, so it is the peak of saved
+  activations; logits included);
 - peak RSS growth over the last step (VmHWM, reset before it), which adds the backward's
   transients and the K/V ring buffers;
 - step time (the last step; ranks share this machine's cores, so CP N on fewer than N cores is

@@ -16,21 +16,29 @@ import torch
 from runtime_helpers import OPTIM, batches, tiny_model
 from test_distributed import run_ranks
 
-from tierlm.config import ConfigError, from_dict
+from tierlm.config import ActivationConfig, ConfigError, from_dict
+from tierlm.distributed.comm import Comm
 from tierlm.distributed.context import (
     ContextLayout,
+    ZigzagShare,
     _block_backward,
     _block_forward,
     build_ring,
     ring_send_bytes,
+    use_ring_attention,
     zigzag_positions,
 )
 from tierlm.distributed.context_step import ContextParallelStep
+from tierlm.distributed.data_parallel import DataParallelStep
+from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.tiers import Link
+from tierlm.runtime import Engine, EngineOptions
 from tierlm.train.reference import ReferenceStep
 
 MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads
-STEPS, M, T = 3, 2, 32
+STEPS, M, T = 2, 2, 32
 LR = 1e-2
 OPTIM = dataclasses.replace(OPTIM, eps=1e-3)  # see tests/test_distributed.py: rounding, not Adam
 CPU = torch.device("cpu")
@@ -43,8 +51,9 @@ def _reference(rows: int) -> dict:
     ref._loss(step_batches[0][0]).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    losses = [ref.step(b, LR)["loss"] for b in step_batches]
-    return {"grads": grads, "losses": losses, "weights": ref.weights(),
+    outs = [ref.step(b, LR) for b in step_batches]
+    return {"grads": grads, "losses": [o["loss"] for o in outs],
+            "grad_norms": [o["grad_norm"] for o in outs], "weights": ref.weights(),
             "eval": ref.eval_loss(step_batches[0][0])}
 
 
@@ -64,12 +73,42 @@ def _cp_run(world: World, cp: int, rows: int) -> dict:
     grads = {n: p.grad.clone() for n, p in step.ref.model.named_parameters()}
     step.ref.model.zero_grad(set_to_none=True)
     outs = [step.step(b, LR) for b in step_batches]
+    assert step.ref.model.config._attn_implementation == "tierlm_ring"
     # numpy across the process boundary: a tensor would travel as shared memory of an ended rank
     return {"grads": _numpy(grads), "losses": [o["loss"] for o in outs],
+            "grad_norms": [o["grad_norm"] for o in outs],
             "weights": _numpy(step.weights()),
             "kv_send_bytes": outs[-1]["kv_send_bytes"],
             "net_send_bytes": outs[-1]["net_send_bytes"],
             "eval": step.eval_loss(global_batches[0][0])}  # every row group: all rows
+
+
+def _engine_run(world: World, cp: int, rows: int, activations: str) -> dict:
+    """The tiered runtime with host placement on this rank's share, data parallel over all
+    ranks with the dense sync (the wiring of tierlm.distributed.setup)."""
+    layout = ContextLayout(world.rank, world.size, cp)
+    comm = Comm(world.size, Ledger())
+    sync = DenseSync().build(comm)
+    ring = build_ring(layout)
+    engine = Engine(
+        tiny_model(MODEL, layers=LAYERS), OPTIM,
+        EngineOptions(policy="host", grad_sync=sync, batch_size=rows // layout.dp, seq_len=T,
+                      micro_batches=M, sequence_share=ZigzagShare(layout, ring),
+                      activations=ActivationConfig(policy=activations)),
+        device=CPU,
+    )
+    use_ring_attention(engine.adapter.model)
+    comm.ledger = ring.ledger = engine.ledger
+    step = DataParallelStep(engine, sync, world, comm)
+    outs = []
+    for micro in batches(STEPS, M, b=rows, t=T):
+        ring.sent_bytes = 0
+        outs.append(step.step([b.tensor_split(layout.dp)[layout.dp_rank] for b in micro], LR))
+    result = {"losses": [o["loss"] for o in outs], "grad_norms": [o["grad_norm"] for o in outs],
+              "weights": _numpy(step.weights()), "kv_send_bytes": ring.sent_bytes,
+              "net_send_bytes": engine.ledger.moved_bytes[Link.NET_SEND]}
+    step.close()
+    return result
 
 
 def _numpy(tensors: dict[str, torch.Tensor]) -> dict:
@@ -79,8 +118,10 @@ def _numpy(tensors: dict[str, torch.Tensor]) -> dict:
 def _assert_equal(run: dict, ref: dict) -> None:
     for a, b in zip(run["losses"], ref["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (run["losses"], ref["losses"])
+    for a, b in zip(run["grad_norms"], ref["grad_norms"], strict=True):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (run["grad_norms"], ref["grad_norms"])
     for key in ("grads", "weights"):
-        for name, want in ref[key].items():
+        for name, want in ref[key].items() if key in run else ():
             diff = (torch.from_numpy(run[key][name]) - want).abs().max().item()
             assert diff <= 1e-5, f"{key} {name}: max abs diff {diff}"
 
@@ -104,6 +145,28 @@ def test_ring_equals_one_process_over_the_full_sequences(world, cp):
         assert run["kv_send_bytes"] == M * kv
         assert run["net_send_bytes"] == M * kv + int(2 * (world - 1) / world * 4 * n_params)
         assert run["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("world", "cp", "activations"),
+                         [(2, 2, "none"), (4, 4, "full")], ids=["cp2", "cp4-recompute"])
+def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activations):
+    rows = 2 * (world // cp)
+    ref = _reference(rows)
+    runs = run_ranks(lambda w: _engine_run(w, cp, rows, activations), world=world)
+    c = tiny_model(MODEL, layers=LAYERS).config
+    kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=c.num_key_value_heads,
+                         local_len=T // cp, head_dim=c.hidden_size // c.num_attention_heads,
+                         element_bytes=4, layers=c.num_hidden_layers)
+    # streamed blocks (host placement) and full recompute run each block's forward again in
+    # the backward: the ring passes the forward's K/V once more
+    recompute_kv = ring_send_bytes(
+        cp=cp, batch=rows // (world // cp), kv_heads=c.num_key_value_heads, local_len=T // cp,
+        head_dim=c.hidden_size // c.num_attention_heads, element_bytes=4,
+        layers=c.num_hidden_layers, backward=False)
+    for run in runs:
+        _assert_equal(run, ref)
+        assert run["kv_send_bytes"] == M * (kv + recompute_kv)
+        assert run["net_send_bytes"] > run["kv_send_bytes"]  # plus the gradient all-reduce
 
 
 def test_zigzag_shares_cover_the_sequence_once_and_balance_causal_work():
@@ -152,9 +215,9 @@ def test_packed_examples_are_refused_naming_the_flag():
         ({"distributed": {"nproc": 3}}, r"--nproc 3 is not a multiple of --context-parallel 2"),
         ({"data": {"seq_len": 30}}, r"--seq-len 30 is not a multiple of 2 x --context-parallel"),
         ({"distributed": {"backend": "fsdp"}}, r"--context-parallel with --backend fsdp"),
-        ({"memory": {"offload_policy": "host"}}, r"--context-parallel with the tiered runtime"),
-        ({"activations": {"policy": "selective"}}, r"--context-parallel with the tiered"),
         ({"distributed": {"sparse_grad_ratio": 0.1}}, r"--context-parallel with --grad-sync topk"),
+        ({"distributed": {"sync_every": 2}}, r"--context-parallel with --grad-sync delayed"),
+        ({"distributed": {"grad_sync_dtype": "bf16"}}, r"--grad-sync dense \(bf16\)"),
         ({"precision": {"mode": "fp8"}}, r"--context-parallel with --precision fp8"),
         ({"data": {"packing": "documents"}}, r"--context-parallel with --data.packing documents"),
     ],
@@ -167,3 +230,5 @@ def test_combinations_not_built_are_refused_naming_the_flag(extra, match):
         from_dict(data)
     from_dict({"distributed": {"nproc": 4, "context_parallel": 2}, "data": {"seq_len": 32},
                "activations": {"policy": "full"}})  # what is built passes
+    from_dict({"distributed": {"nproc": 2, "context_parallel": 2}, "data": {"seq_len": 32},
+               "memory": {"offload_policy": "host"}, "activations": {"policy": "selective"}})

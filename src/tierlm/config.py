@@ -322,9 +322,9 @@ class DistributedConfig:
     context_parallel: int = 1
     """Ranks that share every sequence (--context-parallel N, with --nproc = dp x N): each holds
     a zig-zag share of each row (chunks r and 2N-1-r of 2N) and attention runs as a ring over
-    them, so activations per rank fall about as 1/N. Llama family, the resident reference step
-    (--offload-policy none, --grad-checkpointing none or full), dense fp32 gradient sync;
-    --seq-len a multiple of 2N."""
+    them, so activations per rank fall about as 1/N. Llama family (no sliding windows), the
+    reference step or the tiered runtime, dense fp32 gradient sync, fp32 or bf16; --seq-len a
+    multiple of 2N."""
     fsdp_cpu_offload: bool = False
     """--backend fsdp: keep the shards of weights, gradients and optimizer state in host RAM
     and update them there (FSDP2 CPUOffloadPolicy)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierlm.config import ConfigError, NotSupportedYet, uses_tiered_runtime
+from tierlm.config import ConfigError, NotSupportedYet
 
 
 def validate_distributed(cfg: Any) -> None:
@@ -63,12 +63,6 @@ def _validate_context_parallel(cfg: Any, mode: str) -> None:
     if d.backend == "fsdp":
         raise NotSupportedYet("--context-parallel with --backend fsdp",
                               "context parallel runs on --backend engine")
-    if uses_tiered_runtime(cfg):
-        raise NotSupportedYet(
-            "--context-parallel with the tiered runtime (--offload-policy "
-            f"{cfg.memory.offload_policy}, --grad-checkpointing {cfg.activations.policy})",
-            "it runs the resident reference step: use --offload-policy none and "
-            "--grad-checkpointing none or full")
     if mode != "dense" or d.grad_sync_dtype != "fp32":
         raise NotSupportedYet(f"--context-parallel with --grad-sync {mode} "
                               f"({d.grad_sync_dtype})",

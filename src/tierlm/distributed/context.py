@@ -39,9 +39,12 @@ an exact fp32 math block.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tierlm.memory.tiers import Link
 
 ATTN_IMPLEMENTATION = "tierlm_ring"
 
@@ -104,6 +107,7 @@ class Ring:
     ranks: list[int]  # global ranks in ring order
     index: int  # this rank's place in `ranks`
     sent_bytes: int = field(default=0)
+    ledger: Any = None  # the engine's ledger: K/V bytes count as Link.NET_SEND there too
 
     @property
     def size(self) -> int:
@@ -122,7 +126,11 @@ class Ring:
         # gloo pairs sends and receives by (peer, tag): K/V and dK/dV use different tags
         reqs = [dist.isend(t, nxt, group=self.group, tag=tag),
                 dist.irecv(got, prv, group=self.group, tag=tag)]
-        self.sent_bytes += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        self.sent_bytes += nbytes
+        if self.ledger is not None:
+            self.ledger.record_move(Link.NET_SEND, nbytes)
+            self.ledger.record_move(Link.NET_RECV, nbytes)
         return got, reqs
 
 
@@ -140,6 +148,54 @@ def build_ring(layout: ContextLayout) -> Ring:
         if d == layout.dp_rank:
             mine = group
     return Ring(group=mine, ranks=layout.cp_ranks, index=layout.cp_rank)
+
+
+# -- which tokens of a micro-batch this rank trains on ----
+
+class WholeSequence:
+    """No context parallelism: every token of every row (the engine's default)."""
+
+    ring: Ring | None = None
+
+    def take(self, ids, targets, positions):
+        return ids, targets, positions
+
+    def loss_scale(self, targets: torch.Tensor) -> float:
+        return 1.0
+
+
+WHOLE_SEQUENCE = WholeSequence()
+
+
+@dataclass
+class ZigzagShare:
+    """This rank's zig-zag share of every row, and the factor that turns its local mean token
+    loss into its share of the CP group's mean, times cp (so a mean over all ranks, as the data
+    parallel sync takes, is a sum over the CP group and a mean over the row groups)."""
+
+    layout: ContextLayout
+    ring: Ring
+
+    def take(self, ids, targets, positions):
+        """(B, T/N) ids, targets and global positions of this rank's tokens."""
+        if positions is not None:
+            from tierlm.config import ConfigError
+
+            raise ConfigError(
+                "--context-parallel: the ring's causal mask spans the whole row, so packed "
+                "examples with their own positions would see each other: use --data.packing "
+                "stream or off, or drop --context-parallel"
+            )
+        mine = zigzag_positions(ids.shape[1], self.layout.cp, self.layout.cp_rank)
+        mine = mine.to(ids.device)
+        return ids[:, mine], targets[:, mine], mine.unsqueeze(0).expand(ids.shape[0], -1)
+
+    def loss_scale(self, targets: torch.Tensor) -> float:
+        """cp x (this rank's targets) / (the CP group's): 1.0 when no target is masked."""
+        counts = torch.tensor([float((targets != -100).sum())])
+        local = float(counts[0])
+        dist.all_reduce(counts, group=self.ring.group)
+        return self.layout.cp * local / float(counts[0]) if counts[0] > 0 else 1.0
 
 
 # -- one block: output and log-sum-exp, and its backward ----
@@ -306,6 +362,26 @@ def ring_attention_forward(module, query, key, value, attention_mask, dropout: f
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ring_attention(query, key, value, scale, cp_ring)  # (B, H, L, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_ring_model(model: torch.nn.Module) -> None:
+    """Refuse models the ring does not compute exactly: learned positions (GPT-2), sliding
+    windows (the ring's mask is plain causal)."""
+    from tierlm.config import ConfigError
+    from tierlm.models.adapters import LLAMA_FAMILY
+
+    cfg = model.config
+    if cfg.model_type not in LLAMA_FAMILY:
+        raise ConfigError(
+            f"--context-parallel: {cfg.model_type} is not supported (learned positions, or "
+            f"attention not routed through the ring); it runs the {', '.join(LLAMA_FAMILY)} "
+            "families: drop --context-parallel"
+        )
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or (
+        cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None))
+    if sliding:
+        raise ConfigError("--context-parallel: sliding-window attention is not supported (the "
+                          "ring's mask is plain causal): drop --context-parallel")
 
 
 def use_ring_attention(model: torch.nn.Module) -> None:

@@ -25,29 +25,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from tierlm.config import ConfigError
 from tierlm.data.batch import IGNORE_INDEX, inputs_and_targets, position_ids
 from tierlm.distributed.comm import Comm
-from tierlm.distributed.context import ContextLayout, Ring, use_ring_attention, zigzag_positions
+from tierlm.distributed.context import (
+    ContextLayout,
+    Ring,
+    ZigzagShare,
+    check_ring_model,
+    use_ring_attention,
+)
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link
-from tierlm.models.adapters import LLAMA_FAMILY
 from tierlm.runtime.stepper import Stepper
 from tierlm.train.reference import ReferenceStep
 
 
 class ContextParallelStep(Stepper):
     def __init__(self, ref: ReferenceStep, layout: ContextLayout, ring: Ring) -> None:
-        model_type = ref.model.config.model_type
-        if model_type not in LLAMA_FAMILY:
-            raise ConfigError(
-                f"--context-parallel: {model_type} is not supported (its positions are not "
-                f"rotary, or its attention is not routed through the ring); it runs the "
-                f"{', '.join(LLAMA_FAMILY)} families: drop --context-parallel"
-            )
+        check_ring_model(ref.model)
         self.ref = ref
         self.layout = layout
         self.ring = ring
+        self.share = ZigzagShare(layout, ring)
         self.comm = Comm(layout.world_size, Ledger())  # the gradient all-reduce, counted
         use_ring_attention(ref.model)
 
@@ -63,18 +62,10 @@ class ContextParallelStep(Stepper):
 
     def _nll(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token loss of this rank's share of `batch`, target count of the CP group)."""
-        if position_ids(batch) is not None:
-            raise ConfigError(
-                "--context-parallel: the ring's causal mask spans the whole row, so packed "
-                "examples with their own positions would see each other: use --data.packing "
-                "stream or off, or drop --context-parallel"
-            )
         batch = batch.to(self.ref.device)
         inputs, targets = inputs_and_targets(batch)  # (B, T)
-        mine = zigzag_positions(inputs.shape[1], self.layout.cp, self.layout.cp_rank)
-        mine = mine.to(self.ref.device)
-        inputs, targets = inputs[:, mine], targets[:, mine]  # (B, T/N)
-        positions = mine.unsqueeze(0).expand(inputs.shape[0], -1)  # global: RoPE reads them
+        # (B, T/N) each, positions global: RoPE reads them
+        inputs, targets, positions = self.share.take(inputs, targets, position_ids(batch))
         with self.ref.autocast():
             logits = self.ref.model(input_ids=inputs, position_ids=positions, use_cache=False,
                                     cp_ring=self.ring).logits  # (B, T/N, V)

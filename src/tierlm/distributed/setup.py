@@ -56,14 +56,30 @@ def build_parallel_stepper(
     processes each get the tiered engine (with `--offload-policy none` it keeps everything on
     the device and reproduces the reference trainer exactly), with the sync strategy as the
     engine's per-segment gradient hook, wrapped for what spans ranks. Context parallel
-    (checked at config validation to run resident, dense, not under FSDP) wraps the reference
-    step: every rank holds the whole model and a zig-zag share of each row."""
+    (checked at config validation: dense sync, not under FSDP) gives every rank a zig-zag share
+    of each row and routes attention through the ring: with the tiered runtime the engine takes
+    its share and scales its loss to it (the data-parallel dense mean then sums the CP group),
+    else the reference step runs under `ContextParallelStep`."""
+    share = None
     if cfg.distributed.context_parallel > 1:
-        from tierlm.distributed.context import ContextLayout, build_ring
-        from tierlm.distributed.context_step import ContextParallelStep
+        from tierlm.config import uses_tiered_runtime
+        from tierlm.distributed.context import (
+            ContextLayout,
+            ZigzagShare,
+            build_ring,
+            check_ring_model,
+            use_ring_attention,
+        )
 
+        check_ring_model(model)
         layout = ContextLayout(world.rank, world.size, cfg.distributed.context_parallel)
-        return ContextParallelStep(build_single(), layout, build_ring(layout))
+        ring = build_ring(layout)
+        if not uses_tiered_runtime(cfg):
+            from tierlm.distributed.context_step import ContextParallelStep
+
+            return ContextParallelStep(build_single(), layout, ring)
+        use_ring_attention(model)
+        share = ZigzagShare(layout, ring)
     comm = Comm(world.size, Ledger())
     if cfg.distributed.backend == "fsdp":
         from tierlm.distributed.fsdp import FSDPStep
@@ -80,8 +96,10 @@ def build_parallel_stepper(
     if not world.distributed:
         return build_single()
     strategy = sync_config(cfg.distributed, cfg.train.max_steps).build(comm)
-    engine = build_single(grad_sync=strategy)
+    engine = build_single(grad_sync=strategy, sequence_share=share)
     comm.ledger = engine.ledger  # network bytes land in the engine's ledger, with the rest
+    if share is not None:
+        share.ring.ledger = engine.ledger
     return DataParallelStep(engine, strategy, world, comm)
 
 

@@ -157,6 +157,7 @@ def build_stepper(
     plan: Plan | None = None,
     initial_weights: InitialWeights = module_weights,
     tracer: Tracer | NoTracer = NO_TRACER,
+    sequence_share: object | None = None,
 ) -> Stepper:
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
@@ -202,6 +203,8 @@ def build_stepper(
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
+    if sequence_share is not None:  # context parallel: this rank's share of each row
+        options.sequence_share = sequence_share
     options.tracer = tracer  # the step timeline; armed for --monitor.trace_step
     if plan is not None:  # the planner checked the budgets with its own, finer model
         options.placements = plan.placements
@@ -216,10 +219,11 @@ def build_stepper(
 
 def runs_engine(cfg: Config, distributed: bool) -> bool:
     """Whether the stepper will be the tiered engine (the choice `build_parallel_stepper` and
-    `build_stepper` make): not under FSDP or context parallel (the reference step on every
-    rank), and either asked for or data parallel."""
-    return (cfg.distributed.backend != "fsdp" and cfg.distributed.context_parallel == 1
-            and (uses_tiered_runtime(cfg) or distributed))
+    `build_stepper` make): not under FSDP, and either asked for or data parallel (context
+    parallel with the resident reference step: only when asked for)."""
+    if cfg.distributed.context_parallel > 1:
+        return uses_tiered_runtime(cfg)
+    return cfg.distributed.backend != "fsdp" and (uses_tiered_runtime(cfg) or distributed)
 
 
 class Trainer:
