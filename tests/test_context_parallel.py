@@ -232,3 +232,28 @@ def test_combinations_not_built_are_refused_naming_the_flag(extra, match):
                "activations": {"policy": "full"}})  # what is built passes
     from_dict({"distributed": {"nproc": 2, "context_parallel": 2}, "data": {"seq_len": 32},
                "memory": {"offload_policy": "host"}, "activations": {"policy": "selective"}})
+
+
+def test_plan_holds_one_rank_share_of_each_row(capsys):
+    """`tierlm plan --context-parallel N`: each rank's activations are those of seq/N tokens;
+    attention still reads the whole row; the train command it prints keeps the CP flags."""
+    from tierlm.cli import main
+    from tierlm.train.planning import hardware_for, make_plan, model_config_for
+
+    def plan(cp: int):
+        cfg = from_dict({"model": {"size": "small"}, "data": {"seq_len": 4096},
+                         "train": {"batch_size": 1},
+                         "memory": {"offload_policy": "host", "hardware": "rtx4090"},
+                         "distributed": {"nproc": cp, "context_parallel": cp}})
+        p, _, train = make_plan(cfg, model_config_for(cfg), hardware_for(cfg), "bf16")
+        return p, train
+
+    (p1, t1), (p2, t2) = plan(1), plan(2)
+    assert (t2.seq_len, t2.context_parallel) == (2048, 2)
+    assert p2.device_by_class["activation"] * 2 == p1.device_by_class["activation"]
+    assert main(["plan", "--model-size", "small", "--seq-len", "4096", "--batch-size", "1",
+                 "--hardware", "rtx4090", "--precision", "bf16", "--nproc", "2",
+                 "--context-parallel", "2", "--no-optimizer-table"]) == 0
+    out = capsys.readouterr().out
+    assert "2048 tokens per rank (context parallel 2: rows of 4096)" in out
+    assert "--nproc 2 --context-parallel 2" in out

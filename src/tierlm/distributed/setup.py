@@ -72,6 +72,11 @@ def build_parallel_stepper(
         )
 
         check_ring_model(model)
+        if precision == "fp8":  # --precision auto chose it on this hardware
+            from tierlm.config import NotSupportedYet
+
+            raise NotSupportedYet("--context-parallel with --precision fp8",
+                                  "use --precision bf16 or fp32")
         layout = ContextLayout(world.rank, world.size, cfg.distributed.context_parallel)
         ring = build_ring(layout)
         if not uses_tiered_runtime(cfg):
