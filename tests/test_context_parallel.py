@@ -248,7 +248,7 @@ def test_plan_holds_one_rank_share_of_each_row(capsys):
         p, _, train = make_plan(cfg, model_config_for(cfg), hardware_for(cfg), "bf16")
         return p, train
 
-    (p1, t1), (p2, t2) = plan(1), plan(2)
+    (p1, _), (p2, t2) = plan(1), plan(2)
     assert (t2.seq_len, t2.context_parallel) == (2048, 2)
     assert p2.device_by_class["activation"] * 2 == p1.device_by_class["activation"]
     assert main(["plan", "--model-size", "small", "--seq-len", "4096", "--batch-size", "1",

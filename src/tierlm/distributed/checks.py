@@ -54,7 +54,7 @@ def validate_distributed(cfg: Any) -> None:
 def _validate_context_parallel(cfg: Any, mode: str) -> None:
     """The combinations --context-parallel is built for (tierlm.distributed.context_step)."""
     d, cp = cfg.distributed, cfg.distributed.context_parallel
-    if d.nproc % cp:
+    if d.nproc > 1 and d.nproc % cp:  # under torchrun (--nproc 1) join_world checks the world
         raise ConfigError(f"--nproc {d.nproc} is not a multiple of --context-parallel {cp}: "
                           "the ranks form data-parallel groups of --context-parallel ranks")
     if cfg.data.seq_len % (2 * cp):

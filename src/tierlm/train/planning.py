@@ -207,7 +207,7 @@ def _input_flags(cfg: Config, precision: str) -> list[str]:
             "--grad-accum-steps", str(cfg.train.grad_accum_steps), "--precision", precision,
             "--hardware", m.hardware]
     if cfg.distributed.context_parallel > 1:
-        out += ["--nproc", str(cfg.distributed.nproc),
+        out += ["--nproc", str(max(cfg.distributed.nproc, cfg.distributed.context_parallel)),
                 "--context-parallel", str(cfg.distributed.context_parallel)]
     for flag, value in (("--gpu-memory", m.gpu_memory), ("--host-memory", m.host_memory),
                         ("--disk-budget", m.disk_budget), ("--device-budget", m.device_budget),
