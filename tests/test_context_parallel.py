@@ -257,3 +257,15 @@ def test_plan_holds_one_rank_share_of_each_row(capsys):
     out = capsys.readouterr().out
     assert "2048 tokens per rank (context parallel 2: rows of 4096)" in out
     assert "--nproc 2 --context-parallel 2" in out
+
+
+def test_the_ranks_of_a_cp_group_share_their_row_group():
+    from tierlm.distributed.setup import RankSlice
+
+    class Rows:
+        def next_batch(self):
+            return torch.arange(8).unsqueeze(1).expand(8, 5)  # 2 row groups x 4 rows
+
+    got = [RankSlice(Rows(), World(rank=r, size=4), cp=2).next_batch()[:, 0].tolist()
+           for r in range(4)]
+    assert got == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
