@@ -195,7 +195,7 @@ def build_stepper(
         offload_dir=str(resolve_offload_dir(mem.offload_dir, run_dir) / offload_subdir),
         grad_clip=cfg.optim.grad_clip,
         batch_size=cfg.train.batch_size,
-        seq_len=cfg.data.seq_len,
+        seq_len=cfg.data.seq_len // cfg.distributed.context_parallel,  # this rank's tokens
         micro_batches=cfg.train.grad_accum_steps,
         activations=cfg.activations,
         autocast=autocast,
