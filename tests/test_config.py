@@ -97,6 +97,7 @@ EXAMPLE_VALUES = {
     "--sparse-grad-ratio": "0.05",
     "--sparse-grad-ratio-overrides": "mlp=0.1",
     "--nproc": "2",
+    "--context-parallel": "2",
     "--backend": "fsdp",
     "--grad-sync": "dense",
     "--sync-every": "4",
@@ -162,6 +163,7 @@ def test_each_seed_flag_maps_to_its_field(flag, tmp_path):
     extra += ["--precision", "fp8"] if flag in NEEDS_FP8 else []
     extra += ["--sync-every", "2"] if flag == "--sync-moments" else []  # delayed sync only
     extra += ["--grad-checkpointing", "full"] if flag == "--boundary-activations" else []
+    extra += ["--nproc", "2"] if flag == "--context-parallel" else []  # dp x cp processes
     cfg = parse(flag, EXAMPLE_VALUES[flag], *extra)
     section, key = dotted.split(".")
     value = getattr(getattr(cfg, section), key)

@@ -319,6 +319,12 @@ class DistributedConfig:
     Adafactor's statistics) when the weights are averaged: local (each rank keeps its own; no
     extra bytes) or average (averaged too, sent in bf16: with AdamW twice the bytes of a sync)
     (--sync-moments)."""
+    context_parallel: int = 1
+    """Ranks that share every sequence (--context-parallel N, with --nproc = dp x N): each holds
+    a zig-zag share of each row (chunks r and 2N-1-r of 2N) and attention runs as a ring over
+    them, so activations per rank fall about as 1/N. Llama family (no sliding windows), the
+    reference step or the tiered runtime, dense fp32 gradient sync, fp32 or bf16; --seq-len a
+    multiple of 2N."""
     fsdp_cpu_offload: bool = False
     """--backend fsdp: keep the shards of weights, gradients and optimizer state in host RAM
     and update them there (FSDP2 CPUOffloadPolicy)."""
@@ -409,6 +415,7 @@ SEED_FLAGS: dict[str, str] = {
     "--sparse-grad-ratio": "distributed.sparse_grad_ratio",
     "--sparse-grad-ratio-overrides": "distributed.sparse_grad_ratio_overrides",
     "--nproc": "distributed.nproc",
+    "--context-parallel": "distributed.context_parallel",
     "--backend": "distributed.backend",
     "--grad-sync": "distributed.grad_sync",
     "--sync-every": "distributed.sync_every",

@@ -14,6 +14,7 @@ def validate_distributed(cfg: Any) -> None:
     d = cfg.distributed
     for flag, value, low in (
         ("--nproc", d.nproc, 1),
+        ("--context-parallel", d.context_parallel, 1),
         ("--sync-every", d.sync_every, 1),
         ("--distributed.sparse_warmup_steps", d.sparse_warmup_steps, 0),
     ):
@@ -46,3 +47,28 @@ def validate_distributed(cfg: Any) -> None:
             )
     elif d.fsdp_cpu_offload:
         raise ConfigError("--distributed.fsdp_cpu_offload needs --backend fsdp")
+    if d.context_parallel > 1:
+        _validate_context_parallel(cfg, mode)
+
+
+def _validate_context_parallel(cfg: Any, mode: str) -> None:
+    """The combinations --context-parallel is built for (tierlm.distributed.context_step)."""
+    d, cp = cfg.distributed, cfg.distributed.context_parallel
+    if d.nproc > 1 and d.nproc % cp:  # under torchrun (--nproc 1) join_world checks the world
+        raise ConfigError(f"--nproc {d.nproc} is not a multiple of --context-parallel {cp}: "
+                          "the ranks form data-parallel groups of --context-parallel ranks")
+    if cfg.data.seq_len % (2 * cp):
+        raise ConfigError(f"--seq-len {cfg.data.seq_len} is not a multiple of 2 x "
+                          f"--context-parallel {cp}: each rank holds two of 2N equal chunks")
+    if d.backend == "fsdp":
+        raise NotSupportedYet("--context-parallel with --backend fsdp",
+                              "context parallel runs on --backend engine")
+    if mode != "dense" or d.grad_sync_dtype != "fp32":
+        raise NotSupportedYet(f"--context-parallel with --grad-sync {mode} "
+                              f"({d.grad_sync_dtype})",
+                              "its gradients are all-reduced densely in fp32")
+    if cfg.precision.mode == "fp8":
+        raise NotSupportedYet("--context-parallel with --precision fp8", "use fp32 or bf16")
+    if cfg.data.packing == "documents":
+        raise NotSupportedYet("--context-parallel with --data.packing documents",
+                              "the ring's causal mask spans the whole row: use stream or off")

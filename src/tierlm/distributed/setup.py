@@ -25,6 +25,11 @@ def join_world(cfg: Config) -> World:
             f"--nproc {d.nproc}, but torchrun started {world.size} processes; drop --nproc "
             "under torchrun, or make the two agree"
         )
+    if world.size % d.context_parallel:
+        raise ConfigError(
+            f"{world.size} processes is not a multiple of --context-parallel "
+            f"{d.context_parallel}: launch dp x {d.context_parallel} processes (--nproc)"
+        )
     mode = resolved_mode(d)
     if not world.distributed and mode in ("topk", "delayed"):
         flag = "--sparse-grad-ratio" if mode == "topk" else "--sync-every"
@@ -50,7 +55,36 @@ def build_parallel_stepper(
     the gradient sync, dense); otherwise one process gets the single-process stepper; several
     processes each get the tiered engine (with `--offload-policy none` it keeps everything on
     the device and reproduces the reference trainer exactly), with the sync strategy as the
-    engine's per-segment gradient hook, wrapped for what spans ranks."""
+    engine's per-segment gradient hook, wrapped for what spans ranks. Context parallel
+    (checked at config validation: dense sync, not under FSDP) gives every rank a zig-zag share
+    of each row and routes attention through the ring: with the tiered runtime the engine takes
+    its share and scales its loss to it (the data-parallel dense mean then sums the CP group),
+    else the reference step runs under `ContextParallelStep`."""
+    share = None
+    if cfg.distributed.context_parallel > 1:
+        from tierlm.config import uses_tiered_runtime
+        from tierlm.distributed.context import (
+            ContextLayout,
+            ZigzagShare,
+            build_ring,
+            check_ring_model,
+            use_ring_attention,
+        )
+
+        check_ring_model(model)
+        if precision == "fp8":  # --precision auto chose it on this hardware
+            from tierlm.config import NotSupportedYet
+
+            raise NotSupportedYet("--context-parallel with --precision fp8",
+                                  "use --precision bf16 or fp32")
+        layout = ContextLayout(world.rank, world.size, cfg.distributed.context_parallel)
+        ring = build_ring(layout)
+        if not uses_tiered_runtime(cfg):
+            from tierlm.distributed.context_step import ContextParallelStep
+
+            return ContextParallelStep(build_single(), layout, ring)
+        use_ring_attention(model)
+        share = ZigzagShare(layout, ring)
     comm = Comm(world.size, Ledger())
     if cfg.distributed.backend == "fsdp":
         from tierlm.distributed.fsdp import FSDPStep
@@ -67,22 +101,27 @@ def build_parallel_stepper(
     if not world.distributed:
         return build_single()
     strategy = sync_config(cfg.distributed, cfg.train.max_steps).build(comm)
-    engine = build_single(grad_sync=strategy)
+    engine = build_single(grad_sync=strategy, sequence_share=share)
     comm.ledger = engine.ledger  # network bytes land in the engine's ledger, with the rest
+    if share is not None:
+        share.ring.ledger = engine.ledger
     return DataParallelStep(engine, strategy, world, comm)
 
 
 class RankSlice:
     """Rank r's rows of each global batch: with W ranks of micro-batch b, the sampler draws
     batches of W*b rows and rank r takes rows [r*b, (r+1)*b), so W ranks see exactly the rows
-    one process with micro-batch W*b would. Position and resume are the global sampler's."""
+    one process with micro-batch W*b would. Position and resume are the global sampler's.
+    Under context parallel the W / cp row groups split the rows (rank r's group is r // cp)
+    and the ranks of a group share theirs."""
 
-    def __init__(self, sampler: Any, world: World) -> None:
+    def __init__(self, sampler: Any, world: World, cp: int = 1) -> None:
         self.sampler = sampler
         self.world = world
+        self.groups, self.group = world.size // cp, world.rank // cp
 
     def next_batch(self) -> torch.Tensor:
-        return self.sampler.next_batch().tensor_split(self.world.size)[self.world.rank]
+        return self.sampler.next_batch().tensor_split(self.groups)[self.group]
 
     def __getattr__(self, name: str):  # state_dict, load_state_dict, epoch, ...
         if name == "sampler":
@@ -90,8 +129,8 @@ class RankSlice:
         return getattr(self.sampler, name)
 
 
-def shard_batches(sampler: Any, world: World) -> Any:
-    return RankSlice(sampler, world) if world.distributed else sampler
+def shard_batches(sampler: Any, world: World, cp: int = 1) -> Any:
+    return RankSlice(sampler, world, cp) if world.size > cp else sampler
 
 
 class NullMetrics:

@@ -240,9 +240,10 @@ def _saved_bytes_meta(model, adapter, tokens: int) -> int:
 @dataclass(frozen=True)
 class TrainShape:
     batch_size: int
-    seq_len: int
+    seq_len: int  # tokens of each row this rank holds (context parallel: the row's 1/N share)
     micro_batches: int
     precision: str = "fp32"  # compute precision: fp32 or bf16 (autocast)
+    context_parallel: int = 1  # ranks sharing each row: its queries attend to N x seq_len keys
 
     @property
     def tokens_per_step(self) -> int:
@@ -601,7 +602,7 @@ def _times(
     )
     # forward 2 FLOPs/param/token, backward 4; recomputed blocks run their forward twice;
     # attention scores add 2*2*T*D per token per layer forward (causal: half), x3 with backward
-    attn = 6 * train.seq_len * shape.hidden_size * shape.n_layers
+    attn = 6 * train.seq_len * train.context_parallel * shape.hidden_size * shape.n_layers
     # a frozen base's weights take no gradient: the backward is 2 FLOPs/param/token
     block_flops = tokens * ((4 if shape.frozen else 6) * block_params + 2 * recomputed)
     flops = block_flops + tokens * (6 * head_params + attn)
@@ -913,8 +914,11 @@ def describe(
     lines.append(f"hardware: {hw.name}; budgets after a {SAFETY_MARGIN:.0%} margin: device "
                  f"{gib(p.budgets['device'])}, host {gib(p.budgets['host'])}, disk "
                  f"{gib(p.budgets['disk'])}")
-    lines.append(f"step: {train.micro_batches} x {train.batch_size} x {train.seq_len} tokens, "
-                 f"{train.precision}, micro-batch order {p.order}")
+    cp = train.context_parallel
+    share = (f" per rank (context parallel {cp}: rows of {cp * train.seq_len})" if cp > 1
+             else "")
+    lines.append(f"step: {train.micro_batches} x {train.batch_size} x {train.seq_len} "
+                 f"tokens{share}, {train.precision}, micro-batch order {p.order}")
     lines.append("")
     lines.append("peak bytes per tier (by tensor class):")
     for tier, total, classes in (

@@ -33,6 +33,8 @@ class StepContext:
     position_ids: torch.Tensor
     masks: dict[str, Any]  # attention type -> mask (None: causal via SDPA's is_causal)
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    # context parallel: the ring attention runs over (tierlm.distributed.context); None: SDPA
+    ring: Any = None
 
 
 @dataclass
@@ -141,6 +143,7 @@ class ModelAdapter:
             attn_type = getattr(layer, "attention_type", None) or "full_attention"
 
             def block(v, h, ctx, layer=layer, prefix=prefix, attn_type=attn_type):
+                ring = {} if ctx.ring is None else {"cp_ring": ctx.ring}  # to the attention
                 return _call(
                     layer,
                     prefix,
@@ -149,6 +152,7 @@ class ModelAdapter:
                     attention_mask=ctx.masks[attn_type],
                     position_ids=ctx.position_ids,
                     position_embeddings=ctx.position_embeddings,
+                    **ring,
                 )
 
             segs.append(Segment(name=f"block.{i}", params=self._own(layer), forward=block))
@@ -195,7 +199,8 @@ class ModelAdapter:
         return StepContext(position_ids=positions, masks={})
 
     def context(
-        self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None
+        self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+        ring: Any = None,
     ) -> StepContext:
         """Positions, masks and rotary tables for input ids (B, T) and embeddings (B, T, D),
         built by the same library functions the model's own forward calls. `positions` (B, T):
@@ -221,4 +226,5 @@ class ModelAdapter:
         pe = None
         if self.model_type in LLAMA_FAMILY:
             pe = self.model.model.rotary_emb(hidden, position_ids=position_ids)
-        return StepContext(position_ids=position_ids, masks=masks, position_embeddings=pe)
+        return StepContext(position_ids=position_ids, masks=masks, position_embeddings=pe,
+                           ring=ring)

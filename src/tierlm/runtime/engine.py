@@ -42,6 +42,7 @@ from tierlm.activations import (
 from tierlm.activations.saved import FrozenWeights
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
+from tierlm.distributed.context import WHOLE_SEQUENCE, WholeSequence, ZigzagShare
 from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
@@ -126,6 +127,9 @@ class EngineOptions:
     """Called with the placement before anything is allocated or written (the trainer's
     free-space and host-memory checks refuse an impossible run here)."""
     grad_sync: GradSync = NO_SYNC
+    # the tokens of each row this rank trains on (context parallel: its zig-zag share, and the
+    # ring its attention runs over)
+    sequence_share: WholeSequence | ZigzagShare = WHOLE_SEQUENCE
     """Data parallelism (tierlm.distributed): started on each segment's complete gradient,
     overlapping the rest of the backward, and waited for before the norm is taken."""
     tracer: Tracer | NoTracer = NO_TRACER
@@ -158,6 +162,7 @@ class _MicroBatch:
     parked: dict[int, tuple[torch.Tensor, object, torch.Size]] = field(default_factory=dict)
     gout: dict[int, torch.Tensor] = field(default_factory=dict)  # grad wrt input of segment s
     saved: dict[int, object] = field(default_factory=dict)  # activation policy handles
+    loss_scale: float = 1.0  # context parallel: this rank's share of the group's mean loss
 
 
 class Engine(Stepper):
@@ -595,10 +600,13 @@ class Engine(Stepper):
             for b in batches:
                 ids, targets = (t.to(self.device) for t in inputs_and_targets(b))
                 positions = _to(position_ids(b), self.device)
+                share = self.opts.sequence_share
+                ids, targets, positions = share.take(ids, targets, positions)
                 # the embed segment reads the positions (GPT-2's are learned); the full context
                 # replaces this one once the embedding exists
                 mbs.append(_MicroBatch(ids, targets, positions,
-                                       ctx=self.adapter.embed_context(ids, positions)))
+                                       ctx=self.adapter.embed_context(ids, positions),
+                                       loss_scale=share.loss_scale(targets)))
             actions = self.schedule(m)
             if self.compute_copies.enabled:
                 self._size_cache()
@@ -664,7 +672,8 @@ class Engine(Stepper):
                 )
                 if a.seg == 0:
                     with torch.no_grad(), self.opts.autocast():
-                        mb.ctx = self.adapter.context(mb.ids, out, mb.positions)
+                        mb.ctx = self.adapter.context(mb.ids, out, mb.positions,
+                                                      ring=self.opts.sequence_share.ring)
             self._hold_input(mb, a.seg + 1, out)
         for i in a.mbs:
             self._leave_device(mbs[i], a.seg)
@@ -702,12 +711,12 @@ class Engine(Stepper):
             self.ledger.hold_activation(seg.name, "saved", held)
             shared |= storages_of(hn_leaf)
             with self.clock.measure():
-                loss_total += chunked_cross_entropy(
+                loss_total += mb.loss_scale * chunked_cross_entropy(
                     lambda h, views=views: seg.project(views, h),
                     hn_leaf.flatten(0, 1),  # (B*T, D)
                     mb.targets.flatten(),
                     chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
-                    grad_divisor=m,
+                    grad_divisor=m / mb.loss_scale,
                     autocast=self.opts.autocast,
                     saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared, frozen),
                     ledger=self.ledger,

@@ -94,11 +94,14 @@ def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> 
 
 
 def train_shape(cfg: Config, precision: str) -> TrainShape:
+    """One rank's step: under context parallel its 1/N share of every row."""
+    cp = cfg.distributed.context_parallel
     return TrainShape(
         batch_size=cfg.train.batch_size,
-        seq_len=cfg.data.seq_len,
+        seq_len=cfg.data.seq_len // cp,
         micro_batches=cfg.train.grad_accum_steps,
         precision=precision,
+        context_parallel=cp,
     )
 
 
@@ -203,6 +206,9 @@ def _input_flags(cfg: Config, precision: str) -> list[str]:
     out += ["--batch-size", str(cfg.train.batch_size), "--seq-len", str(cfg.data.seq_len),
             "--grad-accum-steps", str(cfg.train.grad_accum_steps), "--precision", precision,
             "--hardware", m.hardware]
+    if cfg.distributed.context_parallel > 1:
+        out += ["--nproc", str(max(cfg.distributed.nproc, cfg.distributed.context_parallel)),
+                "--context-parallel", str(cfg.distributed.context_parallel)]
     for flag, value in (("--gpu-memory", m.gpu_memory), ("--host-memory", m.host_memory),
                         ("--disk-budget", m.disk_budget), ("--device-budget", m.device_budget),
                         ("--host-budget", m.host_budget)):

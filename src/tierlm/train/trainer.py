@@ -157,6 +157,7 @@ def build_stepper(
     plan: Plan | None = None,
     initial_weights: InitialWeights = module_weights,
     tracer: Tracer | NoTracer = NO_TRACER,
+    sequence_share: object | None = None,
 ) -> Stepper:
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
@@ -194,7 +195,7 @@ def build_stepper(
         offload_dir=str(resolve_offload_dir(mem.offload_dir, run_dir) / offload_subdir),
         grad_clip=cfg.optim.grad_clip,
         batch_size=cfg.train.batch_size,
-        seq_len=cfg.data.seq_len,
+        seq_len=cfg.data.seq_len // cfg.distributed.context_parallel,  # this rank's tokens
         micro_batches=cfg.train.grad_accum_steps,
         activations=cfg.activations,
         autocast=autocast,
@@ -202,6 +203,8 @@ def build_stepper(
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
+    if sequence_share is not None:  # context parallel: this rank's share of each row
+        options.sequence_share = sequence_share
     options.tracer = tracer  # the step timeline; armed for --monitor.trace_step
     if plan is not None:  # the planner checked the budgets with its own, finer model
         options.placements = plan.placements
@@ -216,7 +219,10 @@ def build_stepper(
 
 def runs_engine(cfg: Config, distributed: bool) -> bool:
     """Whether the stepper will be the tiered engine (the choice `build_parallel_stepper` and
-    `build_stepper` make): not under FSDP, and either asked for or data parallel."""
+    `build_stepper` make): not under FSDP, and either asked for or data parallel (context
+    parallel with the resident reference step: only when asked for)."""
+    if cfg.distributed.context_parallel > 1:
+        return uses_tiered_runtime(cfg)
     return cfg.distributed.backend != "fsdp" and (uses_tiered_runtime(cfg) or distributed)
 
 
@@ -351,10 +357,12 @@ class Trainer:
         else:
             train_seqs = PackedSequences(train_ids, cfg.data.seq_len, "training data")
             eval_seqs = PackedSequences(eval_ids, cfg.data.seq_len, "held-out data")
-        # every rank draws the global batch of all ranks' rows and keeps its own slice
+        # every rank draws the global batch of all ranks' rows and keeps its own slice (context
+        # parallel: the ranks of a CP group share one slice, each takes its share of the tokens)
+        self.row_groups = self.world.size // cfg.distributed.context_parallel
         self.sampler = shard_batches(
-            BatchSampler(train_seqs, cfg.train.batch_size * self.world.size, cfg.run.seed),
-            self.world,
+            BatchSampler(train_seqs, cfg.train.batch_size * self.row_groups, cfg.run.seed),
+            self.world, cfg.distributed.context_parallel,
         )
         self.eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
@@ -412,7 +420,7 @@ class Trainer:
         self.monitor = build_monitor(cfg, self.stepper, self.device, self.run_dir, self.metrics,
                                      log=log) if self.world.is_main else NullMonitor()
         self.tokens_per_step = (  # all ranks together
-            cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * self.world.size
+            cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * self.row_groups
         )
         log(
             f"model: {self.model.config.model_type}, {self.n_params / 1e6:.1f}M params, "
@@ -437,7 +445,7 @@ class Trainer:
         step_time_s = time.perf_counter() - t0
         # targets the loss trained on, all ranks (rank 0's count times the ranks: masked rows
         # differ a little between ranks); plain text: every target, tokens_per_step
-        loss_tokens = sum(trained_targets(b) for b in batches) * self.world.size
+        loss_tokens = sum(trained_targets(b) for b in batches) * self.row_groups
         rec = {
             "step": self.step,
             "loss": out["loss"],
@@ -448,7 +456,8 @@ class Trainer:
             "step_time_s": step_time_s,
             "skipped": out["skipped"],
         }
-        for key in ("sweep_s", "compute_s", "update_wait_s", "transfer_wait_s"):
+        for key in ("sweep_s", "compute_s", "update_wait_s", "transfer_wait_s",
+                    "kv_send_bytes", "net_send_bytes"):
             if key in out:
                 rec[key] = out[key]
         if self.stepper.ledger is not None:
