@@ -14,6 +14,7 @@ from tierlm.data import (
     PackedSequences,
     check_token_ids,
     encode_documents,
+    encode_documents_cached,
     eval_batches,
     load_corpus,
     load_model_tokenizer,
@@ -302,6 +303,26 @@ def test_encode_documents_appends_eos_per_document(small_tok):
         expected += small_tok.encode(doc.text, add_special_tokens=False) + [small_tok.eos_token_id]
     assert ids.tolist() == expected
     assert encode_documents(small_tok, []).shape == (0,)
+
+
+def test_encoded_corpus_is_cached_and_keyed_by_tokenizer_and_text(tmp_path, small_tok, monkeypatch):
+    docs = [Document("a", "To be, or not to be"), Document("b", SAMPLE)]
+    first = encode_documents_cached(small_tok, docs, tmp_path)
+    assert torch.equal(first, encode_documents(small_tok, docs))
+    assert len(list(tmp_path.glob("tokens-*.int32"))) == 1
+
+    calls = []
+    real = tokenizer_module.encode_documents
+    monkeypatch.setattr(tokenizer_module, "encode_documents",
+                        lambda tok, d: calls.append(1) or real(tok, d))
+    again = encode_documents_cached(small_tok, docs, tmp_path)
+    assert calls == [] and again.dtype == torch.int64 and torch.equal(again, first)
+    # another text, or another tokenizer, encodes again
+    changed = encode_documents_cached(small_tok, [docs[0], Document("b", SAMPLE + "!")], tmp_path)
+    other = train_bpe_tokenizer([SAMPLE], 300)
+    retrained = encode_documents_cached(other, docs, tmp_path)
+    assert calls == [1, 1] and len(list(tmp_path.glob("tokens-*.int32"))) == 3
+    assert torch.equal(retrained, encode_documents(other, docs)) and changed.numel() > 0
 
 
 def test_check_token_ids_names_first_bad_id():

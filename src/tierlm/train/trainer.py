@@ -32,7 +32,7 @@ from tierlm.config import (
 from tierlm.data import (
     BatchSampler,
     PackedSequences,
-    encode_documents,
+    encode_documents_cached,
     eval_batches,
     load_corpus,
     load_model_tokenizer,
@@ -103,7 +103,7 @@ from tierlm.train.trace import build_step_trace, build_tracer
 
 
 def cache_dir() -> Path:
-    """Where trained tokenizers are cached between runs ($TIERLM_CACHE overrides)."""
+    """Where trained tokenizers and encoded corpora are cached between runs ($TIERLM_CACHE overrides)."""
     env = os.environ.get("TIERLM_CACHE")
     if env:
         return Path(env)
@@ -298,8 +298,10 @@ class Trainer:
             if finetune.chat_template is not None:  # checkpoints and the export carry it
                 self.tokenizer.chat_template = finetune.chat_template
         else:
-            train_ids = encode_documents(self.tokenizer, corpus.train)
-            eval_ids = encode_documents(self.tokenizer, corpus.eval)
+            tokens = cache_dir() / "tokens"
+            train_ids = self.world.main_first(
+                lambda: encode_documents_cached(self.tokenizer, corpus.train, tokens))
+            eval_ids = encode_documents_cached(self.tokenizer, corpus.eval, tokens)
 
         # Built on the CPU: the reference step moves it to the device, the tiered runtime
         # moves its segments where the placement says. FSDP ranks other than 0 build it on the
