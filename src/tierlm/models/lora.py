@@ -278,7 +278,6 @@ def merged_sources(run_config: Mapping, checkpoint: Path,
     from transformers.pytorch_utils import Conv1D
 
     from tierlm.models.export import SourceTensor
-
     from tierlm.models.nf4 import BLOCK, round_trip
 
     lora = LoraConfig(**(run_config.get("lora") or {}))

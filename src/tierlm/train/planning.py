@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from tierlm.config import Config, PrecisionConfig, check_precision_flags, lora_of, parse_bytes
+from tierlm.config import (
+    Config,
+    PrecisionConfig,
+    base_format_of,
+    check_precision_flags,
+    lora_of,
+    parse_bytes,
+)
 from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.planner import ModelShape, Plan, TrainShape, plan
 from tierlm.memory.tiers import Link
@@ -108,7 +115,8 @@ def make_plan(
 ) -> tuple[Plan, ModelShape, TrainShape]:
     """`shape`: the model's (default: from `model_config` under the run's optimizer)."""
     mem = cfg.memory
-    shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg))
+    shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                            base_format=base_format_of(cfg))
     train = train_shape(cfg, precision)
     p = plan(
         shape,
@@ -229,7 +237,8 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     from tierlm.memory.planner import evaluate, usable_budgets
 
     hw = hardware_for(cfg)
-    shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg))
+    shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                   base_format=base_format_of(cfg))
     return evaluate(
         shape, train_shape(cfg, precision), hw, engine.report.placements,
         engine.opts.microbatch_order, engine.opts.keep_resident_activations,

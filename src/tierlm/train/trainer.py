@@ -22,9 +22,9 @@ import yaml
 
 from tierlm.config import (
     Config,
-    base_format_of,
     ConfigError,
     NotSupportedYet,
+    base_format_of,
     check_supported,
     parse_bytes,
     to_dict,
