@@ -227,3 +227,25 @@ def test_planner_counts_the_nf4_base(spec, tmp_path):
         sum(4 * st.numel for st in eng.states if st.compute_format is None
             and st.tier != Tier.DEVICE)
     eng.close()
+
+
+def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
+    from tierlm.cli import main
+
+    assert main(["plan", "--model-size", "1b", "--hardware", "rtx4060ti-16g", "--finetune",
+                 "qlora", "--no-optimizer-table"]) == 0
+    out = capsys.readouterr().out
+    assert "--finetune qlora" in out.split("Train with:")[1]
+    table = out.split("each fine-tuning method (--finetune) on this model and hardware:")[1]
+    rows = {line.split()[0]: line.split() for line in table.strip().splitlines()[1:4]}
+    assert set(rows) == {"full", "lora", "qlora"}
+    assert rows["lora"][1] == rows["qlora"][1] == "fp32" and rows["lora"][2] == rows["qlora"][2]
+
+    def gib(row, k):  # the k-th "<x> <unit>" column after the resident count
+        value, unit = row[5 + 2 * k], row[6 + 2 * k]
+        return float(value) * {"GiB": 1, "MiB": 2**-10, "KiB": 2**-20}[unit]
+
+    # the NF4 base: less held off the device and less peak on it than LoRA's fp32 base
+    assert gib(rows["qlora"], 2) + gib(rows["qlora"], 3) < gib(rows["lora"], 2) + gib(
+        rows["lora"], 3)
+    assert gib(rows["qlora"], 0) <= gib(rows["lora"], 0)
