@@ -147,7 +147,9 @@ class TrainConfig:
     finetune: Literal["full", "lora", "qlora"] = "full"
     """What training updates: full (every parameter), lora (low-rank adapters on the layers
     --lora.targets names, the base frozen; the run writes RUN_DIR/adapter in peft's format and
-    its checkpoints hold the adapters only), qlora (not built yet) (--finetune)."""
+    its checkpoints hold the adapters only), qlora (lora on a base whose adapted layers' weights
+    are stored, streamed and read as NF4 with double-quantised scales: tierlm.models.nf4)
+    (--finetune)."""
     max_steps: int = 100
     """Optimizer steps to run (--max-steps)."""
     batch_size: int = 8
@@ -850,8 +852,13 @@ def _check_trace_step(cfg: Config) -> None:
 
 
 def lora_of(cfg: Config) -> LoraConfig | None:
-    """The adapters' config under --finetune lora, else None (full fine-tuning)."""
-    return cfg.lora if cfg.train.finetune == "lora" else None
+    """The adapters' config under --finetune lora or qlora, else None (full fine-tuning)."""
+    return cfg.lora if cfg.train.finetune in ("lora", "qlora") else None
+
+
+def base_format_of(cfg: Config) -> str:
+    """How the frozen base is held and streamed: nf4 under --finetune qlora, else fp32."""
+    return "nf4" if cfg.train.finetune == "qlora" else "fp32"
 
 
 def uses_tiered_runtime(cfg: Config) -> bool:
@@ -867,14 +874,11 @@ def uses_tiered_runtime(cfg: Config) -> bool:
 
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
-    if cfg.train.finetune == "qlora":
-        raise NotSupportedYet("--finetune qlora", "the NF4 base is not built yet; use "
-                              "--finetune lora (fp32 or bf16 base) or --finetune full")
-    if cfg.train.finetune == "lora" and (
+    if cfg.train.finetune in ("lora", "qlora") and (
         cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
     ):
-        raise NotSupportedYet("--finetune lora with --nproc > 1 or --backend fsdp",
-                              "LoRA runs in one process; drop --nproc/--backend")
+        raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --nproc > 1 or --backend "
+                              "fsdp", "LoRA runs in one process; drop --nproc/--backend")
     if cfg.distributed.backend == "fsdp" and cfg.activations.policy != "none":
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy} with --backend fsdp",

@@ -107,12 +107,14 @@ def _account(
     """`compute_bytes`: per segment, the bytes of its compute copy (None: fp32, COMPUTE_B per
     parameter); a copy smaller than fp32 is kept besides the master, in host RAM or on disk.
     `state_bytes`: per segment, master + gradient + optimizer state (`place`). `frozen`: the
-    weights are never updated (a LoRA run's base): no gradient, no update staging."""
+    weights are never updated (a LoRA run's base): no gradient, no update staging, and the
+    state is what streams (a QLoRA base's NF4 bytes: its `state_bytes` are its compute copy's)."""
     compute = compute_bytes or [n * COMPUTE_B for n in numels]
     state = state_bytes or [n * (MASTER_B + (0 if frozen else GRAD_B)) for n in numels]
     device, host, disk = activation_bytes, 0, 0
     for n, c, b, p in zip(numels, compute, state, placements, strict=True):
-        own_copy = c if c != n * COMPUTE_B else 0  # fp32 streams the master itself
+        # fp32 streams the master itself, a frozen base its state (NF4 under --finetune qlora)
+        own_copy = c if c != n * COMPUTE_B and not frozen else 0
         if p.state_tier == Tier.DEVICE:
             device += b
         elif p.state_tier == Tier.HOST:
@@ -129,7 +131,7 @@ def _account(
         # segment has a compute copy (its fp8 scales need whole tensors)
         host += max(
             (0 if frozen else update_staging_bytes(n, b, whole=whole_update))
-            + staging_numel(n) * COMPUTE_B if c == n * COMPUTE_B else b + c
+            + staging_numel(n) * COMPUTE_B if c == n * COMPUTE_B else (0 if frozen else b) + c
             for n, c, b in on_disk)
     return PlacementReport(placements, device, host, disk)
 

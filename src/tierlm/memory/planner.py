@@ -81,6 +81,10 @@ class ModelShape:
     trained_numel: int = 0
     trained_optim_bytes: int = 0
     lora: Any = None  # its tierlm.config.LoraConfig
+    # --finetune qlora: per segment, the bytes of its base in NF4 (tierlm.models.nf4: the
+    # adapted layers' weights in NF4, the rest fp32), which is all its state and the copy it
+    # streams in; None where a segment has no NF4 weight (its base is an fp32 master)
+    nf4_bytes: list[int | None] | None = None
 
     @property
     def n_params(self) -> int:
@@ -89,7 +93,8 @@ class ModelShape:
     def state_bytes(self, s: int) -> int:
         """Segment `s`'s master, gradient and optimizer state: what its state tier holds."""
         if self.frozen:
-            return MASTER_B * self.numels[s]
+            # a QLoRA segment's state is its NF4 copy, counted as its compute copy (wire_bytes)
+            return 0 if self.nf4(s) is not None else MASTER_B * self.numels[s]
         return (MASTER_B + GRAD_B) * self.numels[s] + self.optim_state_bytes[s]
 
     def update_disk_bytes(self, s: int, compute_copy: int | None) -> tuple[int, int]:
@@ -111,11 +116,16 @@ class ModelShape:
         return update_staging_bytes(self.numels[s], self.state_bytes(s),
                                     whole=self.optim_whole, chunk_numel=chunk_numel)
 
+    def nf4(self, s: int) -> int | None:
+        """Segment `s`'s NF4 bytes under --finetune qlora (None: fp32)."""
+        return None if self.nf4_bytes is None else self.nf4_bytes[s]
+
     @classmethod
     def from_config(cls, config: Any, *, probe_tokens: int = 256, optim: Any = None,
-                    lora: Any = None) -> ModelShape:
+                    lora: Any = None, base_format: str = "fp32") -> ModelShape:
         """`optim`: the run's tierlm.config.OptimConfig (None: the default, AdamW); `lora`:
-        its tierlm.config.LoraConfig under --finetune lora (None: full fine-tuning)."""
+        its tierlm.config.LoraConfig under --finetune lora or qlora (None: full fine-tuning);
+        `base_format`: nf4 under --finetune qlora."""
         from tierlm.config import OptimConfig
         from tierlm.memory.layout import FlatLayout
         from tierlm.models import build_model
@@ -131,7 +141,10 @@ class ModelShape:
         )
         saved = _saved_bytes_meta(model, adapter, probe_tokens) / probe_tokens
         trained = _lora_layout(model, lora) if lora is not None else None
+        nf4 = _nf4_bytes(model, layouts, lora) if lora is not None and base_format == "nf4" \
+            else None
         return cls(
+            nf4_bytes=nf4,
             lora=lora,
             frozen=trained is not None,
             trained_numel=trained.numel if trained else 0,
@@ -168,7 +181,9 @@ class ModelShape:
         device (tierlm.precision.streaming): block matmul weights in bf16 (2 bytes) or fp8 (1
         byte + a scale), norms and biases in fp32 (the runtime's padding of each entry to 16
         bytes aside). None where the fp32 master itself is used: fp32 runs, and the embeddings and
-        head (sensitive, fp32)."""
+        head (sensitive, fp32). A QLoRA base's segment: its NF4 bytes."""
+        if self.nf4(s) is not None:
+            return self.nf4(s)
         if precision not in ("bf16", "fp8") or s in (0, len(self.numels) - 1):
             return None
         n = self.numels[s]
@@ -205,6 +220,19 @@ def _lora_layout(model, lora):
         shapes += [(f"{name}.lora_A", (lora.rank, d_in), True),
                    (f"{name}.lora_B", (d_out, lora.rank), True)]
     return FlatLayout(shapes)
+
+
+def _nf4_bytes(model, layouts, lora) -> list[int | None]:
+    """Per segment, the bytes tierlm.models.nf4.NF4Base holds its base in: NF4 for the targets'
+    weights (a multiple of 64 elements), fp32 for the rest; None for a segment without one."""
+    from tierlm.models.lora import lora_targets
+    from tierlm.models.nf4 import BLOCK, NF4Format
+
+    params = dict(model.named_parameters())
+    quantised = {f"{t}.weight" for t in lora_targets(model, lora.targets)}
+    quantised = {n for n in quantised if n in params and params[n].numel() % BLOCK == 0}
+    return [NF4Format(lay, quantised).nbytes if {s.name for s in lay.slots} & quantised
+            else None for lay in layouts]
 
 
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:
@@ -402,6 +430,10 @@ def _simulate(
     h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
 
     def allocate_state(tier: Tier, s: int) -> None:
+        if shape.nf4(s) is not None:  # a QLoRA base's NF4 bytes: off the device, its `wire`
+            if tier == Tier.DEVICE:
+                ledger.allocate(tier, TensorClass.COMPUTE, shape.nf4(s))
+            return
         ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
         if not frozen:
             ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
@@ -582,7 +614,9 @@ def _simulate(
     recompute = block_saved if not all(keep[1:last]) else 0
     chunk = min(shape.head_chunk_tokens, train.batch_size * train.seq_len)
     logits = chunk * shape.vocab_size * 4 * 3
-    workspace = int(kept + recompute + logits)
+    # a QLoRA segment's action decodes its NF4 weights into fp32 of its own
+    decoded = max((4 * numels[s] for s in range(n_segs) if shape.nf4(s) is not None), default=0)
+    workspace = int(kept + recompute + logits + decoded)
     return ledger, workspace, update_staging
 
 

@@ -15,6 +15,12 @@ is real or a meta skeleton, so the reference trainer and the runtime start from 
 The adapter is saved in peft's layout (`adapter_config.json` + `adapter_model.safetensors`,
 keys `base_model.model.<module>.lora_A.weight`), so `PeftModel.from_pretrained(base, dir)` loads
 it; the Hugging Face export merges it into the base (W + alpha/r * B A), tensor by tensor.
+
+--finetune qlora is the same adapters on a base whose adapted weights are NF4 (tierlm.models.nf4):
+the tiered runtime quantises them at load and decodes them on the device per action; a model in
+RAM (the reference trainer's) gets them replaced by their NF4 round trip here, so both compute
+with the same values. Its adapter loads on that round-tripped base, and its export merges the
+adapters into it.
 """
 
 from __future__ import annotations
@@ -197,7 +203,8 @@ class FullFinetune:
 
 
 class LoraFinetune:
-    """--finetune lora: the model wrapped by `apply_lora`; `save` writes RUN_DIR/adapter."""
+    """--finetune lora or qlora: the model wrapped by `apply_lora`; `save` writes
+    RUN_DIR/adapter."""
 
     def __init__(self, model: nn.Module, lora: LoraConfig, base_path: str | None) -> None:
         self.model, self.lora, self.base_path = model, lora, base_path
@@ -214,12 +221,17 @@ def prepare_finetune(
 ) -> tuple[FullFinetune | LoraFinetune, Callable[[Segment], Mapping[str, torch.Tensor]]]:
     """Wrap `model` for `--finetune method` (full: as is) and return what writes the run's
     adapter, and the initial-weights source the tiered runtime reads (a skeleton's base from
-    `initial_weights`, its adapters from their seeded initialisation)."""
+    `initial_weights`, its adapters from their seeded initialisation). Under qlora a model in
+    RAM computes with its NF4 round trip; a skeleton's base is quantised by the runtime."""
     if method == "full":
         return FullFinetune(), initial_weights
-    if method != "lora":
-        raise ConfigError(f"--finetune {method}: not built; use full or lora")
+    if method not in ("lora", "qlora"):
+        raise ConfigError(f"--finetune {method}: not built; use full, lora or qlora")
     adapters = apply_lora(model, lora, seed=seed)
+    if method == "qlora" and not any(p.is_meta for p in model.parameters()):
+        from tierlm.models.nf4 import quantise_in_place
+
+        quantise_in_place(model)
     return LoraFinetune(model, lora, base_path), LoraWeights(initial_weights, adapters)
 
 
@@ -266,12 +278,14 @@ def merged_sources(run_config: Mapping, checkpoint: Path,
     from transformers.pytorch_utils import Conv1D
 
     from tierlm.models.export import SourceTensor
+    from tierlm.models.nf4 import BLOCK, round_trip
 
     lora = LoraConfig(**(run_config.get("lora") or {}))
     skeleton, read = _base_reader(run_config, checkpoint)
     modules = dict(skeleton.named_modules())
     targets = set(lora_targets(skeleton, lora.targets))
     scale = lora.alpha / lora.rank
+    nf4 = (run_config.get("train") or {}).get("finetune") == "qlora"  # the base it trained on
 
     def source(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> SourceTensor:
         module = name.rpartition(".")[0]
@@ -279,6 +293,8 @@ def merged_sources(run_config: Mapping, checkpoint: Path,
         def values(chunk: int) -> Iterator[torch.Tensor]:
             w = read(name)
             if module in targets and name.endswith(".weight"):
+                if nf4 and w.numel() % BLOCK == 0:
+                    w = round_trip(w)
                 w = merged(w, adapters[f"{module}.lora_A.{ADAPTER}.weight"],
                            adapters[f"{module}.lora_B.{ADAPTER}.weight"], scale,
                            isinstance(modules[module], Conv1D))

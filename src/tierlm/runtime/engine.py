@@ -56,6 +56,7 @@ from tierlm.memory.placement import (
 from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
+from tierlm.models.nf4 import NF4Base
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.optim.flat import advance
@@ -138,6 +139,9 @@ class EngineOptions:
     staging_chunk_numel: int = STAGING_CHUNK_NUMEL
     """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
     1024, so chunk offsets suit O_DIRECT)."""
+    base_format: str = "fp32"
+    """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32, or nf4
+    (--finetune qlora: tierlm.models.nf4, decoded on the device by each action)."""
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,11 @@ class Engine(Stepper):
         self.ledger = self.store.ledger
         self.adapter = ModelAdapter(model)
         # weights whose state is off the device are held, moved and computed from in the
-        # precision they compute in (tierlm.precision.streaming)
-        self.compute_copies = ComputeCopies(model)
+        # precision they compute in (tierlm.precision.streaming); a QLoRA base in NF4 bytes on
+        # every tier (tierlm.models.nf4)
+        nf4 = options.base_format == "nf4"
+        self.compute_copies = NF4Base(model) if nf4 else ComputeCopies(model)
+        place_state = self.compute_copies.init_state if nf4 else init_state
         self.optimizer = build_flat_optimizer(optim)
         options.grad_sync.check_optimizer(self.optimizer)
         self.has_dropout = any(
@@ -224,6 +231,9 @@ class Engine(Stepper):
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
         self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
         tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
+        # an NF4 segment's action decodes its weights into fp32 of its own (outside the ledger)
+        decoded_bytes = max((4 * lay.numel for lay in layouts
+                             if nf4 and self.compute_copies.format_of(lay)), default=0)
         self.host_boundaries = options.boundary_tier == Tier.HOST
         self.activation_bytes = (
             self.boundary_activation_bytes(
@@ -263,10 +273,10 @@ class Engine(Stepper):
             device_budget_bytes=options.device_budget_bytes,
             host_budget_bytes=options.host_budget_bytes,
             # the adapters of a frozen base and their optimizer state: on the device throughout
-            activation_bytes=self.activation_bytes + reserve + trained_bytes,
+            activation_bytes=self.activation_bytes + reserve + trained_bytes + decoded_bytes,
             placements=options.placements,
             compute_bytes=[self.compute_copies.layout_nbytes(lay) for lay in layouts],
-            state_bytes=[4 * lay.numel if self.frozen_base
+            state_bytes=[self.compute_copies.layout_nbytes(lay) if self.frozen_base
                          else 8 * lay.numel + self.optimizer.state_nbytes(lay) for lay in layouts],
             whole_update=self.optimizer.align == 0,
             frozen=self.frozen_base,
@@ -300,8 +310,8 @@ class Engine(Stepper):
             # packed straight into the segment's tier (or the disk tier's staging), tensor by
             # tensor from the source, before the next segment is read
             source = LookupOnce(initial_weights(seg))
-            init_state(self.store, st, functools.partial(lay.pack, source), optim_device,
-                       self._update_ranges(st))
+            place_state(self.store, st, functools.partial(lay.pack, source), optim_device,
+                        self._update_ranges(st))
             self.compute_copies.attach(self.store, st)
             trained: SegmentState | None = None if self.frozen_base else st
             if self.frozen_base and trained_layouts[i].numel:
@@ -999,8 +1009,15 @@ class Engine(Stepper):
         return self._named(("master",))
 
     def frozen_weights(self) -> dict[str, torch.Tensor]:
-        """The frozen base's weights by parameter name (CPU copies; empty when all is trained)."""
-        return self._named(("master",), self.states) if self.frozen_base else {}
+        """The frozen base's weights by parameter name (CPU copies; empty when all is trained;
+        an NF4 base's decoded)."""
+        if not self.frozen_base:
+            return {}
+        out = self._named(("master",), [st for st in self.states if st.compute_format is None])
+        for st in self.states:
+            if st.compute_format is not None:
+                out.update(self.compute_copies.weights(self.store, st))
+        return out
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """Optimizer state by parameter name (`<name>.<slot>` in the slot's checkpoint shape,

@@ -908,7 +908,7 @@ def export_hf_from_checkpoint(
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: config.json is unreadable: {exc}") from None
     run_config = state.get("run_config") or {}
-    if (run_config.get("train") or {}).get("finetune") == "lora":
+    if (run_config.get("train") or {}).get("finetune") in ("lora", "qlora"):
         return _export_lora(path, out_dir, state, config, manifest, dtype, max_shard_bytes)
     weights: TensorFiles | DCPTensors
     if state.get("tensors") == "dcp":

@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from tierlm.config import Config, PrecisionConfig, check_precision_flags, lora_of, parse_bytes
+from tierlm.config import (
+    Config,
+    PrecisionConfig,
+    base_format_of,
+    check_precision_flags,
+    lora_of,
+    parse_bytes,
+)
 from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.planner import ModelShape, Plan, TrainShape, plan
 from tierlm.memory.tiers import Link
@@ -111,7 +118,8 @@ def make_plan(
 ) -> tuple[Plan, ModelShape, TrainShape]:
     """`shape`: the model's (default: from `model_config` under the run's optimizer)."""
     mem = cfg.memory
-    shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg))
+    shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                            base_format=base_format_of(cfg))
     train = train_shape(cfg, precision)
     p = plan(
         shape,
@@ -152,7 +160,12 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
 
     hw = hardware_for(cfg)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend)
-    precision = choice.mode
+    full_precision = precision = choice.mode
+    if cfg.train.finetune != "full" and precision != "fp32":
+        # the trainer refuses lora/qlora in bf16/fp8: plan what it runs
+        choice = PrecisionChoice("fp32", f"--finetune {cfg.train.finetune} trains in fp32 "
+                                 f"(not {precision})")
+        precision = "fp32"
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
     wear = DiskWear(write_bytes_per_step=p.moved_bytes.get(Link.DISK_WRITE.value, 0),
                     step_s=p.step_s, endurance_tbw=cfg.memory.disk_endurance_tbw)
@@ -167,9 +180,51 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
             print(wear.describe())
             if wear.warning():
                 print(wear.warning())
+        if cfg.train.finetune != "full":
+            print(finetune_table_text(cfg, model_config_for(cfg), hw, full_precision, p))
         if optimizer_table:
             print(optimizer_table_text(cfg, model_config_for(cfg), hw, precision, shape, p))
     return 0 if p.fits else 3
+
+
+def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
+                        full_precision: str, chosen: Plan) -> str:
+    """`tierlm plan --finetune lora|qlora`: the plan of each --finetune on the same model,
+    hardware and step (full fine-tuning in the precision --precision resolves to for it; lora
+    and qlora in fp32, as they train): trained parameters, the placement, device bytes (the
+    ledger's peak and the total with activation workspace), host and disk bytes, tokens/s."""
+    from dataclasses import replace
+
+    from tierlm.memory.placement import gib
+
+    rows = ["", "each fine-tuning method (--finetune) on this model and hardware:",
+            "  method  precision  trained   state on dev/host/disk  resident  device peak"
+            "  device total       host       disk  tokens/s  fits"]
+    for method in ("full", "lora", "qlora"):
+        if method == cfg.train.finetune:
+            p = chosen
+        else:
+            c = replace(cfg, train=replace(cfg.train, finetune=method))
+            p = make_plan(c, model_config, hw, full_precision if method == "full" else "fp32")[0]
+        shape_numel = sum(p.numels)
+        trained = shape_numel if method == "full" else _trained_numel(cfg, model_config)
+        tiers = p.tier_counts()
+        fits = "yes" if p.fits else "no: " + "; ".join(p.problems)
+        rows.append(
+            f"  {method:<8}{full_precision if method == 'full' else 'fp32':<9}"
+            f"{trained / 1e6:>8,.1f}M  {tiers['device']:>6}/{tiers['host']}/{tiers['disk']:<13}"
+            f"{len(p.resident_names()):>8}  {gib(p.device_peak_bytes):>11}  "
+            f"{gib(p.device_total_bytes):>12}  {gib(p.host_peak_bytes):>9}  {gib(p.disk_bytes):>9}"
+            f"  {p.tokens_per_s:>8,.0f}  {fits}")
+    return "\n".join(rows)
+
+
+def _trained_numel(cfg: Config, model_config: Any) -> int:
+    """Parameters --finetune lora/qlora trains: the adapters --lora.* adds."""
+    from tierlm.memory.planner import _lora_layout
+    from tierlm.models import build_model
+
+    return _lora_layout(build_model(model_config, device="meta"), cfg.lora).numel
 
 
 def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
@@ -203,6 +258,8 @@ def _input_flags(cfg: Config, precision: str) -> list[str]:
     """The flags that reproduce this plan's inputs on `tierlm train`."""
     m = cfg.memory
     out = ["--model", cfg.model.path] if cfg.model.path else ["--model-size", cfg.model.size]
+    if cfg.train.finetune != "full":
+        out += ["--finetune", cfg.train.finetune]
     out += ["--batch-size", str(cfg.train.batch_size), "--seq-len", str(cfg.data.seq_len),
             "--grad-accum-steps", str(cfg.train.grad_accum_steps), "--precision", precision,
             "--hardware", m.hardware]
@@ -235,7 +292,8 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     from tierlm.memory.planner import evaluate, usable_budgets
 
     hw = hardware_for(cfg)
-    shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg))
+    shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                   base_format=base_format_of(cfg))
     return evaluate(
         shape, train_shape(cfg, precision), hw, engine.report.placements,
         engine.opts.microbatch_order, engine.opts.keep_resident_activations,

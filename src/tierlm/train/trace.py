@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tierlm.config import Config, lora_of
+from tierlm.config import Config, base_format_of, lora_of
 from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
@@ -104,7 +104,8 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
         from tierlm.memory.timeline import predicted_timeline
         from tierlm.train.planning import hardware_for, train_shape
 
-        shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg))
+        shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                       base_format=base_format_of(cfg))
         return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
     return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)
@@ -122,7 +123,9 @@ def placement_map(engine: Any) -> list[dict[str, Any]]:
             by_class = held.setdefault(str(t), {})
             by_class[str(cls)] = by_class.get(str(cls), 0) + nbytes
 
-        add(tier, TensorClass.MASTER, 4 * n)
+        nf4 = st.frozen and st.compute_format is not None  # a QLoRA base: its NF4 bytes only
+        if not nf4:
+            add(tier, TensorClass.MASTER, 4 * n)
         if not st.frozen:  # a LoRA run's base is its master alone
             add(tier, TensorClass.OPTIM, 8 * n)
             add(tier, TensorClass.GRAD, 4 * n)
@@ -131,11 +134,12 @@ def placement_map(engine: Any) -> list[dict[str, Any]]:
             for cls, per in ((TensorClass.MASTER, 4), (TensorClass.OPTIM, 8),
                              (TensorClass.GRAD, 4)):
                 add(Tier.DEVICE, cls, per * trained.numel)
-        if st.placement.resident and tier != Tier.DEVICE:
+        # the device copy of a resident segment (an NF4 base's device tier: its only copy)
+        if st.placement.resident and tier != Tier.DEVICE or nf4 and tier == Tier.DEVICE:
             add(Tier.DEVICE, TensorClass.COMPUTE, st.device_nbytes())
         if st.wire is not None:
             add(Tier.HOST, TensorClass.COMPUTE, st.wire.numel() * st.wire.element_size())
-        elif st.compute_format is not None:  # disk state: its compute file
+        elif st.compute_format is not None and tier == Tier.DISK:  # its compute file
             add(Tier.DISK, TensorClass.COMPUTE, st.compute_format.nbytes)
         out.append({"segment": st.seg.name, "numel": n, "resident": st.placement.resident,
                     "state_tier": str(tier), "bytes": held})

@@ -24,6 +24,7 @@ from tierlm.config import (
     Config,
     ConfigError,
     NotSupportedYet,
+    base_format_of,
     check_supported,
     parse_bytes,
     to_dict,
@@ -200,6 +201,7 @@ def build_stepper(
         activations=cfg.activations,
         autocast=autocast,
         check_placement=preflight or (lambda report: None),
+        base_format=base_format_of(cfg),
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
@@ -235,8 +237,9 @@ class Trainer:
         if not self.world.is_main:
             log = quiet  # rank 0 logs, writes metrics and checkpoints for the whole run
         self.log = log
-        if cfg.train.finetune == "lora" and self.world.distributed:
-            raise NotSupportedYet("--finetune lora under torchrun", "LoRA runs in one process")
+        if cfg.train.finetune != "full" and self.world.distributed:
+            raise NotSupportedYet(f"--finetune {cfg.train.finetune} under torchrun",
+                                  "LoRA runs in one process")
         self.device = resolve_device(cfg.run.device)
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         choice = resolve_precision(cfg.precision, self.device, None,
@@ -246,10 +249,11 @@ class Trainer:
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
-        if cfg.train.finetune == "lora" and choice.mode != "fp32":
+        if cfg.train.finetune != "full" and choice.mode != "fp32":
             # the precision policy would swap peft's adapter layers and the frozen base's
-            # compute copy is fp32 only so far
-            raise NotSupportedYet(f"--finetune lora with --precision {choice.mode}",
+            # compute copy is fp32 (NF4 decoded to fp32) only so far
+            raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision "
+                                  f"{choice.mode}",
                                   "use --precision fp32")
         self.cfg = cfg
         self.precision = choice.mode

@@ -1,0 +1,305 @@
+"""NF4 with double quantisation (the QLoRA paper, Dettmers et al. 2023): --finetune qlora's base.
+
+**The code.** NF4 has 16 levels in [-1, 1]: quantiles of the standard normal, so that a weight
+drawn from a normal distribution and divided by its block's absolute maximum is equally likely
+to fall in each level's bin, with an exact zero. With Phi^-1 the normal quantile function and
+`delta = 1/2 (1/30 + 1/32)` (the paper's offset: between the outermost quantiles of 15 and of
+16 equal bins), the levels are
+
+    positive:  Phi^-1(p) for the 9 values p = linspace(1 - delta, 1/2, 9) but the last (8 levels)
+    negative: -Phi^-1(p) for the 8 values p = linspace(1 - delta, 1/2, 8) but the last (7 levels)
+    and 0,
+
+all divided by the largest magnitude (so the ends are -1 and 1): 8 positive, 7 negative, zero.
+`nf4_levels()` computes them.
+
+**Blocks.** A tensor (its numel a multiple of 64) is cut into blocks of 64 consecutive
+elements; each block keeps its absolute maximum `s` (its first-level scale) and every element
+`x` becomes the index of the level nearest to `x / s` (4 bits, two per byte, the first of a
+pair in the high nibble). The rounding error of an element is at most half the gap between the
+two levels around `x / s`, times `s`.
+
+**Double quantisation.** The first-level scales (one fp32 per 64 weights, 0.5 bits per weight)
+are quantised again: their mean over the tensor is subtracted (they are all positive), and the
+centred scales are cut into groups of 256, each stored as int8 (round to nearest, symmetric,
+127 steps) with one fp32 step per group: `s_hat = q * step + mean`. That is 8 bits per 64 weights
+plus 32 per 16384, about 0.127 bits per weight; the scale of a block is off by at most half its
+group's step. A weight is then 4 bits + ~0.127: ~0.516 bytes per parameter.
+
+**Bytes of one tensor** (`nf4_nbytes`): [mean: fp32][steps: fp32 per group][scales: int8 per
+block][codes: 4 bits per element], so every fp32 read is 4-byte aligned. Decoding
+(`dequantise`) gives `level[code] * s_hat` in the compute dtype, block by block (vectorised over
+the blocks), on whatever device holds the bytes.
+
+**In the runtime.** `quantised_names` picks the tensors: the base weight of every layer LoRA
+wraps (`<module>.base_layer.weight`), as QLoRA quantises the frozen linear layers; norms,
+biases, embeddings and the head stay fp32. A segment holding any of them gets an `NF4Format`
+(the `compute_format` of runtime/state.py): its state on its tier (device, host RAM or a disk
+file) is these bytes and nothing else (no fp32 master), quantised at load from the fp32 weights
+the streamed loader hands over, one tensor at a time; the stream moves the bytes, and each
+action decodes the segment's weights on the device right before it runs (`NF4Format.flat`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tierlm.memory.layout import FlatLayout
+from tierlm.memory.store import Store
+from tierlm.memory.tiers import TensorClass, Tier
+
+BLOCK = 64  # weights per first-level (absmax) scale
+SCALE_BLOCK = 256  # first-level scales per second-level (fp32) step
+ALIGN = 16  # every tensor's bytes start 16-byte aligned in a segment's copy
+
+
+def nf4_levels(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 NF4 levels, ascending (see the module docstring for the formula)."""
+    delta = 0.5 * (1 / 30 + 1 / 32)
+    q = torch.special.ndtri
+    pos = q(torch.linspace(1 - delta, 0.5, 9, dtype=torch.float64)[:-1])
+    neg = -q(torch.linspace(1 - delta, 0.5, 8, dtype=torch.float64)[:-1])
+    levels = torch.cat([neg, torch.zeros(1, dtype=torch.float64), pos])
+    return (levels / levels.abs().max()).sort().values.to(dtype)
+
+
+_LEVELS = nf4_levels()
+_MIDPOINTS = (_LEVELS[1:] + _LEVELS[:-1]) / 2  # the bins' edges: nearest level by bucketize
+
+
+def _parts(numel: int) -> tuple[int, int, int]:
+    """(blocks, scale groups, bytes) of one tensor of `numel` elements."""
+    if numel % BLOCK:
+        raise ValueError(f"NF4 quantises tensors whose size is a multiple of {BLOCK}, "
+                         f"not {numel}")
+    blocks = numel // BLOCK
+    groups = -(-blocks // SCALE_BLOCK)
+    return blocks, groups, 4 + 4 * groups + blocks + numel // 2
+
+
+def nf4_nbytes(numel: int) -> int:
+    """Bytes of one quantised tensor of `numel` elements (a multiple of 64)."""
+    return _parts(numel)[2]
+
+
+def quantise(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the NF4 bytes of `x` (any shape, numel a multiple of 64; read as fp32) into `out`
+    (uint8, `nf4_nbytes(x.numel())` long, on the CPU) and return it."""
+    blocks, groups, nbytes = _parts(x.numel())
+    if out.numel() != nbytes or out.dtype != torch.uint8:
+        raise ValueError(f"quantise: out must be {nbytes} uint8, got {out.numel()} {out.dtype}")
+    w = x.detach().reshape(blocks, BLOCK).float()  # (blocks, 64)
+    absmax = w.abs().amax(dim=1)  # (blocks,)
+    u = w / absmax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)  # in [-1, 1]
+    idx = torch.bucketize(u, _MIDPOINTS).to(torch.uint8).view(blocks, BLOCK // 2, 2)
+    mean = absmax.mean()
+    centred = torch.zeros(groups * SCALE_BLOCK)
+    centred[:blocks] = absmax - mean
+    centred = centred.view(groups, SCALE_BLOCK)
+    step = centred.abs().amax(dim=1) / 127  # (groups,)
+    q = torch.where(step.unsqueeze(1) > 0, centred / step.clamp_min(1e-38).unsqueeze(1),
+                    torch.zeros(())).round_().clamp_(-127, 127).to(torch.int8)
+    mean_b, step_b, scales_b, codes_b = _views(out, blocks, groups)
+    mean_b.copy_(mean.reshape(1))
+    step_b.copy_(step)
+    scales_b.copy_(q.reshape(-1)[:blocks])
+    codes_b.copy_((idx[..., 0] << 4 | idx[..., 1]).reshape(-1))
+    return out
+
+
+def _views(buf: torch.Tensor, blocks: int, groups: int):
+    """(mean fp32 (1,), steps fp32 (groups,), scales int8 (blocks,), codes uint8) of `buf`."""
+    a, b = 4, 4 + 4 * groups
+    return (buf[:a].view(torch.float32), buf[a:b].view(torch.float32),
+            buf[b : b + blocks].view(torch.int8), buf[b + blocks :])
+
+
+def dequantised_scales(buf: torch.Tensor, numel: int) -> torch.Tensor:
+    """Each block's first-level scale as stored (after double quantisation), fp32 (blocks,)."""
+    blocks, groups, _ = _parts(numel)
+    mean, step, scales, _ = _views(buf, blocks, groups)
+    return scales.float() * step.repeat_interleave(SCALE_BLOCK)[:blocks] + mean
+
+
+def dequantise(buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The `numel` weights NF4 bytes `buf` hold (flat, `dtype`, on `buf`'s device), written into
+    `out` when given."""
+    blocks, groups, _ = _parts(numel)
+    codes = _views(buf, blocks, groups)[3]
+    idx = torch.stack([codes >> 4, codes & 15], dim=-1).view(blocks, BLOCK).long()
+    levels = _LEVELS.to(buf.device)
+    w = levels[idx] * dequantised_scales(buf, numel).unsqueeze(1)  # (blocks, 64)
+    if out is None:
+        return w.reshape(-1).to(dtype)
+    out.view(blocks, BLOCK).copy_(w)
+    return out
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """`x` quantised to NF4 and decoded again (fp32, `x`'s shape): the values a QLoRA base
+    computes with."""
+    buf = torch.empty(nf4_nbytes(x.numel()), dtype=torch.uint8)
+    return dequantise(quantise(x, buf), x.numel()).view(x.shape)
+
+
+def quantised_names(model: nn.Module) -> set[str]:
+    """The parameters --finetune qlora stores in NF4: the base weight of every layer LoRA wraps
+    (peft's `<module>.base_layer.weight`), where its size is a multiple of 64."""
+    return {n for n, p in model.named_parameters()
+            if n.endswith(".base_layer.weight") and not p.requires_grad and p.numel() % BLOCK == 0}
+
+
+def quantise_in_place(model: nn.Module) -> None:
+    """Replace each of `quantised_names`' values by its NF4 round trip (a model whose weights
+    are in RAM: the reference trainer's, and the base a test or peft loads the adapter on)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(quantised_names(model)):
+            p = params[name]
+            p.copy_(round_trip(p.detach().float()).to(p.dtype))
+
+
+# -- a segment's base as NF4 bytes ---------------------------------------------------------
+
+
+class NF4Format:
+    """A frozen segment's weights as one byte buffer: NF4 for the `quantised` parameters, fp32
+    for the rest, each entry 16-byte aligned. Stands where runtime/state.py's `compute_format`
+    stands: `nbytes`, `flat` (the decoded flat weights of one action) and `views`."""
+
+    def __init__(self, layout: FlatLayout, quantised: set[str],
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.layout = layout
+        self.dtype = dtype  # what the matmuls read: the run's compute dtype
+        self.entries: list[tuple[int, int, int, bool]] = []  # (offset, numel, byte offset, nf4)
+        nbytes = 0
+        for slot in layout.slots:
+            nf4 = slot.name in quantised
+            self.entries.append((slot.offset, slot.numel, nbytes, nf4))
+            size = nf4_nbytes(slot.numel) if nf4 else 4 * slot.numel
+            nbytes += -(-size // ALIGN) * ALIGN
+        self.nbytes = nbytes
+        self.kinds = ["nf4" if nf4 else "fp32" for *_, nf4 in self.entries]
+
+    def encode_slot(self, k: int, values: torch.Tensor, wire: torch.Tensor) -> None:
+        """Write slot `k`'s fp32 `values` (its numel) into the copy `wire` (uint8, host)."""
+        _, numel, at, nf4 = self.entries[k]
+        if nf4:
+            quantise(values, wire[at : at + nf4_nbytes(numel)])
+        else:
+            wire[at : at + 4 * numel].view(torch.float32).copy_(values.reshape(-1))
+
+    def encode(self, master: torch.Tensor, wire: torch.Tensor) -> None:
+        """Fill `wire` from the segment's flat fp32 weights `master`."""
+        for k, (offset, numel, _, _) in enumerate(self.entries):
+            self.encode_slot(k, master.narrow(0, offset, numel), wire)
+
+    def flat(self, copy: torch.Tensor) -> torch.Tensor:
+        """The segment's flat weights decoded from its copy `copy` (uint8, on the device) into
+        a buffer of this action's own: NF4 entries block by block, fp32 ones copied."""
+        out = torch.empty(self.layout.numel, dtype=self.dtype, device=copy.device)
+        for offset, numel, at, nf4 in self.entries:
+            dst = out.narrow(0, offset, numel)
+            if nf4:
+                dequantise(copy[at : at + nf4_nbytes(numel)], numel, self.dtype, out=dst)
+            else:
+                dst.copy_(copy[at : at + 4 * numel].view(torch.float32))
+        return out
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.layout.views(flat)
+
+
+class NF4Base:
+    """--finetune qlora's frozen base in the tiered runtime, in place of
+    tierlm.precision.streaming.ComputeCopies: every segment holding a quantised parameter keeps
+    its weights as NF4 bytes on its tier (`init_state`), the rest as LoRA's fp32 master."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.quantised = quantised_names(model)
+        self.enabled = False  # formats never change after load: the stream cache keeps its size
+        if not self.quantised:
+            raise ValueError("--finetune qlora: no LoRA-wrapped weight to quantise (a multiple "
+                             f"of {BLOCK} elements); check --lora.targets")
+
+    def format_of(self, layout: FlatLayout) -> NF4Format | None:
+        names = {s.name for s in layout.slots}
+        return NF4Format(layout, self.quantised) if names & self.quantised else None
+
+    def layout_nbytes(self, layout: FlatLayout) -> int:
+        """Bytes a segment of flat layout `layout` holds and streams its weights in."""
+        fmt = self.format_of(layout)
+        return 4 * layout.numel if fmt is None else fmt.nbytes
+
+    def nbytes(self, st) -> int:
+        return st.device_nbytes()
+
+    def choose_format(self, st) -> None:
+        st.compute_format = self.format_of(st.layout)
+
+    def attach(self, store: Store, st) -> None:
+        """Nothing: `init_state` put the bytes in place."""
+
+    def refresh(self, store: Store, st, master: torch.Tensor) -> None:
+        """Nothing: the base is never updated."""
+
+    def init_state(self, store: Store, st, fill: Callable[[torch.Tensor, int], object],
+                   optim_device: torch.device, ranges: list[tuple[int, int]]) -> None:
+        """runtime.state.init_state for a frozen segment: NF4 bytes on its tier, quantised at
+        load one parameter at a time (`fill(out, lo)` packs the fp32 elements from `lo`), so
+        host RAM holds one tensor in fp32 on the way, never the segment."""
+        fmt: NF4Format | None = st.compute_format
+        if fmt is None:
+            from tierlm.runtime.state import init_state
+
+            init_state(store, st, fill, optim_device, ranges)
+            return
+        host = st.tier == Tier.HOST
+        wire = store.alloc(Tier.HOST, TensorClass.COMPUTE if host else TensorClass.STAGING,
+                           fmt.nbytes, dtype=torch.uint8)
+        wire.zero_()  # alignment padding: the file's bytes are deterministic
+        largest = max(numel for _, numel, _, _ in fmt.entries)
+        values = store.alloc(Tier.HOST, TensorClass.STAGING, largest)
+        for k, (offset, numel, _, _) in enumerate(fmt.entries):
+            fmt.encode_slot(k, fill(values[:numel], offset), wire)
+        store.free(Tier.HOST, TensorClass.STAGING, values)
+        if host:
+            st.wire = wire  # streamed from here (runtime.state.WireLoad)
+        elif st.tier == Tier.DISK:
+            store.write_file(st.file("compute"), wire, TensorClass.COMPUTE).result()
+        if st.tier == Tier.DEVICE or st.placement.resident:
+            st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, fmt.nbytes,
+                                            dtype=torch.uint8)
+            store.wait(store.to_device(st.device_weights, wire, st.seg.name))
+            if st.device_weights.device.type == "cuda":
+                torch.cuda.current_stream(st.device_weights.device).synchronize()
+        if not host:
+            store.free(Tier.HOST, TensorClass.STAGING, wire)
+
+    def weights(self, store: Store, st) -> dict[str, torch.Tensor]:
+        """The decoded weights of frozen segment `st` by parameter name (CPU, fp32)."""
+        fmt: NF4Format = st.compute_format
+        if st.device_weights is not None:
+            copy = st.device_weights.to("cpu")
+        elif st.wire is not None:
+            copy = st.wire
+        else:
+            staging = store.alloc(Tier.HOST, TensorClass.STAGING, fmt.nbytes, dtype=torch.uint8)
+            store.read_file(st.file("compute"), staging).result()
+            copy = staging.clone()
+            store.free(Tier.HOST, TensorClass.STAGING, staging)
+        return {n: v.clone() for n, v in fmt.views(fmt.flat(copy)).items()}
+
+
+def bits_per_parameter(numel: int) -> float:
+    """NF4 bits per weight of a tensor of `numel` elements, scales included."""
+    return 8 * nf4_nbytes(numel) / numel
+
+
+__all__ = ["BLOCK", "SCALE_BLOCK", "NF4Base", "NF4Format", "bits_per_parameter", "dequantise",
+           "dequantised_scales", "nf4_levels", "nf4_nbytes", "quantise", "quantise_in_place",
+           "quantised_names", "round_trip"]
