@@ -104,7 +104,8 @@ from tierlm.train.trace import build_step_trace, build_tracer
 
 
 def cache_dir() -> Path:
-    """Where trained tokenizers and encoded corpora are cached between runs ($TIERLM_CACHE overrides)."""
+    """Where trained tokenizers and encoded corpora are kept between runs
+    ($TIERLM_CACHE overrides)."""
     env = os.environ.get("TIERLM_CACHE")
     if env:
         return Path(env)
