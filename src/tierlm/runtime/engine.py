@@ -61,7 +61,9 @@ from tierlm.optim.flat import advance
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.clock import compute_clock
+from tierlm.runtime.readahead import ReadAhead, readahead_starts
 from tierlm.runtime.state import (
+    CopiesRead,
     DiskTensor,
     InitialWeights,
     LookupOnce,
@@ -134,6 +136,9 @@ class EngineOptions:
     staging_chunk_numel: int = STAGING_CHUNK_NUMEL
     """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
     1024, so chunk offsets suit O_DIRECT)."""
+    readahead: ReadAhead | None = None
+    """Read disk-tier segments' master and slots into host staging during the backward, so the
+    update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +225,7 @@ class Engine(Stepper):
         self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
         tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
         self.host_boundaries = options.boundary_tier == Tier.HOST
+        self.hidden_bytes = hidden_bytes  # one micro-batch's boundary input (fp32)
         self.activation_bytes = (
             self.boundary_activation_bytes(
                 len(segs), hidden_bytes, options.micro_batches, options.microbatch_order,
@@ -334,6 +340,8 @@ class Engine(Stepper):
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
         self._updates: dict[int, Future] = {}
+        # segment -> its master and slots being read ahead of its update (the read-ahead)
+        self._readahead: dict[int, CopiesRead] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
         self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
         # time in forward, backward and on-device updates (also the trace's compute lane)
@@ -433,6 +441,18 @@ class Engine(Stepper):
     def _needs(self, a: Action) -> list[int]:
         """Streamed segments whose device copy action `a` reads."""
         return [s for s in self._reads(a) if not self.states[s].placement.resident]
+
+    def readahead_plan(self, actions: list[Action]) -> dict[int, list[int]]:
+        """Action index -> disk-tier segments whose update state is read after that action
+        (tierlm.runtime.readahead; empty when the read-ahead is off)."""
+        ra = self.opts.readahead
+        if ra is None:
+            return {}
+        sizes = [(st.index, sum(st.slot(c).nbytes(st.layout) for c in st.state_copies))
+                 for st in self.trainable if st.tier == Tier.DISK]
+        return readahead_starts(
+            actions, sizes, ra.extra_bytes,
+            parked_input_bytes=self.hidden_bytes if self.host_boundaries else 0)
 
     # -- weights ----
 
@@ -600,6 +620,7 @@ class Engine(Stepper):
                 mbs.append(_MicroBatch(ids, targets, positions,
                                        ctx=self.adapter.embed_context(ids, positions)))
             actions = self.schedule(m)
+            readahead = self.readahead_plan(actions)
             if self.compute_copies.enabled:
                 self._size_cache()
             self.cache.begin(self.stream_plan(m))
@@ -616,6 +637,9 @@ class Engine(Stepper):
                 else:
                     self._backward(a, mbs, w, grad)
                 self.cache.prefetch(k + 1)
+                for s in readahead.get(k, ()):
+                    st = self.states[s]
+                    self._readahead[s] = CopiesRead(self.store, st, st.state_copies)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
@@ -801,7 +825,7 @@ class Engine(Stepper):
                 self._grad_complete(st, grad)
             return
         what = f"grad {st.seg.name}"
-        if st.tier == Tier.HOST:
+        if st.placement.gradient_tier == Tier.HOST:  # host state, or disk state's held gradient
             self._d2h_add(st.grad, grad, what)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
@@ -891,6 +915,9 @@ class Engine(Stepper):
                 if st.grad is not None:
                     st.grad.zero_()
                 st.grad_written = False
+            for read in self._readahead.values():  # nothing to update: the reads are dropped
+                free_copies(self.store, read.st, read.buffers())
+            self._readahead.clear()
             return grad_norm, True
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for st in self.trainable:
@@ -918,15 +945,37 @@ class Engine(Stepper):
         lane = "device update" if st.tier == Tier.DEVICE else "cpu update"
         with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
             if st.tier == Tier.DISK:
-                # staged in chunks, the next chunk read while this one updates; the gradient
-                # is spent, only master and slots go back
-                stream_chunks(self.store, st, self._update_ranges(st),
-                              read=(*st.state_copies, "grad"), write=st.state_copies, step=step)
+                self._update_disk(st, step)
             else:
                 step(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
                 st.grad.zero_()
             advance(st.steps)
+
+    def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
+        """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
+        slots, a gradient held on the host) are staged in chunks, the next chunk read while this
+        one updates; the gradient is spent, only master and slots go back to their files."""
+        ahead = self._readahead.pop(st.index, None)
+        held = {} if ahead is None else dict(ahead.buffers())
+        if st.grad is not None:
+            held["grad"] = st.grad
+        ranges = self._update_ranges(st)
+        ends = {lo: lo + n for lo, n in ranges}
+
+        def chunk(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            for c, buf in held.items():
+                a, b = st.slot(c).range(st.layout, lo, ends[lo])
+                bufs[c] = buf[a:b]
+            step(lo, bufs)
+
+        stream_chunks(self.store, st, ranges,
+                      read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk)
+        if ahead is not None:
+            write_back_copies(self.store, st, ahead.bufs)  # and frees the staging
+        if st.grad is not None:
+            st.grad.zero_()
 
     # -- evaluation and state ----
 
