@@ -14,6 +14,9 @@ with 128 GiB / 400 GiB) and prints, per case, the predicted step over its comput
 - `free disk`: disk rates x 1000; what remains is compute, PCIe and the CPU update.
 - `one disk`: the plan's disk seconds (sweep and update share the drive) over the compute: a
   step is never shorter than that.
+- `update / window`: the update's seconds (CPU, and the disk work left to it: reads not done
+  ahead, the write-back) against the window it hides behind, the first micro-batch group's
+  forward of the next step (every segment's forward waits for its update).
 - bytes per link moved by the plan beside the least that plan could move: the refresh of every
   off-device segment's compute copy and the parked boundary inputs H2D; each gradient once
   (4 B per off-device parameter) and the parked inputs D2H; master and moments of the
@@ -92,6 +95,8 @@ def row(model: str, precision: str, host: int) -> list[str]:
         f"{ahead / GiB:.1f} GiB",
         f"{free.step_over_bound:.2f}",
         f"{t['disk']:.1f} s = {t['disk'] / t['compute']:.2f}",
+        f"{t['update']:.1f} s ({t['cpu_update']:.1f} + {t['update_disk']:.1f}) / "
+        f"{t['update_window']:.1f} s",
         " / ".join(f"{now.moved_bytes.get(k, 0) / GiB:.0f} ({least[k] / GiB:.0f})"
                    for k in ("h2d", "d2h", "disk_read", "disk_write")),
     ]
@@ -103,6 +108,7 @@ def main() -> None:
     print()
     head = ["case", "compute s", "without the disk options", "as planned",
             "order; disk segments with host gradients; read ahead", "free disk", "one disk",
+            "update (CPU + disk) / window",
             "GiB moved H2D / D2H / disk read / disk write (least for that plan)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")

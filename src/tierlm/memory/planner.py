@@ -725,6 +725,7 @@ def _times(
         "cpu_update": update_cpu,
         "update": update,
         "readahead": readahead,
+        "update_window": forward / groups,
         "update_stall": step - sweep,
         "step": step,
     }
