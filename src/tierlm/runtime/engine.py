@@ -11,7 +11,10 @@ starts, the stream cache evicts by next use and prefetches the next action's wei
 After the backward sweep the global gradient norm is known: the step is skipped on a non-finite
 norm, otherwise gradients are clipped and each segment is updated on the tier that holds its
 state. Host and disk updates run on a background worker in forward order, overlapping the next
-step's forward: segment i's forward waits only for segment i's update.
+step's forward: segment i's forward waits only for segment i's update. A disk-tier segment may
+hold its gradient in host RAM (its placement's `grad_tier`), and the last group's backward may
+read its master and slots ahead of the update (`EngineOptions.readahead`,
+tierlm.runtime.readahead), so the update is left the write-back.
 """
 
 from __future__ import annotations
