@@ -35,17 +35,20 @@ def test_big_model_plans_fit_their_budgets(size, hw, host_gib, batch, seq, accum
     b = usable_budgets(profile)
     assert p.device_total_bytes <= b["device"] <= profile.gpu_memory_bytes
     assert p.host_peak_bytes <= b["host"] and p.disk_bytes <= b["disk"]
-    # full-parameter AdamW: every parameter's master (4 B), fp32 gradient (4 B) and two moments
-    # (8 B) live on the tier that holds its segment's state, and nowhere else
+    # full-parameter AdamW: every parameter's master (4 B) and two moments (8 B) live on the
+    # tier that holds its segment's state, its fp32 gradient (4 B) on its placement's gradient
+    # tier (the state's, or host RAM for disk state), and nowhere else
     by_class = {Tier.DEVICE: p.device_by_class, Tier.HOST: p.host_by_class,
                 Tier.DISK: p.disk_by_class}
     state_numel = {t: sum(n for n, pl in zip(shape.numels, p.placements, strict=True)
                           if pl.state_tier == t) for t in Tier}
+    grad_numel = {t: sum(n for n, pl in zip(shape.numels, p.placements, strict=True)
+                         if pl.gradient_tier == t) for t in Tier}
     for tier, classes in by_class.items():
         assert classes.get("master", 0) == 4 * state_numel[tier], tier
         assert classes.get("optim_state", 0) == 8 * state_numel[tier], tier
         if tier != Tier.DEVICE:
-            assert classes.get("grad", 0) == 4 * state_numel[tier], tier
+            assert classes.get("grad", 0) == 4 * grad_numel[tier], tier
     # on the device the gradient class also holds the buffer a streamed segment's backward
     # writes into before it lands on its tier: one at a time (untied presets), the largest
     streamed = [n for n, pl in zip(shape.numels, p.placements, strict=True)
