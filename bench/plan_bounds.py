@@ -1,25 +1,26 @@
 #!/usr/bin/env python3
-"""Why the design point's plan is not compute-bound: the planner under oracles (issue J).
+"""How far the design point's plan is from compute-bound, and what binds (issue J).
 
-The plan for 7B on a 24 GB card with 64 GiB of RAM predicts a step about 2x its compute lower
-bound. This bench replans the same commands with one constraint of the time model lifted at a
-time, so the table says which constraint costs what:
+Replans the design point (`tierlm plan --model-size 7b --hardware rtx4090 --host-memory 64GiB
+--disk-budget 200GiB --batch-size 4 --seq-len 2048 --grad-accum-steps 8`, fp8 and bf16, and 13B
+with 128 GiB / 400 GiB) and prints, per case, the predicted step over its compute lower bound:
 
-- `as planned`: the planner as it is.
-- `free disk`: disk reads and writes cost nothing (disk rates x 1000). What remains is compute,
-  PCIe and the CPU update.
-- `update overlaps whole step`: the optimizer update of step i may run behind all of step i+1
-  (its forward and backward), not only behind its forward; one disk still serves both, so the
-  step is at least the sweep's and the update's disk time together. Exact clipped AdamW cannot
-  do this: step i+1's forward of segment s needs segment s's updated weights, and the update
-  cannot start before step i's backward has produced the global gradient norm. This row is
-  the bound for any schedule that keeps exact clipping but moves the disk traffic freely
-  through the step.
-- `+ gradients off disk`: as the previous row, and disk-tier gradients never touch the disk
-  (they would wait in the host RAM the boundary activations free during the backward).
-- `disk floor`: the fewest disk seconds any exact plan needs with this RAM: master and both
-  moments of every disk-resident segment read once and written once per step. A step is at
-  least max(compute, disk floor).
+- `without the disk options`: the planner with neither disk-tier gradients held in host RAM nor
+  the update's read-ahead (the same time model otherwise: the plan the engine could run before
+  they existed).
+- `as planned`: the planner as it is, with what it chose: the micro-batch order, how many
+  disk-tier segments hold their gradient on the host, how much master and slot state the
+  backward reads ahead.
+- `free disk`: disk rates x 1000; what remains is compute, PCIe and the CPU update.
+- `one disk`: the plan's disk seconds (sweep and update share the drive) over the compute: a
+  step is never shorter than that.
+- `update / window`: the update's seconds (CPU, and the disk work left to it: reads not done
+  ahead, the write-back) against the window it hides behind, the first micro-batch group's
+  forward of the next step (every segment's forward waits for its update).
+- bytes per link moved by the plan beside the least that plan could move: the refresh of every
+  off-device segment's compute copy and the parked boundary inputs H2D; each gradient once
+  (4 B per off-device parameter) and the parked inputs D2H; master and moments of the
+  disk-tier segments read once, and written once with their compute copy.
 
     python bench/plan_bounds.py
 """
@@ -31,47 +32,44 @@ from collections.abc import Iterator
 
 from tierlm.memory import planner
 from tierlm.memory.hardware import resolve
-from tierlm.memory.planner import ModelShape, TrainShape, plan
-from tierlm.memory.tiers import Link, Tier
+from tierlm.memory.planner import ModelShape, TrainShape, parked_bytes, plan
+from tierlm.memory.tiers import Tier
 from tierlm.models import preset_config
 
 GiB = 2**30
 
 CASES = [  # (model, precision, host memory)
-    ("7b", "fp8", 64), ("7b", "bf16", 64), ("7b", "fp8", 96), ("7b", "fp8", 128),
-    ("13b", "fp8", 64), ("13b", "fp8", 128), ("13b", "bf16", 128),
+    ("7b", "fp8", 64), ("7b", "bf16", 64), ("7b", "fp8", 96),
+    ("13b", "fp8", 128), ("13b", "bf16", 128),
 ]
 
 
 @contextlib.contextmanager
-def whole_step_update(grads_off_disk: bool) -> Iterator[None]:
-    original = planner._times
-
-    def times(shape, train, hw, placements, keep, moved):
-        t = dict(original(shape, train, hw, placements, keep, moved))
-        disk_params = sum(n for n, p in zip(shape.numels, placements, strict=True)
-                          if p.state_tier == Tier.DISK)
-        if grads_off_disk:
-            # the update's gradient read and every sweep gradient write disappear
-            grad_read = 4 * disk_params / hw.disk_read_Bps
-            sweep_writes = moved.get(Link.DISK_WRITE.value, 0) - 12 * disk_params
-            t["update_disk"] -= grad_read
-            t["update"] -= grad_read
-            t["sweep_disk"] -= max(0, sweep_writes) / hw.disk_write_Bps
-            t["disk"] = t["sweep_disk"] + t["update_disk"]
-        sweep = (t["compute"] + t["h2d"] + t["d2h"] + t["sweep_disk"] if hw.device_is_cpu
-                 else max(t["compute"], t["h2d"], t["d2h"], t["sweep_disk"]))
-        # hidden behind the whole step, but one disk serves the sweep and the update
-        step = max(sweep, t["update"], t["sweep_disk"] + t["update_disk"])
-        t["update_stall"] = step - sweep
-        t["step"] = step
-        return t
-
-    planner._times = times
+def without_disk_options() -> Iterator[None]:
+    original = planner._disk_options
+    planner._disk_options = lambda shape, train, hw, candidate, budgets: candidate
     try:
         yield
     finally:
-        planner._times = original
+        planner._disk_options = original
+
+
+def least_moved(p: planner.Plan, shape: ModelShape, train: TrainShape) -> dict[str, int]:
+    parked = parked_bytes(shape, train, p.order, p.boundary_on_host) * (
+        1 if p.order == "layer-outer" else train.micro_batches)
+    off = [s for s, pl in enumerate(p.placements) if pl.state_tier != Tier.DEVICE]
+    disk = [s for s, pl in enumerate(p.placements) if pl.state_tier == Tier.DISK]
+
+    def copy_bytes(s: int) -> int:
+        return shape.wire_bytes(s, train.precision) or 4 * shape.numels[s]
+
+    return {
+        "h2d": sum(copy_bytes(s) for s in off) + parked,
+        "d2h": 4 * sum(shape.numels[s] for s in off) + parked,
+        "disk_read": sum(shape.update_state_bytes(s) for s in disk),
+        "disk_write": sum(shape.update_state_bytes(s) + (shape.wire_bytes(s, train.precision)
+                                                         or 0) for s in disk),
+    }
 
 
 def row(model: str, precision: str, host: int) -> list[str]:
@@ -81,32 +79,37 @@ def row(model: str, precision: str, host: int) -> list[str]:
     hw = resolve("rtx4090", host_memory_bytes=host * GiB, disk_budget_bytes=disk * GiB)
     fast = hw.with_overrides(disk_read_Bps=hw.disk_read_Bps * 1000,
                              disk_write_Bps=hw.disk_write_Bps * 1000)
-    base = plan(shape, train, hw)
-    cells = [f"{model} {precision} {host} GiB", f"{base.times_s['compute']:.1f}",
-             f"{base.step_s:.1f}", f"{base.step_over_bound:.2f}"]
+    with without_disk_options():
+        before = plan(shape, train, hw)
+    now = plan(shape, train, hw)
     free = plan(shape, train, fast)
-    cells.append(f"{free.step_over_bound:.2f}")
-    with whole_step_update(grads_off_disk=False):
-        cells.append(f"{plan(shape, train, hw).step_over_bound:.2f}")
-    with whole_step_update(grads_off_disk=True):
-        cells.append(f"{plan(shape, train, hw).step_over_bound:.2f}")
-    disk_state = sum(base.disk_by_class.get(c, 0) for c in ("master", "optim_state"))
-    floor = disk_state / hw.disk_read_Bps + disk_state / hw.disk_write_Bps
-    cells.append(f"{gib(disk_state)} / {floor:.1f} s = {floor / base.times_s['compute']:.2f}x")
-    return cells
-
-
-def gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
+    t = now.times_s
+    disk_segs = [pl for pl in now.placements if pl.state_tier == Tier.DISK]
+    ahead = sum(shape.update_state_bytes(s) for s in now.readahead_segments)
+    least = least_moved(now, shape, train)
+    return [
+        f"{model} {precision} {host} GiB", f"{t['compute']:.1f}",
+        f"{before.step_over_bound:.2f}",
+        f"{now.step_s:.1f} s = {now.step_over_bound:.2f}",
+        f"{now.order}; {sum(pl.host_grad for pl in disk_segs)}/{len(disk_segs)}; "
+        f"{ahead / GiB:.1f} GiB",
+        f"{free.step_over_bound:.2f}",
+        f"{t['disk']:.1f} s = {t['disk'] / t['compute']:.2f}",
+        f"{t['update']:.1f} s ({t['cpu_update']:.1f} + {t['update_disk']:.1f}) / "
+        f"{t['update_window']:.1f} s",
+        " / ".join(f"{now.moved_bytes.get(k, 0) / GiB:.0f} ({least[k] / GiB:.0f})"
+                   for k in ("h2d", "d2h", "disk_read", "disk_write")),
+    ]
 
 
 def main() -> None:
-    print("rtx4090 profile (planner constants unchanged), 8 x 4 x 2048 tokens per step; "
-          "columns after 'as planned' are predicted step / compute lower bound")
+    print("rtx4090 profile (planner constants unchanged), 8 x 4 x 2048 tokens per step; ratios "
+          "are predicted step / compute lower bound")
     print()
-    head = ["case", "compute s", "planned step s", "as planned", "free disk",
-            "update overlaps whole step", "+ gradients off disk",
-            "disk state (master+moments) / disk floor"]
+    head = ["case", "compute s", "without the disk options", "as planned",
+            "order; disk segments with host gradients; read ahead", "free disk", "one disk",
+            "update (CPU + disk) / window",
+            "GiB moved H2D / D2H / disk read / disk write (least for that plan)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for case in CASES:

@@ -4,7 +4,9 @@
 Rows: everything resident on the device (`--offload-policy none` through the runtime), every
 block streamed from host RAM (embed and head resident), everything streamed, and every segment's
 state on disk in both micro-batch orders, layer-outer with its boundary activations parked in
-host RAM (`--boundary-activations host`); the other rows run `--order`. Steps of the
+host RAM (`--boundary-activations host`), and the same two with the planner's disk-tier options
+(issue J): gradients held in host RAM (no gradient file), and the update's master and slots
+read ahead during the backward; the other rows run `--order`. Steps of the
 reference and the runtime are interleaved so machine noise hits both alike; the table reports
 median step times and the ratio runtime/reference in tokens/s.
 
@@ -22,11 +24,17 @@ import time
 import torch
 
 from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
+from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime.readahead import ReadAhead
 from tierlm.train.reference import ReferenceStep
 
+FULL = ActivationConfig(policy="full")
+HOST_GRADS = SegmentPlacement(False, Tier.DISK, Tier.HOST)  # times the segment count
+AHEAD = ReadAhead(extra_bytes=2**40)  # every disk-tier segment read ahead
 ROWS = [
     ("all resident", dict(policy="none")),
     ("blocks streamed from host", dict(policy="host", resident="embed|head")),
@@ -36,6 +44,15 @@ ROWS = [
     ("state on disk, layer-outer, boundaries on host",
      dict(policy="disk", microbatch_order="layer-outer", boundary_tier=Tier.HOST,
           activations=ActivationConfig(policy="full"))),
+    ("state on disk, microbatch-outer, gradients on host",
+     dict(policy="disk", microbatch_order="microbatch-outer", placements=HOST_GRADS,
+          activations=FULL)),
+    ("state on disk, microbatch-outer, read-ahead",
+     dict(policy="disk", microbatch_order="microbatch-outer", readahead=AHEAD,
+          activations=FULL)),
+    ("state on disk, layer-outer, boundaries on host, gradients on host + read-ahead",
+     dict(policy="disk", microbatch_order="layer-outer", boundary_tier=Tier.HOST,
+          placements=HOST_GRADS, readahead=AHEAD, activations=FULL)),
 ]
 
 
@@ -75,8 +92,11 @@ def main() -> None:
     ref_model = copy.deepcopy(base).to(device)
     ref = ReferenceStep(ref_model, optim, grad_clip=1.0, device=device)
     rows = []
+    n_segs = len(ModelAdapter(base).segments)
     with tempfile.TemporaryDirectory() as off:
         for label, kw in ROWS:
+            if "placements" in kw:
+                kw = {**kw, "placements": [kw["placements"]] * n_segs}
             eng = Engine(
                 copy.deepcopy(base), optim,
                 EngineOptions(offload_dir=off, batch_size=args.batch_size, seq_len=args.seq_len,

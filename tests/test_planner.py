@@ -14,6 +14,7 @@ from tierlm.memory.planner import ModelShape, TrainShape, evaluate, plan, usable
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
 from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime.readahead import ReadAhead
 
 
 @pytest.mark.parametrize(
@@ -34,17 +35,20 @@ def test_big_model_plans_fit_their_budgets(size, hw, host_gib, batch, seq, accum
     b = usable_budgets(profile)
     assert p.device_total_bytes <= b["device"] <= profile.gpu_memory_bytes
     assert p.host_peak_bytes <= b["host"] and p.disk_bytes <= b["disk"]
-    # full-parameter AdamW: every parameter's master (4 B), fp32 gradient (4 B) and two moments
-    # (8 B) live on the tier that holds its segment's state, and nowhere else
+    # full-parameter AdamW: every parameter's master (4 B) and two moments (8 B) live on the
+    # tier that holds its segment's state, its fp32 gradient (4 B) on its placement's gradient
+    # tier (the state's, or host RAM for disk state), and nowhere else
     by_class = {Tier.DEVICE: p.device_by_class, Tier.HOST: p.host_by_class,
                 Tier.DISK: p.disk_by_class}
     state_numel = {t: sum(n for n, pl in zip(shape.numels, p.placements, strict=True)
                           if pl.state_tier == t) for t in Tier}
+    grad_numel = {t: sum(n for n, pl in zip(shape.numels, p.placements, strict=True)
+                         if pl.gradient_tier == t) for t in Tier}
     for tier, classes in by_class.items():
         assert classes.get("master", 0) == 4 * state_numel[tier], tier
         assert classes.get("optim_state", 0) == 8 * state_numel[tier], tier
         if tier != Tier.DEVICE:
-            assert classes.get("grad", 0) == 4 * state_numel[tier], tier
+            assert classes.get("grad", 0) == 4 * grad_numel[tier], tier
     # on the device the gradient class also holds the buffer a streamed segment's backward
     # writes into before it lands on its tier: one at a time (untied presets), the largest
     streamed = [n for n, pl in zip(shape.numels, p.placements, strict=True)
@@ -95,7 +99,17 @@ def _untied(size: str, seq: int):
     return build_model(preset_config(size, max_seq_len=seq), device="cpu", seed=0)
 
 
-# (name, model factory, seq, micro-batches, order, placement spec, keep resident graphs)
+def _ahead_after_a_backward(shape, hidden_bytes: int) -> ReadAhead:
+    """A read-ahead whose budget beyond what the backward frees misses the first disk-tier
+    segment's master and slots by two parked boundary inputs: its read starts only once the
+    backward has brought back a block's inputs (two micro-batches); the later segments do not
+    fit and update the usual way."""
+    first = len(shape.names) // 2  # "disk-late": the first segment on disk
+    return ReadAhead(extra_bytes=shape.update_state_bytes(first) - 2 * hidden_bytes)
+
+
+# (name, model factory, seq, micro-batches, order, placement spec, keep resident graphs[,
+# boundary inputs on the host, read-ahead (shape, one boundary input's bytes) -> ReadAhead])
 CASES = [
     ("tiny host mb-outer", lambda: _untied("tiny", 64), 64, 2, "microbatch-outer", "host", True),
     ("tiny disk layer-outer", lambda: _untied("tiny", 32), 32, 3, "layer-outer", "disk", True),
@@ -105,6 +119,12 @@ CASES = [
      False),
     ("small disk mixed", lambda: _untied("small", 32), 32, 2, "layer-outer", "disk-late", True),
     ("125m host", lambda: _untied("125m", 32), 32, 1, "microbatch-outer", "resident-eh", True),
+    ("tiny disk host grads", lambda: _untied("tiny", 32), 32, 3, "microbatch-outer",
+     "disk-host-grads", True),
+    ("small read-ahead parked", lambda: _untied("small", 32), 32, 2, "layer-outer",
+     "disk-late-host-grads", False, True, _ahead_after_a_backward),
+    ("gpt2 tied read-ahead", lambda: tiny_model("gpt2", layers=3), 16, 2, "microbatch-outer",
+     "disk", True, False, lambda shape, hidden: ReadAhead(extra_bytes=2**30)),
 ]
 
 
@@ -120,26 +140,36 @@ def _placements(spec: str, names: list[str]) -> list[SegmentPlacement]:
         return ([SegmentPlacement(True, Tier.DEVICE)]
                 + [SegmentPlacement(False, Tier.DISK)] * (n - 2)
                 + [SegmentPlacement(True, Tier.HOST)])
-    if spec == "disk-late":  # the last half of the blocks on disk, the rest on host
-        return [SegmentPlacement(False, Tier.DISK if i >= n // 2 else Tier.HOST)
-                for i in range(n)]
+    if spec.startswith("disk-late"):  # the last half of the blocks on disk, the rest on host
+        grads = Tier.HOST if spec.endswith("host-grads") else None
+        return [SegmentPlacement(False, Tier.DISK, grads) if i >= n // 2
+                else SegmentPlacement(False, Tier.HOST) for i in range(n)]
+    if spec == "disk-host-grads":
+        return [SegmentPlacement(False, Tier.DISK, Tier.HOST)] * n
     raise ValueError(spec)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_predicted_peaks_match_the_ledger(case, tmp_path):
-    name, factory, seq, m, order, spec, keep = case
+    name, factory, seq, m, order, spec, keep, *more = case
+    boundary_host, ahead = (*more, None) if len(more) == 1 else (more or (False, None))
     model = factory()
     shape = ModelShape.from_config(copy.deepcopy(model.config))
     placements = _placements(spec, shape.names)
     batch = 2
+    hidden_bytes = batch * seq * shape.hidden_size * 4
+    readahead = ahead(shape, hidden_bytes) if ahead else None
     train = TrainShape(batch, seq, m, "fp32")
-    predicted = evaluate(shape, train, HW, placements, order, keep, usable_budgets(HW))
+    predicted = evaluate(shape, train, HW, placements, order, keep, usable_budgets(HW),
+                         boundary_host, readahead=readahead)
+    assert bool(predicted.readahead_segments) == (readahead is not None)
     eng = Engine(
         model, OPTIM,
         EngineOptions(policy="auto", placements=placements, microbatch_order=order,
                       keep_resident_activations=keep, offload_dir=str(tmp_path),
-                      batch_size=batch, seq_len=seq, micro_batches=m),
+                      batch_size=batch, seq_len=seq, micro_batches=m,
+                      boundary_tier=Tier.HOST if boundary_host else Tier.DEVICE,
+                      readahead=readahead),
         device=CPU,
     )
     g = torch.Generator().manual_seed(0)
@@ -160,15 +190,23 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
     for step in moved[1:]:
         assert {k: v for k, v in step.items() if v} == {
             k: v for k, v in predicted.moved_bytes.items() if v}
+    # each disk-tier segment's master and moments written once by the update, and its
+    # gradient file (none where the gradient is held on the host)
+    disk_writes = sum((12 if pl.host_grad else 16) * n
+                      for n, pl in zip(shape.numels, placements, strict=True)
+                      if pl.state_tier == Tier.DISK)
     if order == "layer-outer":  # and the least a step can move: each gradient crosses once
         off_device = sum(n for n, pl in zip(shape.numels, placements, strict=True)
                          if pl.state_tier != Tier.DEVICE)
-        on_disk = sum(n for n, pl in zip(shape.numels, placements, strict=True)
-                      if pl.state_tier == Tier.DISK)
+        parked = m * (len(shape.names) - 2) * hidden_bytes if boundary_host else 0
         for step in moved[1:]:
-            assert step["d2h"] == 4 * off_device
+            assert step["d2h"] == 4 * off_device + parked
             # the gradient file written once, master and moments once by the update
-            assert step.get("disk_write", 0) == 16 * on_disk
+            assert step.get("disk_write", 0) == disk_writes
+    if all(pl.host_grad for pl in placements if pl.state_tier == Tier.DISK):
+        assert not any(tmp_path.rglob("grad.bin"))  # no gradient byte touches the disk
+        for step in moved[1:]:
+            assert step.get("disk_write", 0) == disk_writes
     assert measured[Tier.DEVICE] == predicted.device_peak_bytes
     assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
     disk_numels = [n for n, pl in zip(shape.numels, placements, strict=True)
@@ -178,11 +216,16 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
         return
     # With state on disk the host peak is staging, and its worst case is a race the prediction
     # bounds: the next step's forward reads segment a from disk while the update worker stages
-    # segment b (master, gradient, both moments). They overlap or not by thread timing, so the
-    # measured peak lies between the persistent host bytes plus the staging that is certain
-    # (the sweep's, or one update of the largest disk segment) and the predicted worst pair.
-    persistent = sum(v for c, v in predicted.host_by_class.items() if c != "staging")
-    certain = persistent + max(predicted.host_by_class.get("staging", 0), 16 * max(disk_numels))
+    # segment b (master, both moments, the gradient unless it is held on the host; read ahead
+    # or not). They overlap or not by thread timing, so the measured peak lies between the
+    # persistent host bytes plus the staging that is certain (the sweep's, the read-ahead's
+    # included, or one update of the largest disk segment) and the predicted worst pair.
+    persistent = sum(v for c, v in predicted.host_by_class.items()
+                     if c not in ("staging", "activation"))
+    one_update = max((12 if pl.host_grad else 16) * n
+                     for n, pl in zip(shape.numels, placements, strict=True)
+                     if pl.state_tier == Tier.DISK)
+    certain = persistent + max(predicted.host_by_class.get("staging", 0), one_update)
     assert certain <= measured[Tier.HOST] <= predicted.host_peak_bytes
 
 

@@ -14,10 +14,11 @@ from runtime_helpers import (
 )
 
 from tierlm.memory import PlacementError, Tier
-from tierlm.memory.placement import COMPUTE_B, place
+from tierlm.memory.placement import COMPUTE_B, SegmentPlacement, place
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime.readahead import ReadAhead
 
 CPU = torch.device("cpu")
 STEPS, B, T = 5, 2, 16
@@ -242,3 +243,52 @@ def test_sampling_logits_stream_the_segments(policy, tmp_path):
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert all(p.numel() == 0 for p in eng.adapter.model.parameters())  # nothing materialised
     eng.close()
+
+
+@pytest.mark.parametrize(("m", "clip"), [(1, 0.0), (4, 0.05)], ids=["m1-noclip", "m4-clip"])
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+@pytest.mark.parametrize("mode", ["host-grads", "readahead", "both"])
+def test_disk_tier_options_match_reference(references, mode, order, m, clip, tmp_path):
+    """Disk-tier state with its gradient held in host RAM, with the update's master and slots
+    read ahead during the backward (a budget covering the embedding and the first block, so
+    the later segments update the usual way), and both: the reference's losses and weights,
+    no gradient file where the gradient is held on the host, and the read-ahead's reads of the
+    slot files issued in the sweep, none by the update of a segment read ahead."""
+    base, steps, lrs, ref_recs, ref_weights = references[("llama_tied_gqa", m, clip)]
+    model = copy.deepcopy(base)
+    numels = segment_numels(model)
+    grad_tier = None if mode == "readahead" else Tier.HOST
+    placements = [SegmentPlacement(False, Tier.DISK, grad_tier)] * len(numels)
+    first_two = 12 * sum(list(numels.values())[:2])  # master + both moments
+    readahead = None if mode == "host-grads" else ReadAhead(extra_bytes=first_two)
+    eng = make_engine(model, tmp_path, policy="disk", placements=placements,
+                      microbatch_order=order, grad_clip=clip, micro_batches=m,
+                      readahead=readahead)
+    phase, slot_reads = ["sweep"], []
+    read_file, finish_step = eng.store.read_file, eng._finish_step
+
+    def spy_read(name, dst, offset=0):
+        if name.endswith("exp_avg.bin"):
+            slot_reads.append((phase[0], name.split("/")[0]))
+        return read_file(name, dst, offset)
+
+    def spy_finish(lr):
+        phase[0] = "update"
+        return finish_step(lr)
+
+    eng.store.read_file, eng._finish_step = spy_read, spy_finish
+    recs = []
+    for b, lr in zip(steps, lrs, strict=True):
+        phase[0] = "sweep"
+        recs.append(eng.step(b, lr))
+        eng.synchronize()  # the update's reads are the update's, not the next sweep's
+    weights = eng.weights()
+    offload = tmp_path / "offload"
+    eng.close()
+    assert_close_run(
+        [r["loss"] for r in recs], [r["loss"] for r in ref_recs], weights, ref_weights
+    )
+    assert any(offload.rglob("grad.bin")) == (grad_tier is None)
+    ahead = {"embed", "block.0"} if readahead else set()
+    assert {s for p, s in slot_reads if p == "sweep"} == ahead
+    assert {s for p, s in slot_reads if p == "update"} == set(numels) - ahead

@@ -53,6 +53,27 @@ class PlacementError(ValueError):
 class SegmentPlacement:
     resident: bool  # compute weights stay on the device between uses
     state_tier: Tier  # master weights, gradient and optimizer state
+    grad_tier: Tier | None = None
+    """Where the gradient accumulates between the backward and the update; None: with the
+    state. Only disk-tier state may hold its gradient on the host (no gradient byte then
+    touches the disk: the update reads master and slots from disk, the gradient from RAM)."""
+
+    def __post_init__(self) -> None:
+        if self.grad_tier not in (None, self.state_tier) and not (
+                self.state_tier == Tier.DISK and self.grad_tier == Tier.HOST):
+            raise ValueError(f"a segment with {self.state_tier.value}-tier state cannot hold its "
+                             f"gradient on the {self.grad_tier.value} tier (only disk state "
+                             "may keep its gradient on the host)")
+
+    @property
+    def gradient_tier(self) -> Tier:
+        """The tier the gradient lives on (the state's unless `grad_tier` says otherwise)."""
+        return self.grad_tier or self.state_tier
+
+    @property
+    def host_grad(self) -> bool:
+        """Disk-tier state whose gradient waits in host RAM."""
+        return self.state_tier == Tier.DISK and self.gradient_tier == Tier.HOST
 
 
 def gib(nbytes: float) -> str:
@@ -121,7 +142,10 @@ def _account(
             host += b + own_copy
             device += c if p.resident else 0
         else:
-            disk += b + own_copy  # the gradient has a file too
+            grad = 0 if frozen else GRAD_B * n
+            if p.host_grad:  # the gradient waits in RAM, not in a file
+                host, disk = host + grad, disk - grad
+            disk += b + own_copy  # the gradient has a file too, unless held on the host
             device += c if p.resident else 0
     device += _stream_bytes(numels, compute, placements, frozen)
     on_disk = [(n, c, b) for n, c, b, p in zip(numels, compute, state, placements, strict=True)

@@ -23,7 +23,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from tierlm.memory.placement import (
     update_staging_bytes,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
+
+if TYPE_CHECKING:
+    from tierlm.runtime.readahead import ReadAhead
 
 SAFETY_MARGIN = 0.10  # of each budget, left free for fragmentation, the CUDA context, kernels
 GPU_RESERVE_BYTES = 1 * GiB  # CUDA context + cuBLAS/cuDNN workspaces, outside the margin
@@ -97,24 +100,39 @@ class ModelShape:
             return 0 if self.nf4(s) is not None else MASTER_B * self.numels[s]
         return (MASTER_B + GRAD_B) * self.numels[s] + self.optim_state_bytes[s]
 
-    def update_disk_bytes(self, s: int, compute_copy: int | None) -> tuple[int, int]:
+    def update_state_bytes(self, s: int) -> int:
+        """Segment `s`'s master and optimizer slots: what its update rewrites (and what the
+        read-ahead reads)."""
+        return MASTER_B * self.numels[s] + (0 if self.frozen else self.optim_state_bytes[s])
+
+    def update_disk_bytes(self, s: int, compute_copy: int | None, *, host_grad: bool = False,
+                          read_ahead: bool = False) -> tuple[int, int]:
         """Disk bytes (read, written) by one update of segment `s` on the disk tier: master,
-        gradient and slots read; master and slots written back, and its compute copy."""
+        gradient and slots read (not the gradient where it waits on the host, not master and
+        slots where the read-ahead brought them during the backward); master and slots written
+        back, and its compute copy."""
         if self.frozen:
             return 0, 0
-        written = MASTER_B * self.numels[s] + self.optim_state_bytes[s] + (compute_copy or 0)
-        return self.state_bytes(s), written
+        written = self.update_state_bytes(s) + (compute_copy or 0)
+        read = (0 if read_ahead else self.update_state_bytes(s)) + (
+            0 if host_grad else GRAD_B * self.numels[s])
+        return read, written
 
     def update_staging(self, s: int, compute_copy: int | None,
-                       chunk_numel: int = STAGING_CHUNK_NUMEL) -> int:
-        """Host staging of segment `s`'s disk-tier update: in chunks, or whole where it has a
-        compute copy to encode (fp8 scales need whole tensors) or the optimizer needs it."""
+                       chunk_numel: int = STAGING_CHUNK_NUMEL, *, host_grad: bool = False,
+                       read_ahead: bool = False) -> int:
+        """Host staging of segment `s`'s disk-tier update beyond what is already in RAM (a
+        gradient held on the host; master and slots read ahead): in chunks, or whole where it
+        has a compute copy to encode (fp8 scales need whole tensors) or the optimizer needs
+        it."""
         if self.frozen:
             return 0
+        staged = self.state_bytes(s) - (GRAD_B * self.numels[s] if host_grad else 0) - (
+            self.update_state_bytes(s) if read_ahead else 0)
         if compute_copy is not None:
-            return self.state_bytes(s) + compute_copy
-        return update_staging_bytes(self.numels[s], self.state_bytes(s),
-                                    whole=self.optim_whole, chunk_numel=chunk_numel)
+            return staged + compute_copy
+        return update_staging_bytes(self.numels[s], staged, whole=self.optim_whole,
+                                    chunk_numel=chunk_numel)
 
     def nf4(self, s: int) -> int | None:
         """Segment `s`'s NF4 bytes under --finetune qlora (None: fp32)."""
@@ -304,6 +322,9 @@ class Plan:
     names: list[str] = field(default_factory=list)
     numels: list[int] = field(default_factory=list)
     boundary_on_host: bool = False  # boundary activations wait in host RAM for the backward
+    # the update's master and slots of disk-tier segments read during the backward (None: off)
+    readahead: ReadAhead | None = None
+    readahead_segments: list[int] = field(default_factory=list)  # which ones, in update order
 
     @property
     def device_total_bytes(self) -> int:
@@ -330,7 +351,8 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["placements"] = [
-            {"segment": n, "resident": p.resident, "state_tier": p.state_tier.value}
+            {"segment": n, "resident": p.resident, "state_tier": p.state_tier.value,
+             "grad_tier": p.gradient_tier.value}
             for n, p in zip(self.names, self.placements, strict=True)
         ]
         d.pop("names")
@@ -378,13 +400,50 @@ def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int |
 
 
 def _disk_update_bytes(
-    shape: ModelShape, copies: list[int | None], placements
+    shape: ModelShape, copies: list[int | None], placements,
+    read_ahead: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
     """Disk bytes (read, written) by one step's updates of disk-tier segments: master, grad
-    and slots read; master and slots written, and the compute copy re-encoded."""
-    moved = [shape.update_disk_bytes(s, c) for s, (c, p) in enumerate(
-        zip(copies, placements, strict=True)) if p.state_tier == Tier.DISK]
+    and slots read (less a gradient held on the host, less what `read_ahead` segments read
+    during the backward); master and slots written, and the compute copy re-encoded."""
+    moved = [shape.update_disk_bytes(s, c, host_grad=p.host_grad, read_ahead=s in read_ahead)
+             for s, (c, p) in enumerate(zip(copies, placements, strict=True))
+             if p.state_tier == Tier.DISK]
     return sum(r for r, _ in moved), sum(w for _, w in moved)
+
+
+def readahead_schedule(
+    shape: ModelShape, train: TrainShape, placements: list[SegmentPlacement], order: str,
+    boundary_host: bool, readahead: ReadAhead | None, actions: list | None = None,
+) -> dict[int, list[int]]:
+    """Action index -> disk-tier segments whose update state is read after it: the engine's
+    rule (tierlm.runtime.readahead) on this plan's schedule and sizes."""
+    from tierlm.runtime.readahead import readahead_starts
+
+    if readahead is None or shape.frozen:
+        return {}
+    sizes = [(s, shape.update_state_bytes(s)) for s, p in enumerate(placements)
+             if p.state_tier == Tier.DISK]
+    hidden = train.batch_size * train.seq_len * shape.hidden_size * 4
+    return readahead_starts(actions if actions is not None else _actions(shape, train, order),
+                            sizes, readahead.extra_bytes,
+                            parked_input_bytes=hidden if boundary_host else 0)
+
+
+def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
+    """The engine's schedule of one step (Engine.schedule) for this shape."""
+    from tierlm.runtime.engine import Action
+
+    last = len(shape.names) - 1
+    m = train.micro_batches
+    groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
+    actions = []
+    for mbs in groups:
+        actions += [Action("fwd", s, mbs) for s in range(last)]
+        actions.append(Action("head", last, mbs))
+        # a frozen embedding has no backward (Engine._runs_backward)
+        actions += [Action("bwd", s, mbs) for s in reversed(range(last)) if s or not shape.frozen]
+    return actions
 
 
 def _simulate(
@@ -398,15 +457,17 @@ def _simulate(
     ledger: Ledger | None = None,
     on_action: Callable[[int, str, Any], None] = lambda k, phase, action: None,
     chunk_numel: int = STAGING_CHUNK_NUMEL,
+    readahead: ReadAhead | None = None,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
     activation workspace outside it, and the host staging held by a concurrent update.
     `on_action(k, phase, action)` marks where the replay is (phase "run": action k's waits,
     compute and gradient landing; "prefetch": the loads it starts for action k+1; "update":
     after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
-    Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy."""
+    Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy;
+    `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
+    backward actions the engine issues them after."""
     from tierlm.runtime.cache import StreamCache
-    from tierlm.runtime.engine import Action
 
     ledger = Ledger() if ledger is None else ledger
     store = _CountingStore(ledger)
@@ -437,7 +498,7 @@ def _simulate(
         ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
         if not frozen:
             ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
-            ledger.allocate(tier, TensorClass.GRAD, GRAD_B * numels[s])
+            ledger.allocate(placements[s].gradient_tier, TensorClass.GRAD, GRAD_B * numels[s])
 
     if frozen:  # the adapters, their gradient and optimizer state, on the device throughout
         ledger.allocate(Tier.DEVICE, TensorClass.MASTER, MASTER_B * shape.trained_numel)
@@ -479,16 +540,12 @@ def _simulate(
     streamed = {i: h2d[i] for i in range(n_segs) if not placements[i].resident}
     top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
     cache = StreamCache(store, streamed.__getitem__, sum(top), Load)  # type: ignore[arg-type]
-    groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
-    actions = []
-    for mbs in groups:
-        actions += [Action("fwd", s, mbs) for s in range(last)]
-        actions.append(Action("head", last, mbs))
-        # a frozen embedding has no backward (Engine._runs_backward)
-        actions += [Action("bwd", s, mbs) for s in reversed(range(last)) if s or not frozen]
+    actions = _actions(shape, train, order)
+    ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
+    ahead_held: list[_Bytes] = []
     keep = [p.resident and keep_resident for p in placements]
 
-    def needs(a: Action) -> list[int]:
+    def needs(a) -> list[int]:  # a: tierlm.runtime.engine.Action
         segs = [a.seg] + ([0] if a.kind == "head" and tied else [])
         if a.kind == "bwd" and keep[a.seg]:
             segs = []
@@ -525,7 +582,8 @@ def _simulate(
         if tier == Tier.DEVICE:
             return
         ledger.record_move(Link.D2H, numels[s] * 4)
-        if tier == Tier.DISK:  # chunk by chunk; the last contribution sums on the device
+        if placements[s].gradient_tier == Tier.DISK:  # chunk by chunk; the last contribution
+            # sums on the device
             st = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
             if grad_written[s]:
                 ledger.record_move(Link.DISK_READ, numels[s] * 4)
@@ -591,15 +649,23 @@ def _simulate(
                 land(s, g, final)
         on_action(k, "prefetch", a)
         cache.prefetch(k + 1)
+        for s in ahead.get(k, ()):  # master and slots, whole, into staging until the update
+            nbytes = shape.update_state_bytes(s)
+            ahead_held.append(store.alloc(Tier.HOST, TensorClass.STAGING, nbytes, torch.uint8))
+            ledger.record_move(Link.DISK_READ, nbytes)
 
     on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and slots, write master and slots
     # back (and their compute copy); staged chunk by chunk, or whole where a compute copy is
     # encoded or the optimizer takes whole segments
-    update_read, update_write = _disk_update_bytes(shape, wire, placements)
+    read_ahead = frozenset(s for segs in ahead.values() for s in segs)
+    update_read, update_write = _disk_update_bytes(shape, wire, placements, read_ahead)
     ledger.record_move(Link.DISK_READ, update_read)
     ledger.record_move(Link.DISK_WRITE, update_write)
-    update_staging = max([shape.update_staging(s, wire[s], chunk_numel)
+    for t in ahead_held:  # written back and freed by the update (`_update_overlap_bytes`)
+        store.free(Tier.HOST, TensorClass.STAGING, t)
+    update_staging = max([shape.update_staging(s, wire[s], chunk_numel,
+                                               host_grad=p.host_grad, read_ahead=s in read_ahead)
                           for s, p in enumerate(placements) if p.state_tier == Tier.DISK],
                          default=0)
 
@@ -625,8 +691,13 @@ def _simulate(
 
 def _times(
     shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements, keep_resident: bool,
-    moved: dict[str, int],
+    moved: dict[str, int], *, read_ahead: frozenset[int] = frozenset(), groups: int = 1,
 ) -> dict[str, float]:
+    """Seconds per step by resource. `read_ahead`: disk-tier segments whose master and slots the
+    last group's backward reads (they count in the sweep's disk, not the update's); `groups`:
+    micro-batch groups per step (M for microbatch-outer, 1 for layer-outer): the update of step
+    i hides behind the first group's forward of step i+1 (every segment's forward waits for its
+    update), and the read-ahead runs during the last group's backward."""
     tokens = train.tokens_per_step
     block_params = sum(shape.numels[1:-1])
     head_params = shape.numels[-1] + shape.tied_numel
@@ -655,7 +726,7 @@ def _times(
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
     update_read, update_write = _disk_update_bytes(
-        shape, _compute_copies(shape, train.precision, placements), placements)
+        shape, _compute_copies(shape, train.precision, placements), placements, read_ahead)
     sweep_disk = (
         (moved.get(Link.DISK_READ.value, 0) - update_read) / hw.disk_read_Bps
         + (moved.get(Link.DISK_WRITE.value, 0) - update_write) / hw.disk_write_Bps
@@ -670,8 +741,15 @@ def _times(
         sweep = compute + h2d + d2h + sweep_disk
     else:
         sweep = max(compute, h2d, d2h, sweep_disk)
-    # the update of step i runs behind the forward of step i+1; what does not fit stalls it
-    stall = max(0.0, update - forward)
+    # the read-ahead starts with the last group's backward; what it has not read by the
+    # sweep's end delays the update
+    readahead = sum(shape.update_state_bytes(s) for s in read_ahead) / hw.disk_read_Bps
+    late = max(0.0, readahead - (compute - forward) / groups)
+    # the update of step i runs behind the first group's forward of step i+1; what does not
+    # fit stalls it
+    stall = max(0.0, late + update - forward / groups)
+    # one disk serves the sweep and the update
+    step = max(sweep + stall, sweep_disk + update_disk)
     return {
         "compute": compute,
         "h2d": h2d,
@@ -681,8 +759,10 @@ def _times(
         "disk": sweep_disk + update_disk,
         "cpu_update": update_cpu,
         "update": update,
-        "update_stall": stall,
-        "step": sweep + stall,
+        "readahead": readahead,
+        "update_window": forward / groups,
+        "update_stall": step - sweep,
+        "step": step,
     }
 
 
@@ -694,7 +774,8 @@ def _bottleneck(t: dict[str, float]) -> str:
     parts = {
         "compute": t["compute"],
         "PCIe (H2D/D2H)": max(t["h2d"], t["d2h"]),
-        "disk": t["sweep_disk"] + share * t["update_disk"],
+        "disk": max(t["sweep_disk"] + share * t["update_disk"],
+                    t["disk"] if t["disk"] >= t["step"] else 0.0),
         "CPU optimizer update": share * t["cpu_update"],
     }
     return max(parts, key=parts.get)  # type: ignore[arg-type]
@@ -710,23 +791,29 @@ def _priority(names: list[str]) -> list[int]:
 
 
 def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
-             chunk_numel: int = STAGING_CHUNK_NUMEL) -> Plan:
+             chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None) -> Plan:
     """Predict memory and time for one given placement (the planner's inner step; also used to
     predict runs whose placement the user chose; `chunk_numel`: the engine's
-    staging_chunk_numel)."""
+    staging_chunk_numel; `readahead`: its update read-ahead)."""
     return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host,
-                     chunk_numel=chunk_numel)
+                     chunk_numel=chunk_numel, readahead=readahead)
 
 
 def _update_overlap_bytes(
     shape: ModelShape, placements: list[SegmentPlacement], copies: list[int | None],
-    chunk_numel: int = STAGING_CHUNK_NUMEL,
+    chunk_numel: int = STAGING_CHUNK_NUMEL, *, read_ahead: frozenset[int] = frozenset(),
+    parked_per_block: int = 0,
 ) -> int:
     """Host staging while the background update overlaps the next forward. Updates run in
     forward order; the forward of segment a waits for a's update, then reads a's weights
     (disk: through staging chunks) while the worker updates the next segment b (disk: chunks of
-    master, gradient and the optimizer's slots staged). So the peak is the worst such pair."""
+    master, gradient and the optimizer's slots staged). The read-ahead's buffers of b and of
+    every segment after it are still held (each is freed once its update has written it back),
+    and the forward has parked the boundary inputs of the blocks up to a + 1 on the host
+    (`parked_per_block`: one block's, for the micro-batches of the first group). So the peak is
+    the worst such pair."""
     order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
+    last = len(placements) - 1
 
     def read(i: int) -> int:  # the compute file, or the fp32 master in chunks
         if placements[i].state_tier != Tier.DISK:
@@ -737,25 +824,38 @@ def _update_overlap_bytes(
     def update(i: int) -> int:  # master, gradient, slots; the compute copy it encodes
         if placements[i].state_tier != Tier.DISK:
             return 0
-        return shape.update_staging(i, copies[i], chunk_numel)
+        held = sum(shape.update_state_bytes(j) for j in read_ahead if j >= i)
+        return held + shape.update_staging(i, copies[i], chunk_numel,
+                                           host_grad=placements[i].host_grad,
+                                           read_ahead=i in read_ahead)
+
+    def parked(a: int) -> int:  # boundary inputs of blocks 1 .. a + 1
+        return parked_per_block * max(0, min(a + 1, last - 1))
 
     pairs = [update(order[0])] if order else [0]
-    pairs += [read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
+    pairs += [parked(a) + read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
     return max(pairs)
 
 
 def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
-              chunk_numel: int = STAGING_CHUNK_NUMEL) -> Plan:
+              chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None) -> Plan:
     ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
-                                     chunk_numel=chunk_numel)
+                                     chunk_numel=chunk_numel, readahead=readahead)
+    read_ahead = [s for segs in readahead_schedule(
+        shape, train, placements, order, boundary_host, readahead).values() for s in segs]
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
+    first_group = train.micro_batches if order == "layer-outer" else 1
     host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
                     host_persistent + _update_overlap_bytes(
                         shape, placements,
-                        _compute_copies(shape, train.precision, placements), chunk_numel))
+                        _compute_copies(shape, train.precision, placements), chunk_numel,
+                        read_ahead=frozenset(read_ahead),
+                        parked_per_block=parked_bytes(shape, train, order, boundary_host)
+                        // max(1, len(shape.names) - 2)))
     moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
-    times = _times(shape, train, hw, placements, keep, moved)
+    times = _times(shape, train, hw, placements, keep, moved, read_ahead=frozenset(read_ahead),
+                   groups=train.micro_batches // first_group)
 
     def by_class(tier: Tier) -> dict[str, int]:
         return {c.value: ledger.peak_class_bytes[(tier, c)] for c in TensorClass
@@ -770,6 +870,7 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         times_s=times, bottleneck=_bottleneck(times),
         tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
         names=shape.names, numels=shape.numels, boundary_on_host=boundary_host,
+        readahead=readahead, readahead_segments=read_ahead,
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
@@ -847,6 +948,7 @@ def plan(
                 p = _evaluate(shape, train, hw, trial, order, keep, budgets, host)
                 if p.fits and p.step_s <= candidate.step_s * 1.0001:
                     candidate = p
+        candidate = _disk_options(shape, train, hw, candidate, budgets)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
             best = candidate
         if fallback is None or _overshoot(candidate) < _overshoot(fallback):
@@ -856,6 +958,41 @@ def plan(
     assert fallback is not None
     fallback.problems = fallback.problems + _what_would_fit(shape, train, hw, fallback, budgets)
     return fallback
+
+
+READAHEAD_EXTRA_SHARES = (0.0, 0.125, 0.25, 0.5, 1.0)
+
+
+def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
+                  budgets: dict[str, int]) -> Plan:
+    """The candidate with the two disk-tier options tried on its device choices: disk-tier
+    gradients held in host RAM (fewer segments' state fits there), and the update's
+    read-ahead during the backward with a host budget of a share of the disk-tier update
+    state beyond what the backward frees (that share is reserved, so fewer segments' state
+    fits on the host). The fastest that fits, or the candidate."""
+    from tierlm.runtime.readahead import ReadAhead
+
+    if shape.frozen or not any(p.state_tier == Tier.DISK for p in candidate.placements):
+        return candidate
+    order, keep, host = (candidate.order, candidate.keep_resident_activations,
+                         candidate.boundary_on_host)
+    parked = parked_bytes(shape, train, order, host)
+    best = candidate
+    for host_grads in (False, True):
+        placements = _host_then_disk(shape, candidate.placements, budgets, train.precision,
+                                     parked, host_grads)
+        disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(placements)
+                         if p.state_tier == Tier.DISK)
+        for share in (None, *READAHEAD_EXTRA_SHARES):
+            extra = 0 if share is None else int(share * disk_state)
+            trial = placements if not extra else _host_then_disk(
+                shape, candidate.placements, budgets, train.precision, parked + extra,
+                host_grads)
+            ra = None if share is None else ReadAhead(extra_bytes=extra)
+            p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, readahead=ra)
+            if p.fits and p.step_s < best.step_s * 0.9999:
+                best = p
+    return best
 
 
 def _overshoot(p: Plan) -> float:
@@ -875,15 +1012,18 @@ def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool
 
 
 def _host_then_disk(
-    shape: ModelShape, placements, budgets, precision: str = "fp32", parked: int = 0
+    shape: ModelShape, placements, budgets, precision: str = "fp32", parked: int = 0,
+    host_grads: bool = False,
 ) -> list[SegmentPlacement]:
     """Give host RAM to non-device state (and its compute copy, in bf16/fp8) while it fits;
     spill the last blocks first (their update is needed last by the next forward, so disk
-    latency hides best there)."""
+    latency hides best there). `host_grads`: a spilled segment keeps its gradient in host RAM
+    (no gradient byte touches the disk); `parked`: host bytes reserved for other uses."""
     placements = [
         p if p.state_tier == Tier.DEVICE else SegmentPlacement(p.resident, Tier.HOST)
         for p in placements
     ]
+    grad_tier = Tier.HOST if host_grads and not shape.frozen else None
     order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
     order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
     held = [shape.state_bytes(i) + (shape.wire_bytes(i, precision) or 0)
@@ -894,15 +1034,15 @@ def _host_then_disk(
         wire = shape.wire_bytes(i, precision)
         # fp32 state streams through chunks; a compute copy's segment is staged whole
         read = MASTER_B * staging_numel(shape.numels[i]) if wire is None else wire
-        return shape.update_staging(i, wire) + read
+        return shape.update_staging(i, wire, host_grad=grad_tier is not None) + read
 
     spilled = 0
     for i in order:
         if host_state + spilled <= budgets["host"]:
             break
         if placements[i].state_tier == Tier.HOST:
-            placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK)
-            host_state -= held[i]
+            placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK, grad_tier)
+            host_state -= held[i] - (0 if grad_tier is None else GRAD_B * shape.numels[i])
             spilled = max(spilled, staging(i))
     return placements
 
@@ -970,6 +1110,14 @@ def describe(
     lines.append(f"placement: state on device {counts['device']}, host {counts['host']}, disk "
                  f"{counts['disk']} of {len(p.placements)} segments; compute weights resident: "
                  f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
+    host_grads = sum(pl.host_grad for pl in p.placements)
+    if host_grads or p.readahead is not None:
+        ra = ("off" if p.readahead is None else
+              f"{len(p.readahead_segments)} segments' master and slots "
+              f"({gib(sum(shape.update_state_bytes(s) for s in p.readahead_segments))}) read "
+              f"during the backward, up to {gib(p.readahead.extra_bytes)} beyond what it frees")
+        lines.append(f"disk tier: gradients of {host_grads} of {counts['disk']} segments held in "
+                     f"host RAM; update read-ahead: {ra}")
     lines.append(f"activations: resident segments "
                  f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
                  "streamed segments recompute from their boundary input; boundary activations "
@@ -980,7 +1128,8 @@ def describe(
                  f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
                  f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
-                 f"{t['update_disk']:.2f}, runs behind the next forward)")
+                 f"{t['update_disk']:.2f}, runs behind the next step's first forward; one disk "
+                 f"serves sweep and update: {t['disk']:.2f} s)")
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
                  f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
                  f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "

@@ -86,7 +86,7 @@ def predicted_timeline(
             actions.append(a)
 
     _simulate(shape, train, plan.placements, plan.order, plan.keep_resident_activations,
-              plan.boundary_on_host, ledger=log, on_action=at)
+              plan.boundary_on_host, ledger=log, on_action=at, readahead=plan.readahead)
     rate = {Link.H2D: hw.h2d_Bps * COPY_EFFICIENCY, Link.D2H: hw.d2h_Bps * COPY_EFFICIENCY,
             Link.DISK_READ: hw.disk_read_Bps, Link.DISK_WRITE: hw.disk_write_Bps}
     n = len(actions)
@@ -142,8 +142,9 @@ def predicted_timeline(
                                              strict=True)):
         if p.state_tier == Tier.DEVICE:
             continue
-        read, written = shape.update_disk_bytes(s, None)
-        if p.state_tier == Tier.DISK:
+        read, written = shape.update_disk_bytes(s, None, host_grad=p.host_grad,
+                                                read_ahead=s in plan.readahead_segments)
+        if p.state_tier == Tier.DISK and read:  # else: read ahead, or nothing to read
             t = put("disk read", f"state {name}", "disk", t, read / hw.disk_read_Bps,
                     bytes=read)
         t = put("cpu update", f"update {name}", "update", t, numel / hw.cpu_adam_params_per_s,

@@ -11,7 +11,10 @@ starts, the stream cache evicts by next use and prefetches the next action's wei
 After the backward sweep the global gradient norm is known: the step is skipped on a non-finite
 norm, otherwise gradients are clipped and each segment is updated on the tier that holds its
 state. Host and disk updates run on a background worker in forward order, overlapping the next
-step's forward: segment i's forward waits only for segment i's update.
+step's forward: segment i's forward waits only for segment i's update. A disk-tier segment may
+hold its gradient in host RAM (its placement's `grad_tier`), and the last group's backward may
+read its master and slots ahead of the update (`EngineOptions.readahead`,
+tierlm.runtime.readahead), so the update is left the write-back.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ from tierlm.optim.flat import advance
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.clock import compute_clock
+from tierlm.runtime.readahead import ReadAhead, readahead_starts
 from tierlm.runtime.state import (
+    CopiesRead,
     DiskTensor,
     InitialWeights,
     LookupOnce,
@@ -128,11 +133,11 @@ class EngineOptions:
     """Called with the placement before anything is allocated or written (the trainer's
     free-space and host-memory checks refuse an impossible run here)."""
     grad_sync: GradSync = NO_SYNC
-    # the tokens of each row this rank trains on (context parallel: its zig-zag share, and the
-    # ring its attention runs over)
-    sequence_share: WholeSequence | ZigzagShare = WHOLE_SEQUENCE
     """Data parallelism (tierlm.distributed): started on each segment's complete gradient,
     overlapping the rest of the backward, and waited for before the norm is taken."""
+    sequence_share: WholeSequence | ZigzagShare = WHOLE_SEQUENCE
+    """The tokens of each row this rank trains on (context parallel: its zig-zag share, and the
+    ring its attention runs over)."""
     tracer: Tracer | NoTracer = NO_TRACER
     """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
     updates, recorded while the trainer arms it for --monitor.trace_step."""
@@ -142,6 +147,9 @@ class EngineOptions:
     base_format: str = "fp32"
     """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32, or nf4
     (--finetune qlora: tierlm.models.nf4, decoded on the device by each action)."""
+    readahead: ReadAhead | None = None
+    """Read disk-tier segments' master and slots into host staging during the backward, so the
+    update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,7 @@ class Engine(Stepper):
         decoded_bytes = max((4 * lay.numel for lay in layouts
                              if nf4 and self.compute_copies.format_of(lay)), default=0)
         self.host_boundaries = options.boundary_tier == Tier.HOST
+        self.hidden_bytes = hidden_bytes  # one micro-batch's boundary input (fp32)
         self.activation_bytes = (
             self.boundary_activation_bytes(
                 len(segs), hidden_bytes, options.micro_batches, options.microbatch_order,
@@ -349,6 +358,8 @@ class Engine(Stepper):
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
         self._updates: dict[int, Future] = {}
+        # segment -> its master and slots being read ahead of its update (the read-ahead)
+        self._readahead: dict[int, CopiesRead] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
         self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
         # time in forward, backward and on-device updates (also the trace's compute lane)
@@ -448,6 +459,18 @@ class Engine(Stepper):
     def _needs(self, a: Action) -> list[int]:
         """Streamed segments whose device copy action `a` reads."""
         return [s for s in self._reads(a) if not self.states[s].placement.resident]
+
+    def readahead_plan(self, actions: list[Action]) -> dict[int, list[int]]:
+        """Action index -> disk-tier segments whose update state is read after that action
+        (tierlm.runtime.readahead; empty when the read-ahead is off)."""
+        ra = self.opts.readahead
+        if ra is None:
+            return {}
+        sizes = [(st.index, sum(st.slot(c).nbytes(st.layout) for c in st.state_copies))
+                 for st in self.trainable if st.tier == Tier.DISK]
+        return readahead_starts(
+            actions, sizes, ra.extra_bytes,
+            parked_input_bytes=self.hidden_bytes if self.host_boundaries else 0)
 
     # -- weights ----
 
@@ -618,6 +641,7 @@ class Engine(Stepper):
                                        ctx=self.adapter.embed_context(ids, positions),
                                        loss_scale=share.loss_scale(targets)))
             actions = self.schedule(m)
+            readahead = self.readahead_plan(actions)
             if self.compute_copies.enabled:
                 self._size_cache()
             self.cache.begin(self.stream_plan(m))
@@ -634,6 +658,9 @@ class Engine(Stepper):
                 else:
                     self._backward(a, mbs, w, grad)
                 self.cache.prefetch(k + 1)
+                for s in readahead.get(k, ()):
+                    st = self.states[s]
+                    self._readahead[s] = CopiesRead(self.store, st, st.state_copies)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
@@ -820,7 +847,7 @@ class Engine(Stepper):
                 self._grad_complete(st, grad)
             return
         what = f"grad {st.seg.name}"
-        if st.tier == Tier.HOST:
+        if st.placement.gradient_tier == Tier.HOST:  # host state, or disk state's held gradient
             self._d2h_add(st.grad, grad, what)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
@@ -910,6 +937,9 @@ class Engine(Stepper):
                 if st.grad is not None:
                     st.grad.zero_()
                 st.grad_written = False
+            for read in self._readahead.values():  # nothing to update: the reads are dropped
+                free_copies(self.store, read.st, read.buffers())
+            self._readahead.clear()
             return grad_norm, True
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for st in self.trainable:
@@ -937,15 +967,37 @@ class Engine(Stepper):
         lane = "device update" if st.tier == Tier.DEVICE else "cpu update"
         with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
             if st.tier == Tier.DISK:
-                # staged in chunks, the next chunk read while this one updates; the gradient
-                # is spent, only master and slots go back
-                stream_chunks(self.store, st, self._update_ranges(st),
-                              read=(*st.state_copies, "grad"), write=st.state_copies, step=step)
+                self._update_disk(st, step)
             else:
                 step(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
                 st.grad.zero_()
             advance(st.steps)
+
+    def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
+        """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
+        slots, a gradient held on the host) are staged in chunks, the next chunk read while this
+        one updates; the gradient is spent, only master and slots go back to their files."""
+        ahead = self._readahead.pop(st.index, None)
+        held = {} if ahead is None else dict(ahead.buffers())
+        if st.grad is not None:
+            held["grad"] = st.grad
+        ranges = self._update_ranges(st)
+        ends = {lo: lo + n for lo, n in ranges}
+
+        def chunk(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            for c, buf in held.items():
+                a, b = st.slot(c).range(st.layout, lo, ends[lo])
+                bufs[c] = buf[a:b]
+            step(lo, bufs)
+
+        stream_chunks(self.store, st, ranges,
+                      read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk)
+        if ahead is not None:
+            write_back_copies(self.store, st, ahead.bufs)  # and frees the staging
+        if st.grad is not None:
+            st.grad.zero_()
 
     # -- evaluation and state ----
 

@@ -152,8 +152,10 @@ def init_state(
     n = st.numel
     st.steps = [] if st.frozen else [new_step_counter(optim_device)
                                       for _ in st.layout.groups()]
-    grad = () if st.frozen else ("grad",)
+    grad = () if st.frozen or st.placement.host_grad else ("grad",)
     if st.tier == Tier.DISK:
+        if st.placement.host_grad and not st.frozen:  # the gradient waits in RAM, no file
+            st.grad = store.zeros(Tier.HOST, TensorClass.GRAD, n)
         copies = (*st.state_copies, *grad)
         for c in copies:  # the gradient file too: the disk tier's size is known up front
             slot = st.slot(c)
@@ -331,19 +333,33 @@ def opened(t: torch.Tensor | DiskTensor) -> Iterator[torch.Tensor]:
         yield t
 
 
+class CopiesRead:
+    """Whole flat copies of a disk-tier segment being read into fresh host staging: the reads
+    start at construction (the update's read-ahead issues them during the backward);
+    `buffers()` waits for them. The caller frees the staging (`free_copies`, or
+    `write_back_copies` after an update in place)."""
+
+    def __init__(self, store: Store, st: SegmentState, copies: tuple[str, ...]) -> None:
+        self.st = st
+        self.bufs = {c: store.alloc(Tier.HOST, TensorClass.STAGING, st.slot(c).numel(st.layout),
+                                    st.slot(c).dtype) for c in copies}
+        # a slot no parameter of the segment owns any of (a vector statistic of matrices) has
+        # no bytes, and no file to read
+        self._futures = [store.read_file(st.file(c), b) for c, b in self.bufs.items()
+                         if b.numel()]
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        for f in self._futures:
+            f.result()
+        return self.bufs
+
+
 def read_copies(store: Store, st: SegmentState, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """The named flat copies of one segment on the host (disk: read into fresh staging; the
     caller frees them with `free_copies`)."""
     if st.tier != Tier.DISK:
         return {c: st.buffer(c) for c in copies}
-    bufs = {c: store.alloc(Tier.HOST, TensorClass.STAGING, st.slot(c).numel(st.layout),
-                           st.slot(c).dtype) for c in copies}
-    # a slot no parameter of the segment owns any of (a vector statistic of matrices) has no
-    # bytes, and no file to read
-    futures = [store.read_file(st.file(c), bufs[c]) for c in copies if bufs[c].numel()]
-    for f in futures:
-        f.result()
-    return bufs
+    return CopiesRead(store, st, copies).buffers()
 
 
 def write_back_copies(
