@@ -100,15 +100,13 @@ def test_streaming_compiles_the_block_once(compiler, tmp_path):
     compiler = SegmentCompile(compiler.cache_dir)  # a fresh compiled chunk loss after reset
     compiler.apply(base, lambda msg: None)
     eng = _engine(base, tmp_path, compiler, "host", "full")
-    steps = batches(3, 1, B, T)
     before = compiled_graphs()
-    eng.step(steps[0], OPTIM.lr)
-    after_first = compiled_graphs()
-    eng.step(steps[1], OPTIM.lr)
-    eng.step(steps[2], OPTIM.lr)
+    recs = []
+    for step in batches(3, 1, B, T):  # the trainer adds end_step's count to metrics.jsonl
+        recs.append(compiler.end_step(eng.step(step, OPTIM.lr))["compiled_graphs"])
     eng.close()
-    assert after_first - before == 3  # block no-grad, block with grad, chunk loss
-    assert compiled_graphs() == after_first  # no recompiles while streaming
+    assert recs[0] - before == 3  # block no-grad, block with grad, chunk loss
+    assert recs[1:] == recs[:1] * 2  # no recompiles while streaming
 
 
 def test_compiled_resume_equals_eager_resume(compiler, tmp_path):
@@ -167,3 +165,24 @@ def test_supported_combinations_pass():
 
 def test_allocator_settings_are_cuda_only():
     assert configure_cuda_allocator(CPU, lambda msg: None) is False
+
+
+
+def test_trainer_builds_the_compiled_run(compiler, tmp_path):
+    """--compile segments through the trainer's build: the blocks compile lazily (the log line
+    says so), the tiered runtime gets the compiled head loss. (Compiling the preset's shapes
+    costs a minute on two cores; the tests above run the compiled step.)"""
+    from tierlm.train import Trainer
+
+    cfg = from_dict({
+        "model": {"size": "tiny"},
+        "data": {"seq_len": T, "vocab_size": 512},
+        "train": {"max_steps": 3, "batch_size": B, "eval_every": 0, "eval_batches": 1},
+        "memory": {"offload_policy": "host"},
+        "run": {"out": str(tmp_path), "device": "cpu", "compile": "segments"},
+    })
+    logs: list[str] = []
+    trainer = Trainer(cfg, log=logs.append)
+    assert trainer.stepper.engine.opts.chunk_loss is trainer.compiled.chunk_loss
+    assert all(b._compiled_call_impl is not None for b in block_modules(trainer.model))
+    assert any(line.startswith("compiling the block: LlamaDecoderLayer x 2") for line in logs)
