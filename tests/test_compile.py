@@ -156,6 +156,11 @@ def test_unsupported_combinations_are_refused(over, precision, flag):
     assert flag in str(err.value)
 
 
+def test_torchrun_is_refused():
+    with pytest.raises(NotSupportedYet, match="torchrun"):
+        check_compile(_cfg(), "fp32", distributed=True)
+
+
 def test_supported_combinations_pass():
     for over in ({}, {"activations__policy": "full"}, {"activations__policy": "offload"},
                  {"memory__offload_policy": "disk"}):

@@ -113,9 +113,9 @@ def build_compile(mode: str, cache_dir: Path) -> NoCompile | SegmentCompile:
     return SegmentCompile(cache_dir) if mode == "segments" else NoCompile()
 
 
-def check_compile(cfg: Config, precision: str) -> None:
+def check_compile(cfg: Config, precision: str, *, distributed: bool = False) -> None:
     """Refuse what --compile segments does not cover (see the module docstring); `precision`:
-    the resolved --precision."""
+    the resolved --precision; `distributed`: the run has more than one process (torchrun)."""
     if cfg.run.compile == "off":
         return
     acts = cfg.activations
@@ -131,8 +131,8 @@ def check_compile(cfg: Config, precision: str) -> None:
          "its probe measures eager activations; name a policy"),
         (cfg.train.finetune != "full", f"--finetune {cfg.train.finetune}",
          "adapters are not verified compiled"),
-        (cfg.distributed.nproc > 1 or cfg.distributed.backend == "fsdp",
-         "--nproc > 1 or --backend fsdp", "data parallel is not verified compiled"),
+        (distributed or cfg.distributed.nproc > 1 or cfg.distributed.backend == "fsdp",
+         "--nproc > 1, torchrun or --backend fsdp", "data parallel is not verified compiled"),
     ]
     for bad, flag, why in refused:
         if bad:

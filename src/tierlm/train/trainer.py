@@ -251,7 +251,8 @@ class Trainer:
             # compute copy is fp32 only so far
             raise NotSupportedYet(f"--finetune lora with --precision {choice.mode}",
                                   "use --precision fp32")
-        check_compile(cfg, choice.mode)  # --compile segments covers fp32 only so far
+        # --compile segments covers fp32 in one process so far
+        check_compile(cfg, choice.mode, distributed=self.world.distributed)
         self.cfg = cfg
         self.precision = choice.mode
         run_dir, resume_ckpt = self.world.main_first(
