@@ -134,6 +134,7 @@ EXAMPLE_VALUES = {
     "--disk-endurance-tbw": "1200",
     "--boundary-activations": "host",
     "--export-dtype": "bfloat16",
+    "--compile": "segments",
     "--finetune": "lora",
 }
 # fp8 flags only make sense with --precision fp8 (auto: checked once resolved).

@@ -366,6 +366,12 @@ class RunConfig:
     """Seed for weights, data order and sampling (--seed)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto takes CUDA when present (--device)."""
+    compile: Literal["off", "segments"] = "off"
+    """segments: torch.compile one block's forward (every block of the model runs the same
+    compiled code, its weights passed in, so streaming never recompiles) and the head's chunk
+    loss; the first step compiles, later runs read the kernels from the inductor cache under
+    tierlm's cache dir. fp32 only, not with selective or dynamic checkpointing, LoRA or data
+    parallel (--compile)."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights in the Hugging Face export (RUN_DIR/hf at the end of a run, and
     `tierlm export`); auto: the dtype of the weights the run started from (the --model
@@ -434,6 +440,7 @@ SEED_FLAGS: dict[str, str] = {
     "--save-every": "train.save_every",
     "--eval-every": "train.eval_every",
     "--device": "run.device",
+    "--compile": "run.compile",
     "--microbatch-order": "memory.microbatch_order",
     "--boundary-activations": "memory.boundary_activations",
     "--resident": "memory.resident",

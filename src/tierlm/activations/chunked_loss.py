@@ -27,6 +27,11 @@ def default_chunk_tokens(vocab: int, logits_per_chunk: int = 1 << 24) -> int:
     return max(1, logits_per_chunk // vocab)
 
 
+def sum_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of a chunk of logits (N, V) in fp32; -100 targets are skipped."""
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
 def chunked_cross_entropy(
     project: Callable[[torch.Tensor], torch.Tensor],
     h: torch.Tensor,
@@ -38,6 +43,7 @@ def chunked_cross_entropy(
     saved: Callable[[], SavedTensorScope] | None = None,
     ledger: Ledger | None = None,
     segment: str = "head",
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Mean cross-entropy of `project(h)` (logits) against `targets`; backpropagates its
     gradient divided by `grad_divisor` (the micro-batch count) into whatever `h` and `project`
@@ -46,7 +52,10 @@ def chunked_cross_entropy(
     `h`: (N, D) hidden states, a tensor requiring grad; `targets`: (N,) token ids, -100 where
     the loss does not look (the mean divides by the others).
     `saved`/`ledger`: count each chunk's saved tensors in the ledger while the chunk lives.
+    `loss_of(logits, targets)`: the chunk's summed loss (None: fp32 F.cross_entropy; --compile
+    segments passes its compiled form, tierlm.runtime.compile).
     """
+    loss_of = loss_of or sum_cross_entropy
     n_trained = int((targets != IGNORE_INDEX).sum())
     total = 0.0
     for c0 in range(0, targets.numel(), chunk_tokens):
@@ -55,9 +64,7 @@ def chunked_cross_entropy(
             with scope.hooks() if scope is not None else contextlib.nullcontext():
                 with autocast():
                     logits = project(h[c0 : c0 + chunk_tokens])  # (chunk, V)
-                loss = F.cross_entropy(
-                    logits.float(), targets[c0 : c0 + chunk_tokens], reduction="sum"
-                ) / n_trained
+                loss = loss_of(logits, targets[c0 : c0 + chunk_tokens]) / n_trained
                 del logits  # the loss saved its log-softmax; the logits can go now
             held = scope.bytes if scope is not None and ledger is not None else 0
             if held:

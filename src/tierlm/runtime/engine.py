@@ -42,6 +42,7 @@ from tierlm.activations import (
     resolve_policies,
     storages_of,
 )
+from tierlm.activations.chunked_loss import sum_cross_entropy
 from tierlm.activations.saved import FrozenWeights
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
@@ -114,6 +115,9 @@ class EngineOptions:
     """Global-norm clipping bound; 0 disables it."""
     loss_chunk_tokens: int | None = None
     """Tokens per cross-entropy chunk at the head; None: ~16M logits per chunk."""
+    chunk_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sum_cross_entropy
+    """(logits, targets) -> a chunk's summed loss at the head: the compiled one under
+    --compile segments (tierlm.runtime.compile); the blocks compile in the model itself."""
     batch_size: int = 1
     seq_len: int = 1
     micro_batches: int = 1
@@ -758,6 +762,7 @@ class Engine(Stepper):
                     saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared, frozen),
                     ledger=self.ledger,
                     segment=seg.name,
+                    loss_of=self.opts.chunk_loss,
                 )
                 hn.backward(hn_leaf.grad)
             self.ledger.release_activation(seg.name, "saved", held)

@@ -121,16 +121,23 @@ class HostMemory:
 
 
 class CudaMemory:
-    """The caching allocator's allocated bytes (what tensors hold; not reserved memory, not
-    nvidia-smi's number), current and peak since the run started."""
+    """The caching allocator's allocated bytes (what tensors hold; not nvidia-smi's number),
+    current and peak since the run started; the bytes it reserved from the driver (allocated
+    plus its cache: their gap is fragmentation) and its retries so far (a failed cudaMalloc
+    that freed the cache and tried again: tierlm.memory.cuda_allocator). On CUDA only: a CPU
+    run's records have no reserved or retry fields."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        stats = torch.cuda.memory_stats(self.device)
         return {
             "cuda_allocated_bytes": torch.cuda.memory_allocated(self.device),
             "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+            "cuda_reserved_bytes": torch.cuda.memory_reserved(self.device),
+            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+            "cuda_alloc_retries": stats.get("num_alloc_retries", 0),
         }
 
 

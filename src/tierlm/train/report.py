@@ -144,6 +144,14 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
             if r.get("cuda_max_allocated_bytes") is not None]
     if cuda:
         rows.append(("CUDA max allocated", fmt_bytes(max(cuda))))
+    reserved = [r["cuda_max_reserved_bytes"] for r in run.steps
+                if r.get("cuda_max_reserved_bytes") is not None]
+    if reserved:  # reserved beyond allocated: the allocator's cache and fragmentation
+        rows.append(("CUDA max reserved", fmt_bytes(max(reserved))))
+    retries = [r["cuda_alloc_retries"] for r in run.steps
+               if r.get("cuda_alloc_retries") is not None]
+    if retries:
+        rows.append(("CUDA allocator retries", str(max(retries))))
     rss = [r["rss_peak_bytes"] for r in run.steps if r.get("rss_peak_bytes")]
     if rss:
         rows.append(("process peak RSS", fmt_bytes(max(rss))))

@@ -51,6 +51,7 @@ from tierlm.distributed.setup import (
     quiet,
     shard_batches,
 )
+from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.planner import Plan
 from tierlm.memory.tiers import Tier
 from tierlm.models import (
@@ -68,6 +69,7 @@ from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine
+from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
 from tierlm.train.checkpoint import (
@@ -160,13 +162,15 @@ def build_stepper(
     initial_weights: InitialWeights = module_weights,
     tracer: Tracer | NoTracer = NO_TRACER,
     sequence_share: object | None = None,
+    chunk_loss: ChunkLoss = sum_cross_entropy,
 ) -> Stepper:
     """The object that runs one optimizer step: the plain reference trainer, or the tiered
     runtime when `--offload-policy` is not `none` or the activation policy needs it (selective,
     offload, dynamic, per-segment overrides: the runtime with everything resident), or always
     when data parallel (`grad_sync`, see tierlm.distributed; each rank's disk tier under
     `offload_subdir`). Both answer the same calls. The engine takes its initial weights from
-    `initial_weights` (default: the model's parameters)."""
+    `initial_weights` (default: the model's parameters) and computes the head's chunk losses
+    with `chunk_loss` (--compile segments: the compiled one)."""
     autocast = compute_autocast(precision, device)
     if not uses_tiered_runtime(cfg) and grad_sync is None:
         if preflight is not None:
@@ -203,6 +207,7 @@ def build_stepper(
         autocast=autocast,
         check_placement=preflight or (lambda report: None),
         base_format=base_format_of(cfg),
+        chunk_loss=chunk_loss,
     )
     if grad_sync is not None:
         options.grad_sync = grad_sync
@@ -243,6 +248,7 @@ class Trainer:
             raise NotSupportedYet(f"--finetune {cfg.train.finetune} under torchrun",
                                   "LoRA runs in one process")
         self.device = resolve_device(cfg.run.device)
+        configure_cuda_allocator(self.device, log)  # before anything allocates on the device
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         choice = resolve_precision(cfg.precision, self.device, None,
                                    backend=cfg.distributed.backend)
@@ -257,6 +263,8 @@ class Trainer:
             raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision "
                                   f"{choice.mode}",
                                   "use --precision fp32")
+        # --compile segments covers fp32 in one process so far
+        check_compile(cfg, choice.mode, distributed=self.world.distributed)
         self.cfg = cfg
         self.precision = choice.mode
         run_dir, resume_ckpt = self.world.main_first(
@@ -380,6 +388,9 @@ class Trainer:
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
+        # after the precision policy (its layers are what the blocks run), before the stepper
+        self.compiled = build_compile(cfg.run.compile, cache_dir() / "inductor")
+        self.compiled.apply(self.model, log)
         auto = (
             plan_auto(cfg, self.model.config, self.precision)
             if cfg.memory.offload_policy == "auto"
@@ -390,7 +401,8 @@ class Trainer:
             cfg, self.world, self.model, self.device, self.precision,
             functools.partial(build_stepper, cfg, self.model, self.device, self.run_dir, preflight,
                               precision=self.precision, plan=auto,
-                              initial_weights=initial_weights, tracer=tracer),
+                              initial_weights=initial_weights, tracer=tracer,
+                              chunk_loss=self.compiled.chunk_loss),
         )
         self.plan = auto
         if self.plan is None and self.stepper.engine is not None:
@@ -472,6 +484,7 @@ class Trainer:
             rec.update(self.stepper.ledger.snapshot())
         rec.update(self.fp8.end_step(self.step))  # may switch layers to bf16, or stop the run
         rec.update(self.memory_watch.sample())
+        rec.update(self.compiled.end_step(rec))
         return rec
 
     def evaluate(self) -> dict[str, float]:

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""`--compile segments` against eager: step speed, peak memory and the compile time, per preset.
+
+For each model size and runtime (`resident`: the reference trainer, the whole model on the
+device; `host`: the tiered runtime with every block streamed from host RAM and recomputed in
+the backward) an eager and a compiled stepper are built from the same weights and run the same
+batches, their steps interleaved (eager, compiled, eager, ...) so machine noise hits both alike.
+The first step of each is reported apart: the compiled one includes compiling the block and the
+head's chunk loss (`cache`: whether the inductor cache dir held anything when the bench started;
+the rows share it, so a later row may find kernels an earlier one built). The timed steps give the
+best wall time (noise only adds), tokens/s from it, the best CPU time of this process (all
+threads), the peak resident memory a step adds over its start (VmHWM after a reset; on a GPU:
+max_memory_allocated), and the largest loss difference between the two (fp32, same batches).
+
+    python bench/compile.py --sizes small 125m --steps 4 --seq-len 256 --batch-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.models import build_model, preset_config
+from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime.compile import NoCompile, SegmentCompile, compiled_graphs
+from tierlm.train.reference import ReferenceStep
+
+OPTIM = OptimConfig(lr=1e-4, weight_decay=0.1)
+MiB = 2**20
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Peak memory a step adds over its start: max_memory_allocated on CUDA, VmHWM on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> PeakMemory:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            self.base = _status_bytes("VmRSS:")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.peak = _status_bytes("VmHWM:") - self.base
+
+
+def build(base, runtime: str, compiled, device, args):
+    model = copy.deepcopy(base)
+    compiled.apply(model, lambda msg: None)
+    if runtime == "resident":
+        return ReferenceStep(model.to(device), OPTIM, grad_clip=1.0, device=device)
+    opts = EngineOptions(policy="host", batch_size=args.batch_size, seq_len=args.seq_len,
+                         activations=ActivationConfig(policy="full"),
+                         chunk_loss=compiled.chunk_loss,
+                         offload_dir=tempfile.mkdtemp(prefix="tierlm-bench-compile-"))
+    return Engine(model, OPTIM, opts, device=device)
+
+
+def step(stepper, batch, device) -> dict:
+    with PeakMemory(device) as mem:
+        t0, c0 = time.perf_counter(), time.process_time()
+        rec = stepper.step(batch, OPTIM.lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"loss": rec["loss"], "wall_s": wall, "cpu_s": cpu, "peak": mem.peak}
+
+
+def bench(size: str, runtime: str, args, device, compiler: SegmentCompile, warm: bool) -> list:
+    cfg = preset_config(size, max_seq_len=args.seq_len)
+    base = build_model(cfg, device="cpu", seed=0)
+    g = torch.Generator().manual_seed(0)
+    batches = [[torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1),
+                              generator=g)] for _ in range(args.steps + 1)]
+    tokens = args.batch_size * args.seq_len
+    recs: dict[str, list[dict]] = {"eager": [], "compiled": []}
+    steppers = {"eager": build(base, runtime, NoCompile(), device, args),
+                "compiled": build(base, runtime, compiler, device, args)}
+    del base
+    graphs0 = compiled_graphs()
+    for b in batches:
+        for name in ("eager", "compiled"):
+            recs[name].append(step(steppers[name], b, device))
+    graphs = compiled_graphs() - graphs0
+    for s in steppers.values():
+        if hasattr(s, "close"):
+            s.close()
+    loss_diff = max(abs(e["loss"] - c["loss"]) / abs(e["loss"])
+                    for e, c in zip(recs["eager"], recs["compiled"], strict=True))
+    rows = []
+    eager_best = min(r["wall_s"] for r in recs["eager"][1:])
+    for name in ("eager", "compiled"):
+        first, timed = recs[name][0], recs[name][1:]
+        best = min(r["wall_s"] for r in timed)
+        rows.append({
+            "size": size, "runtime": runtime, "mode": name,
+            "first_s": first["wall_s"],
+            "compile_s": first["wall_s"] - best if name == "compiled" else None,
+            "cache": ("warm" if warm else "cold") if name == "compiled" else "",
+            "wall_s": best, "tok_s": tokens / best,
+            "cpu_s": min(r["cpu_s"] for r in timed),
+            "peak": max(r["peak"] for r in timed),
+            "speedup": eager_best / best,
+            "graphs": graphs if name == "compiled" else None,
+            "loss_rel": loss_diff if name == "compiled" else None,
+        })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| size | runtime | mode | first step s | compile s (cache) | best step s | tokens/s "
+            "| CPU s | step peak RSS MiB | speed vs eager | graphs | loss rel diff |")
+    lines = [head, "|" + " --- |" * 12]
+    for r in rows:
+        compile_s = f"{r['compile_s']:.1f} ({r['cache']})" if r["compile_s"] is not None else "-"
+        loss_rel = "-" if r["loss_rel"] is None else f"{r['loss_rel']:.1e}"
+        lines.append(
+            f"| {r['size']} | {r['runtime']} | {r['mode']} | {r['first_s']:.2f} | {compile_s} "
+            f"| {r['wall_s']:.3f} | {r['tok_s']:.0f} | {r['cpu_s']:.2f} | {r['peak'] / MiB:.0f} "
+            f"| {r['speedup']:.2f}x | {r['graphs'] if r['graphs'] is not None else '-'} "
+            f"| {loss_rel} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["small", "125m"])
+    ap.add_argument("--runtimes", nargs="+", default=["resident", "host"],
+                    choices=["resident", "host"])
+    ap.add_argument("--steps", type=int, default=4, help="timed steps after the first")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--cache-dir", default=None,
+                    help="inductor cache (default: a fresh one, so the first compile is cold)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="tierlm-bench-inductor-"))
+    warm = cache.exists() and any(cache.iterdir())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    compiler = SegmentCompile(cache)
+    rows = []
+    for size in args.sizes:
+        for runtime in args.runtimes:
+            rows += bench(size, runtime, args, device, compiler, warm)
+            print(table(rows[-2:]), flush=True)
+    print(f"\nseq {args.seq_len}, batch {args.batch_size}, {args.steps} timed steps, device "
+          f"{device}, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""`--compile segments`: one compiled block forward for every block of the model, and a compiled
+chunk loss at the head.
+
+Every block of a family is the same code on the same shapes; only the weights differ. Each block
+module gets `nn.Module.compile()`: with `torch._dynamo.config.inline_inbuilt_nn_modules` (on by
+default since torch 2.5) its parameters are graph inputs, not constants guarded by identity, so
+the graph compiled for block 0 serves block 1..L-1 too. The tiered runtime calls a block through
+`torch.func.functional_call` with views of its flat buffers as the parameters; those are inputs
+to the same graph, so streaming a block's weights in never recompiles it. A recompute under
+`full` or `offload` runs the same compiled call (under grad mode: one more graph, compiled once).
+The reference trainer calls the same modules through the model's own forward.
+
+The head compiles the per-chunk cross-entropy (log-softmax and the loss over a chunk of logits,
+the bulk of its elementwise work); the projection stays an eager matmul.
+
+What it does not cover, refused in `check_compile` with a message naming --compile off:
+- `--precision bf16/fp8`: the precision layers find a streamed weight's stored bf16/fp8 copy by
+  the identity of its stand-in tensor (tierlm.precision.linear), which a compiled graph, whose
+  inputs are fresh tensors, cannot look up; fp8's amax history is also Python-side state.
+- `--grad-checkpointing selective` (or an override to it): its recompute caches matmul outputs
+  through a TorchDispatchMode, under which torch.compile silently runs the block eagerly.
+- `--grad-checkpointing dynamic`: its probe measures eager activations, not the compiled ones.
+- `--finetune lora/qlora`: peft's layers and the frozen base's stand-ins, not verified.
+- data parallel (`--nproc > 1`, `--backend fsdp`): not verified against the compiled graphs.
+
+Compilation is lazy: the first step compiles (the trainer logs a line before it), later runs
+read the kernels from the inductor cache (`TORCHINDUCTOR_CACHE_DIR`, under tierlm's cache dir
+unless the environment sets it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tierlm.activations.chunked_loss import sum_cross_entropy
+from tierlm.config import NotSupportedYet
+
+if TYPE_CHECKING:
+    from tierlm.config import Config
+
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits (N, V), targets (N,)) -> the summed token cross-entropy, a 0-dim fp32 tensor."""
+
+
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a supported family, in order (tierlm.models.adapters)."""
+    if model.config.model_type == "gpt2":
+        return list(model.transformer.h)
+    return list(model.model.layers)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class NoCompile:
+    """--compile off: eager blocks, the eager chunk loss."""
+
+    chunk_loss: ChunkLoss = staticmethod(sum_cross_entropy)
+
+    def apply(self, model: nn.Module, log: Callable[[str], None]) -> None:
+        pass
+
+    def end_step(self, rec: dict) -> dict:
+        return {}
+
+
+class SegmentCompile:
+    """--compile segments: `apply` compiles the blocks of a model in place; `chunk_loss` is the
+    compiled head loss the tiered runtime's chunked cross-entropy calls."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        # the inductor cache: an explicit TORCHINDUCTOR_CACHE_DIR wins (tests share one)
+        self.cache_dir = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir)))
+        self.chunk_loss: ChunkLoss = torch.compile(sum_cross_entropy)
+        self.log: Callable[[str], None] = print
+        self.first_step = True
+
+    def apply(self, model: nn.Module, log: Callable[[str], None]) -> None:
+        blocks = block_modules(model)
+        # Training never reads the KV cache; with it on, each block would guard on the cache's
+        # per-layer state and recompile once per block.
+        model.config.use_cache = False
+        self.log = log
+        for block in blocks:
+            block.compile()
+        log(f"compiling the block: {type(blocks[0]).__name__} x {len(blocks)} and the head's "
+            f"chunk loss compile at the first step (torch.compile, inductor cache "
+            f"{self.cache_dir}); every block reuses block 0's graphs")
+
+    def end_step(self, rec: dict) -> dict:
+        """`compiled_graphs` for the step's record (a count that grows after the first steps
+        means recompiles); after the first step, a log line with its time, compile included."""
+        graphs = compiled_graphs()
+        if self.first_step:
+            self.first_step = False
+            self.log(f"compiled {graphs} graphs; the first step took {rec['step_time_s']:.1f} s "
+                     "with compilation")
+        return {"compiled_graphs": graphs}
+
+
+def build_compile(mode: str, cache_dir: Path) -> NoCompile | SegmentCompile:
+    """The compile choice of --compile: `off` or `segments`."""
+    return SegmentCompile(cache_dir) if mode == "segments" else NoCompile()
+
+
+def check_compile(cfg: Config, precision: str, *, distributed: bool = False) -> None:
+    """Refuse what --compile segments does not cover (see the module docstring); `precision`:
+    the resolved --precision; `distributed`: the run has more than one process (torchrun)."""
+    if cfg.run.compile == "off":
+        return
+    acts = cfg.activations
+    overrides = acts.overrides or ""
+    refused = [
+        (precision != "fp32", f"--precision {precision}",
+         "the precision layers look up streamed compute copies by tensor identity; use "
+         "--precision fp32"),
+        (acts.policy == "selective" or "=selective" in overrides, "--grad-checkpointing selective",
+         "its recompute runs under a dispatch mode, where torch.compile runs eagerly; use full "
+         "or offload"),
+        (acts.policy == "dynamic", "--grad-checkpointing dynamic",
+         "its probe measures eager activations; name a policy"),
+        (cfg.train.finetune != "full", f"--finetune {cfg.train.finetune}",
+         "adapters are not verified compiled"),
+        (distributed or cfg.distributed.nproc > 1 or cfg.distributed.backend == "fsdp",
+         "--nproc > 1, torchrun or --backend fsdp", "data parallel is not verified compiled"),
+    ]
+    for bad, flag, why in refused:
+        if bad:
+            raise NotSupportedYet(f"--compile segments with {flag}", f"{why}; or --compile off")
