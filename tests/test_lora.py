@@ -103,6 +103,14 @@ def test_unbuilt_combinations_are_refused():
         with pytest.raises(NotSupportedYet, match=rf"--finetune {method} with --nproc"):
             check_supported(from_dict({"train": {"finetune": method},
                                        "distributed": {"nproc": 2}}))
+    # auto computes LoRA in fp32 (saying what it would have chosen); a named bf16/fp8 is refused
+    from tierlm.train.planning import PrecisionChoice, finetune_precision
+    cfg = from_dict({"train": {"finetune": "lora"}})
+    got = finetune_precision(cfg, PrecisionChoice("fp8", "RTX 4090 (sm_89) has fp8 units"))
+    assert got.mode == "fp32" and "auto would have chosen fp8" in got.why
+    with pytest.raises(NotSupportedYet, match=r"--finetune lora with --precision bf16.*fp32"):
+        finetune_precision(cfg, PrecisionChoice("bf16"))
+    assert finetune_precision(from_dict({}), PrecisionChoice("bf16")).mode == "bf16"
     with pytest.raises(ConfigError, match=r"--lora.targets 'nothing' matches no linear"):
         apply_lora(tiny_model("llama_tied_gqa"), LoraConfig(targets="nothing"), seed=0)
     with pytest.raises(ConfigError, match=r"--lora.rank: must be > 0"):

@@ -9,6 +9,7 @@ import torch
 
 from tierlm.config import (
     Config,
+    NotSupportedYet,
     PrecisionConfig,
     base_format_of,
     check_precision_flags,
@@ -78,6 +79,19 @@ def resolve_precision(
         mode, why = "bf16", f"{why}; bf16 at most: --backend fsdp has no fp8"
     check_precision_flags(p, mode, auto_why=why)
     return PrecisionChoice(mode, why)
+
+
+def finetune_precision(cfg: Config, choice: PrecisionChoice) -> PrecisionChoice:
+    """--finetune lora/qlora computes in fp32 so far (the precision policy would swap peft's
+    adapter layers, and the frozen base's compute copy is fp32, NF4 decoded to fp32): `auto`
+    resolves to fp32 there, saying why; a named bf16/fp8 is refused, naming the flag."""
+    if cfg.train.finetune == "full" or choice.mode == "fp32":
+        return choice
+    if choice.why is None:
+        raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision {choice.mode}",
+                              "use --precision fp32 (or auto)")
+    return PrecisionChoice("fp32", f"--finetune {cfg.train.finetune} computes in fp32 so far; "
+                                   f"auto would have chosen {choice.mode}: {choice.why}")
 
 
 def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> tuple[str, str]:
@@ -160,12 +174,9 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
 
     hw = hardware_for(cfg)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend)
-    full_precision = precision = choice.mode
-    if cfg.train.finetune != "full" and precision != "fp32":
-        # the trainer refuses lora/qlora in bf16/fp8: plan what it runs
-        choice = PrecisionChoice("fp32", f"--finetune {cfg.train.finetune} trains in fp32 "
-                                 f"(not {precision})")
-        precision = "fp32"
+    full_precision = choice.mode
+    choice = finetune_precision(cfg, choice)
+    precision = choice.mode
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
     wear = DiskWear(write_bytes_per_step=p.moved_bytes.get(Link.DISK_WRITE.value, 0),
                     step_s=p.step_s, endurance_tbw=cfg.memory.disk_endurance_tbw)

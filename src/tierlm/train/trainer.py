@@ -85,6 +85,7 @@ from tierlm.train.checkpoint import (
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.planning import (
     cap_gpu_memory,
+    finetune_precision,
     plan_auto,
     predict_for_engine,
     prediction_record,
@@ -250,19 +251,13 @@ class Trainer:
         self.device = resolve_device(cfg.run.device)
         configure_cuda_allocator(self.device, log)  # before anything allocates on the device
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
-        choice = resolve_precision(cfg.precision, self.device, None,
-                                   backend=cfg.distributed.backend)
+        choice = finetune_precision(cfg, resolve_precision(cfg.precision, self.device, None,
+                                                           backend=cfg.distributed.backend))
         if choice.why:  # a named precision is logged with the layer table
             log(choice.describe())
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
-        if cfg.train.finetune != "full" and choice.mode != "fp32":
-            # the precision policy would swap peft's adapter layers and the frozen base's
-            # compute copy is fp32 (NF4 decoded to fp32) only so far
-            raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision "
-                                  f"{choice.mode}",
-                                  "use --precision fp32")
         # --compile segments covers fp32 in one process so far
         check_compile(cfg, choice.mode, distributed=self.world.distributed)
         self.cfg = cfg
