@@ -197,7 +197,6 @@ def test_qlora_learns_and_its_adapter_loads_with_peft_on_the_round_tripped_base(
     assert (got - trained).abs().max().item() <= 1e-5
 
 
-@pytest.mark.slow  # the Trainer's wiring of the above; the test before covers the runtime
 def test_qlora_run_learns_and_writes_adapter_and_merged_export(tmp_path):
     """Held-out loss falls on tiny; RUN_DIR/adapter loads with PeftModel.from_pretrained on the
     round-tripped base and gives the trained logits; the merged export gives them too."""
