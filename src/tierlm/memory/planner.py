@@ -253,10 +253,32 @@ def _nf4_bytes(model, layouts, lora) -> list[int | None]:
             else None for lay in layouts]
 
 
+class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
+    """Routes `scaled_dot_product_attention` on meta tensors to the fused (flash) kernel's op.
+    On the meta device SDPA always picks the math path, which saves the (B, H, S, S) softmax;
+    the runtime's SDPA runs a fused kernel (flash on CPU and, in bf16, on CUDA; memory-efficient
+    for fp32 on CUDA), which saves q, k, v, the output and a (B, H, S) log-sum-exp: linear in
+    the sequence, as this op's saved tensors are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and args and \
+                args[0].device.type == "meta":
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                attn_mask=mask, scale=kwargs.get("scale"))
+            return out
+        return func(*args, **kwargs)
+
+
 def _saved_bytes_meta(model, adapter, tokens: int) -> int:
     """Bytes autograd saves for one block's forward at `tokens` tokens (fp32), measured on the
-    meta device. Parameters are excluded (they are counted as compute weights). Attention is
-    linear in the sequence length with SDPA's fused kernels, so bytes per token extrapolate."""
+    meta device as the runtime counts them (tierlm.activations.saved): per storage, without the
+    segment's weights, its boundary input and the micro-batch context (rotary tables, masks),
+    which the step holds anyway; attention through SDPA's fused kernel, so the bytes are linear
+    in the sequence and bytes per token extrapolate to any length."""
     from tierlm.models.adapters import StepContext
 
     seg = adapter.segments[1]
@@ -269,18 +291,23 @@ def _saved_bytes_meta(model, adapter, tokens: int) -> int:
     ctx = StepContext(position_ids=pos, masks={"full_attention": None,
                                                "sliding_attention": None},
                       position_embeddings=pe)
-    param_ids = {id(p) for p in views.values()}
-    total = 0
+
+    def key(t: torch.Tensor) -> int:  # one storage, however many views of it are saved
+        return t.untyped_storage()._cdata
+
+    skip = {key(p) for p in views.values()} | {key(x), key(pos)} | {
+        key(t) for t in (pe or ()) if isinstance(t, torch.Tensor)}
+    seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if id(t) not in param_ids and not (t._base is not None and id(t._base) in param_ids):
-            total += t.numel() * t.element_size()
+        if t.numel() and key(t) not in skip:
+            seen[key(t)] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        seg.forward(views, x, ctx)
-    return total
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionOnMeta():
+        out = seg.forward(views, x, ctx)
+    del out
+    return sum(seen.values())
 
 
 @dataclass(frozen=True)
