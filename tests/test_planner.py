@@ -125,6 +125,9 @@ CASES = [
      "disk-late-host-grads", False, True, _ahead_after_a_backward),
     ("gpt2 tied read-ahead", lambda: tiny_model("gpt2", layers=3), 16, 2, "microbatch-outer",
      "disk", True, False, lambda shape, hidden: ReadAhead(extra_bytes=2**30)),
+    # a long sequence: boundaries parked on the host, every block recomputed
+    ("tiny long parked", lambda: _untied("tiny", 2048), 2048, 1, "microbatch-outer", "host",
+     False, True),
 ]
 
 
@@ -385,3 +388,59 @@ def test_fp8_plans_count_fp8_matmul_rate_and_halved_weight_traffic():
     assert plans["bf16"].host_by_class["compute"] == pytest.approx(2 * blocks, rel=0.01)
     assert plans["fp8"].host_by_class["compute"] == pytest.approx(blocks, rel=0.01)
     assert plans["fp8"].times_s["compute"] < 0.6 * plans["bf16"].times_s["compute"]
+
+
+def test_block_saved_bytes_per_token_match_the_runtime_under_sdpa():
+    """One block's saved bytes, measured on the meta device with SDPA's fused kernel and counted
+    per storage (no boundary input, no rotary tables), equal what the runtime's own probe (the
+    dynamic policy's, `Keep` on real tensors) counts at a longer sequence; and per token they do
+    not grow with the sequence (no S x S softmax)."""
+    import contextlib
+
+    from tierlm.activations import probe_costs
+    from tierlm.memory.layout import FlatLayout
+    from tierlm.models.adapters import ModelAdapter
+
+    seq, batch = 1024, 2
+    model = _untied("tiny", seq)
+    shape = ModelShape.from_config(copy.deepcopy(model.config))
+    segs = ModelAdapter(model).segments
+    layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
+    costs = probe_costs(
+        segs[:-1], layouts[:-1], lambda s: {n: p.detach() for n, p, _ in s.params},
+        ModelAdapter(model).context, device=CPU, batch_size=batch, seq_len=seq,
+        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+        autocast=contextlib.nullcontext)
+    assert costs[1].keep_bytes == shape.block_saved_bytes_per_token * batch * seq
+    short = ModelShape.from_config(preset_config("7b"), probe_tokens=64)
+    long = ModelShape.from_config(preset_config("7b"), probe_tokens=4096)
+    assert short.block_saved_bytes_per_token == long.block_saved_bytes_per_token
+    # q, k, v, the attention output, the MLP's four (seq, 11008) tensors: under 100 KiB a
+    # token for 7B in fp32, not the ~10 MiB a 32k-token softmax row per head would add
+    assert long.block_saved_bytes_per_token < 100 * 4096
+
+
+def test_one_long_sequence_plans_on_a_24gb_card():
+    """7B, one row of 32768 tokens, bf16 on an RTX 4090 with 64 GiB of RAM: the plan parks
+    the boundary activations on the host and recomputes every block, and fits one GPU; over
+    2 ranks of context parallel it fits too. On a 16 GB card it does not, and says by how many
+    bytes and that --context-parallel would help."""
+    shape = ModelShape.from_config(preset_config("7b"))
+    hw = PROFILES["rtx4090"].with_overrides(host_memory_bytes=64 * GiB,
+                                            disk_budget_bytes=200 * GiB)
+    one = plan(shape, TrainShape(1, 32768, 1, "bf16"), hw)
+    assert one.fits, one.problems
+    assert one.boundary_on_host and not one.keep_resident_activations
+    assert one.device_total_bytes <= usable_budgets(hw)["device"]
+    # the workspace: one block's recompute in bf16, the largest activation of the step
+    block = int(shape.block_saved_bytes_per_token * 32768 / 2)
+    assert one.workspace_bytes == block
+    two = plan(shape, TrainShape(1, 16384, 1, "bf16", context_parallel=2), hw)
+    assert two.fits, two.problems
+    small = PROFILES["rtx4060ti-16g"].with_overrides(host_memory_bytes=64 * GiB,
+                                                     disk_budget_bytes=200 * GiB)
+    over = plan(shape, TrainShape(1, 65536, 1, "bf16"), small)
+    assert not over.fits
+    short = over.device_total_bytes - usable_budgets(small)["device"]
+    text = "; ".join(over.problems)
+    assert f"{short:,} bytes" in text and "--context-parallel 2" in text

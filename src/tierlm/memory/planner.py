@@ -696,21 +696,40 @@ def _simulate(
                           for s, p in enumerate(placements) if p.state_tier == Tier.DISK],
                          default=0)
 
-    # workspace outside the ledger: graphs kept by resident segments for the micro-batches in
-    # flight, one segment's recompute, and one chunk of logits (+ its gradient) at the head
-    in_flight = m if order == "layer-outer" else 1
-    bytes_per_elem = 2 if train.precision in ("bf16", "fp8") else 4  # fp8: bf16 activations
-    block_saved = (
-        shape.block_saved_bytes_per_token * train.batch_size * train.seq_len * bytes_per_elem / 4
-    )
-    kept = sum(1 for s in range(1, last) if keep[s]) * block_saved * in_flight
-    recompute = block_saved if not all(keep[1:last]) else 0
-    chunk = min(shape.head_chunk_tokens, train.batch_size * train.seq_len)
-    logits = chunk * shape.vocab_size * 4 * 3
+    # workspace outside the ledger, by the dynamic policy's byte model
+    # (tierlm.activations.dynamic): graphs kept by resident segments for the micro-batches in
+    # flight, then the larger of the head (its input, its gradient and one chunk of logits) and
+    # one recomputed block's saved tensors during the backward
+    workspace = activation_workspace_bytes(shape, train, keep[:last], order)
     # a QLoRA segment's action decodes its NF4 weights into fp32 of its own
     decoded = max((4 * numels[s] for s in range(n_segs) if shape.nf4(s) is not None), default=0)
-    workspace = int(kept + recompute + logits + decoded)
+    workspace += decoded
     return ledger, workspace, update_staging
+
+
+def activation_workspace_bytes(shape: ModelShape, train: TrainShape, keep: list[bool],
+                               order: str) -> int:
+    """Device bytes of activations outside the ledger at their peak over one step: segments
+    that `keep` their graph hold one block's saved tensors per micro-batch in flight, the others
+    recompute theirs in the backward (`full`); the head's chunked loss runs in between. One
+    block's saved tensors are linear in the tokens (SDPA's fused kernel); under bf16 and fp8
+    they are counted at 2 bytes an element."""
+    from tierlm.activations.dynamic import (
+        SegmentCosts,
+        activation_peak_bytes,
+        head_workspace_bytes,
+    )
+
+    tokens = train.batch_size * train.seq_len
+    bytes_per_elem = 2 if train.precision in ("bf16", "fp8") else 4  # fp8: bf16 activations
+    block = SegmentCosts(int(shape.block_saved_bytes_per_token * tokens * bytes_per_elem / 4),
+                         0, 0)
+    costs = [SegmentCosts(0, 0, 0)] + [block] * (len(keep) - 1)  # embed saves token ids only
+    policies = ["keep" if k else "full" for k in keep]
+    head = head_workspace_bytes(shape.head_chunk_tokens, shape.vocab_size, tokens,
+                                shape.hidden_size)
+    in_flight = train.micro_batches if order == "layer-outer" else 1
+    return activation_peak_bytes(policies, costs, in_flight=in_flight, head_bytes=head)
 
 
 # -- time model ----------------------------------------------------------------------------------
@@ -907,9 +926,11 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
 def _problems(plan: Plan, budgets: dict[str, int]) -> list[str]:
     out = []
     if plan.device_total_bytes > budgets["device"]:
+        short = plan.device_total_bytes - budgets["device"]
         out.append(f"device needs {gib(plan.device_total_bytes)} (state "
                    f"{gib(plan.device_peak_bytes)} + activation workspace "
-                   f"{gib(plan.workspace_bytes)}), usable {gib(budgets['device'])}")
+                   f"{gib(plan.workspace_bytes)}), usable {gib(budgets['device'])}: "
+                   f"{short:,} bytes ({gib(short)}) short")
     if plan.host_peak_bytes > budgets["host"]:
         out.append(f"host needs {gib(plan.host_peak_bytes)}, usable {gib(budgets['host'])}")
     if plan.disk_bytes > budgets["disk"]:
@@ -1085,6 +1106,11 @@ def _what_would_fit(shape, train, hw, p: Plan, budgets) -> list[str]:
         hints.append(f"a device budget of at least {need}")
         if train.precision == "fp32":
             hints.append("--precision bf16 (halves the activation workspace)")
+        if p.workspace_bytes > b["device"] // 4:  # a long sequence: share it over ranks
+            cp = 2 * train.context_parallel
+            row = train.seq_len * train.context_parallel
+            hints.append(f"--context-parallel {cp} (each rank holds {row // cp} tokens of "
+                         "every row) or a shorter --seq-len")
     if p.host_peak_bytes > b["host"]:
         hints.append(f"at least {gib(p.host_peak_bytes / (1 - SAFETY_MARGIN))} of host RAM "
                      "(--host-budget)")
