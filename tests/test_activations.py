@@ -630,3 +630,47 @@ def test_attention_runs_through_the_fused_sdpa_kernel(name):
         model(input_ids=torch.randint(0, 300, (B, T))).logits.sum().backward()
     assert "aten._scaled_dot_product_flash_attention_for_cpu" in ops.seen
     assert not {"aten.bmm", "aten._softmax", "aten.baddbmm"} & ops.seen  # no eager attention
+
+
+def test_dynamic_parks_the_inputs_it_recomputes_from_on_the_host():
+    """`dynamic` with --boundary-activations host (a long sequence): the boundary inputs of the
+    segments it recomputes wait in host RAM, those of the segments it keeps stay on the device
+    (their graph refers to them) and count in what keeping costs; same math, inside the
+    budget."""
+    layers = 4
+    base = tiny_model("llama_untied", layers=layers)
+    step = batches(1, 1)[0]
+    hidden = B * T * D * F32
+
+    def engine(budget, tier):
+        return Engine(
+            copy.deepcopy(base), OPTIM,
+            EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budget,
+                          activations=_acts("dynamic"), boundary_tier=tier),
+            device=CPU,
+        )
+
+    probe = engine(None, Tier.DEVICE)
+    state = probe.report.device_bytes - probe.activation_reserve_bytes
+    ref_loss = probe.step(step, OPTIM.lr)["loss"]
+    ref_w = probe.weights()
+    probe.close()
+    head = head_workspace_bytes(default_chunk_tokens(300), 300, B * T, D)
+    budget = state + 3 * KEEP_BYTES + head
+    eng = engine(budget, Tier.HOST)
+    chosen = eng.activation_policies
+    assert "full" in chosen and "keep" in chosen, chosen
+    before = dict(eng.ledger.moved_bytes)
+    assert eng.step(step, OPTIM.lr)["loss"] == ref_loss
+    w = eng.weights()
+    assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
+    # every recomputed block's input goes out and comes back once (embed takes token ids)
+    parked = sum(p == "full" for p in chosen[1:]) * hidden
+    assert eng.ledger.moved_bytes[Link.D2H] - before.get(Link.D2H, 0) == parked
+    assert eng.ledger.moved_bytes[Link.H2D] - before.get(Link.H2D, 0) == parked
+    assert eng.ledger.step_peak_device_total_bytes <= budget, chosen
+    eng.close()
+    # the same budget with every input on the device keeps no more blocks
+    on_device = engine(budget, Tier.DEVICE)
+    assert on_device.activation_policies.count("keep") <= chosen.count("keep")
+    on_device.close()

@@ -245,7 +245,8 @@ class MemoryConfig:
     """Tiered runtime: where each segment's boundary input waits between its forward and its
     backward: on the device, or in host RAM (one copy out as it is produced, one back for the
     backward), so layer-outer holds one segment's micro-batches on the device, not every
-    segment's; host needs --grad-checkpointing full (--boundary-activations; auto decides)."""
+    segment's; host needs --grad-checkpointing full, or dynamic, which parks the inputs of the
+    segments it recomputes (--boundary-activations; auto decides)."""
     resident: str | None = None
     """Regex of segment names (embed, block.N, head) whose weights stay on the device, e.g.
     'embed|head|block.3[01]' (--resident)."""
@@ -807,11 +808,13 @@ def validate(cfg: Config) -> None:
                 "--offload-policy tiered, host or disk"
             )
     elif cfg.memory.boundary_activations == "host" and (
-        cfg.activations.policy != "full" or cfg.activations.overrides
+        cfg.activations.policy not in ("full", "dynamic")
+        or (cfg.activations.overrides and cfg.activations.policy != "dynamic")
     ) and cfg.memory.offload_policy != "auto":
         raise ConfigError(
-            "--boundary-activations host needs --grad-checkpointing full (a kept graph pins the "
-            "boundary input on the device); pass both, or --boundary-activations device"
+            "--boundary-activations host needs --grad-checkpointing full or dynamic (a kept "
+            "graph pins the boundary input on the device; dynamic parks the inputs of the "
+            "segments it recomputes); pass both, or --boundary-activations device"
         )
     _validate_lora(cfg.lora)
     if cfg.run.resume == "auto" and not cfg.run.out:

@@ -13,6 +13,11 @@ forward to the backward, and what `full`, `selective` and `offload` materialise 
 The step's activation peak is the larger of the end of the forward (everything held, plus the
 head's chunked loss) and the backward of each segment (what earlier segments still hold, plus its
 workspace).
+
+With `--boundary-activations host` (long sequences: every block's input is a (B, S, D) fp32
+tensor, 512 MiB for 7B at 32k tokens) the boundary inputs of `full` segments wait in host RAM;
+a segment given any other policy holds its input on the device as well (its graph refers to
+it), so that input counts in what choosing it costs.
 """
 
 from __future__ import annotations
@@ -57,11 +62,16 @@ def head_workspace_bytes(chunk_tokens: int, vocab: int, tokens: int, hidden: int
 
 
 def activation_peak_bytes(
-    policies: list[str], costs: list[SegmentCosts], *, in_flight: int, head_bytes: int
+    policies: list[str], costs: list[SegmentCosts], *, in_flight: int, head_bytes: int,
+    boundary_bytes: int = 0,
 ) -> int:
     """Predicted device peak of saved tensors and workspace over one step (boundary
-    activations are reserved by the placement)."""
-    held = [in_flight * c.held(p) for p, c in zip(policies, costs, strict=True)]
+    activations are reserved by the placement). `boundary_bytes`: with boundary activations
+    parked on the host (`--boundary-activations host`), one micro-batch's boundary input,
+    which every segment after the first (embed takes token ids) that does not recompute from
+    it (`full`) holds on the device until its backward, since its graph refers to it."""
+    held = [in_flight * (c.held(p) + (boundary_bytes if s and p != "full" else 0))
+            for s, (p, c) in enumerate(zip(policies, costs, strict=True))]
     peak = sum(held) + head_bytes
     below = 0
     for p, c, h in zip(policies, costs, held, strict=True):
@@ -78,14 +88,17 @@ def choose_policies(
     fallback: str,
     in_flight: int,
     head_bytes: int,
+    boundary_bytes: int = 0,
 ) -> list[str]:
-    """Per-segment policies, last segment first, within `budget_bytes` (None: keep all)."""
+    """Per-segment policies, last segment first, within `budget_bytes` (None: keep all).
+    `boundary_bytes`: as `activation_peak_bytes` takes it (boundaries parked on the host)."""
     policies = [p or fallback for p in pinned]
     if budget_bytes is None:
         return [p or "keep" for p in pinned]
 
     def peak(ps: list[str]) -> int:
-        return activation_peak_bytes(ps, costs, in_flight=in_flight, head_bytes=head_bytes)
+        return activation_peak_bytes(ps, costs, in_flight=in_flight, head_bytes=head_bytes,
+                                     boundary_bytes=boundary_bytes)
 
     if peak(policies) > budget_bytes:
         raise PlacementError(

@@ -69,14 +69,16 @@ def base_policies(policy: str, resident: list[bool]) -> list[str]:
 
 def dynamic_reserve_bytes(
     policy: str, costs: list[SegmentCosts] | None, *, fallback: str, in_flight: int,
-    head_bytes: int,
+    head_bytes: int, boundary_bytes: int = 0,
 ) -> int:
     """Device bytes `dynamic` needs at least (every segment on the fallback), reserved in the
-    placement before model state is placed; 0 for the fixed policies."""
+    placement before model state is placed; 0 for the fixed policies. `boundary_bytes`: see
+    `activation_peak_bytes`."""
     if policy != "dynamic" or costs is None:
         return 0
     return activation_peak_bytes(
-        [fallback] * len(costs), costs, in_flight=in_flight, head_bytes=head_bytes
+        [fallback] * len(costs), costs, in_flight=in_flight, head_bytes=head_bytes,
+        boundary_bytes=boundary_bytes,
     )
 
 
@@ -91,6 +93,7 @@ def resolve_policies(
     budget_bytes: int | None = None,
     in_flight: int = 1,
     head_bytes: int = 0,
+    boundary_bytes: int = 0,
 ) -> list[str]:
     """One policy name per segment (the head excluded): overrides first, then `dynamic`'s
     budget rule or the fixed policy."""
@@ -100,7 +103,7 @@ def resolve_policies(
             raise ValueError("dynamic needs the measured segment costs")
         return choose_policies(
             costs, pinned, budget_bytes, fallback=fallback, in_flight=in_flight,
-            head_bytes=head_bytes,
+            head_bytes=head_bytes, boundary_bytes=boundary_bytes,
         )
     base = base_policies(policy, resident)
     return [p or b for p, b in zip(pinned, base, strict=True)]

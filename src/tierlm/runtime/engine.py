@@ -274,9 +274,13 @@ class Engine(Stepper):
                 hidden_size=model.config.hidden_size, vocab_size=vocab,
                 autocast=options.autocast,
             )
+        # with host boundaries, `dynamic` parks the inputs of the segments it recomputes and
+        # counts the others' inputs, which their graphs keep on the device, as their cost
+        self.park_by_policy = acts.policy == "dynamic"
+        boundary_bytes = hidden_bytes if self.host_boundaries and self.park_by_policy else 0
         self.activation_reserve_bytes = reserve = dynamic_reserve_bytes(
             acts.policy, costs, fallback=acts.dynamic_fallback, in_flight=in_flight,
-            head_bytes=head_bytes,
+            head_bytes=head_bytes, boundary_bytes=boundary_bytes,
         )
         self.report: PlacementReport = place(
             [s.name for s in segs],
@@ -301,7 +305,7 @@ class Engine(Stepper):
             [p.resident for p in self.report.placements[:-1]],
             fallback=acts.dynamic_fallback, costs=costs, in_flight=in_flight,
             budget_bytes=None if budget is None else budget - self.report.device_bytes + reserve,
-            head_bytes=head_bytes,
+            head_bytes=head_bytes, boundary_bytes=boundary_bytes,
         )
         self.activation_costs = costs  # measured per-segment bytes (dynamic only)
         self.activation_head_bytes = head_bytes  # the head's predicted activation peak
@@ -542,12 +546,17 @@ class Engine(Stepper):
         n = len(self.adapter.segments) - 1
         if len(names) != n:
             raise ValueError(f"expected {n} policies (every segment but the head), got {names}")
-        if self.host_boundaries and any(name != "full" for name in names):
+        if self.host_boundaries and not self.park_by_policy and any(
+                name != "full" for name in names):
             raise ValueError(
                 f"--boundary-activations host needs the full activation policy on every segment "
                 f"(got {', '.join(sorted(set(names)))}): a kept graph pins the boundary input on "
-                "the device; pass --grad-checkpointing full or --boundary-activations device"
+                "the device; pass --grad-checkpointing full or dynamic, or --boundary-activations "
+                "device"
             )
+        # the boundary inputs parked on the host: those of segments that recompute from them
+        self.parked_inputs = {s for s, name in enumerate(names)
+                              if self.host_boundaries and name == "full"}
         self.activation_policies = list(names)
         self.policies = [self._make_policy(name) for name in names]
 
@@ -565,7 +574,7 @@ class Engine(Stepper):
         starts to the host now: the head's input is used at once and stays)."""
         mb.h[s] = self._hold(t)
         self.ledger.hold_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
-        if park and self.host_boundaries and s < len(self.states) - 1:
+        if park and s in self.parked_inputs:
             host = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, t.numel(), t.dtype)
             what = f"boundary {self.states[s].seg.name}"
             mb.parked[s] = (host, self.store.to_host(host.view(t.shape), t, what), t.shape)
