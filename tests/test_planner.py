@@ -390,34 +390,51 @@ def test_fp8_plans_count_fp8_matmul_rate_and_halved_weight_traffic():
     assert plans["fp8"].times_s["compute"] < 0.6 * plans["bf16"].times_s["compute"]
 
 
-def test_block_saved_bytes_per_token_match_the_runtime_under_sdpa():
-    """One block's saved bytes, measured on the meta device with SDPA's fused kernel and counted
-    per storage (no boundary input, no rotary tables), equal what the runtime's own probe (the
-    dynamic policy's, `Keep` on real tensors) counts at a longer sequence; and per token they do
-    not grow with the sequence (no S x S softmax)."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_block_saved_bytes_per_token_match_the_runtime_under_sdpa(precision):
+    """One block's saved bytes per token, measured without memory on fake tensors (SDPA's
+    fused kernel, the run's autocast and precision policy; per storage, no boundary input, no
+    rotary tables), are what the runtime's own probe (the dynamic policy's: `Keep` on real
+    tensors) counts per token at a longer sequence; and they do not grow with the sequence
+    (no S x S softmax)."""
     import contextlib
 
     from tierlm.activations import probe_costs
+    from tierlm.config import PrecisionConfig
     from tierlm.memory.layout import FlatLayout
     from tierlm.models.adapters import ModelAdapter
+    from tierlm.precision import prepare_precision
 
     seq, batch = 1024, 2
     model = _untied("tiny", seq)
     shape = ModelShape.from_config(copy.deepcopy(model.config))
+    prepare_precision(model, PrecisionConfig(mode=precision), precision, CPU,
+                      log=lambda line: None)
     segs = ModelAdapter(model).segments
     layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
-    costs = probe_costs(
-        segs[:-1], layouts[:-1], lambda s: {n: p.detach() for n, p, _ in s.params},
-        ModelAdapter(model).context, device=CPU, batch_size=batch, seq_len=seq,
-        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
-        autocast=contextlib.nullcontext)
-    assert costs[1].keep_bytes == shape.block_saved_bytes_per_token * batch * seq
-    short = ModelShape.from_config(preset_config("7b"), probe_tokens=64)
-    long = ModelShape.from_config(preset_config("7b"), probe_tokens=4096)
-    assert short.block_saved_bytes_per_token == long.block_saved_bytes_per_token
-    # q, k, v, the attention output, the MLP's four (seq, 11008) tensors: under 100 KiB a
-    # token for 7B in fp32, not the ~10 MiB a 32k-token softmax row per head would add
-    assert long.block_saved_bytes_per_token < 100 * 4096
+    autocast = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16"
+                else contextlib.nullcontext)
+
+    def kept_bytes(tokens: int) -> int:
+        return probe_costs(
+            segs[:-1], layouts[:-1], lambda s: {n: p.detach() for n, p, _ in s.params},
+            ModelAdapter(model).context, device=CPU, batch_size=batch, seq_len=tokens,
+            hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+            autocast=autocast)[1].keep_bytes
+
+    per_token = shape.saved_bytes_per_token(precision)
+    # the probe's weights are fp32 (under bf16 their casts are saved too, whatever the
+    # sequence): the bytes that grow with it match
+    full = kept_bytes(seq)
+    assert full - kept_bytes(seq // 2) == per_token * batch * seq // 2
+    if precision == "fp32":
+        assert full == per_token * batch * seq
+        short = ModelShape.from_config(preset_config("7b"), probe_tokens=64)
+        long = ModelShape.from_config(preset_config("7b"), probe_tokens=512)
+        assert short.block_saved_bytes_per_token == long.block_saved_bytes_per_token
+        # q, k, v, the attention output, the MLP's four (seq, 11008) tensors: under 100 KiB
+        # a token for 7B in fp32, not the ~8 MiB a 32k-token softmax row per head would add
+        assert long.block_saved_bytes_per_token < 100 * 4096
 
 
 def test_one_long_sequence_plans_on_a_24gb_card():
@@ -433,7 +450,7 @@ def test_one_long_sequence_plans_on_a_24gb_card():
     assert one.boundary_on_host and not one.keep_resident_activations
     assert one.device_total_bytes <= usable_budgets(hw)["device"]
     # the workspace: one block's recompute in bf16, the largest activation of the step
-    block = int(shape.block_saved_bytes_per_token * 32768 / 2)
+    block = int(shape.saved_bytes_per_token("bf16") * 32768)
     assert one.workspace_bytes == block
     two = plan(shape, TrainShape(1, 16384, 1, "bf16", context_parallel=2), hw)
     assert two.fits, two.problems

@@ -19,7 +19,9 @@ measured once per model shape by running one block on the meta device under
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +65,7 @@ class ModelShape:
     hidden_size: int
     vocab_size: int
     n_layers: int
-    block_saved_bytes_per_token: float  # autograd-saved bytes inside one block, per token
+    block_saved_bytes_per_token: float  # autograd-saved bytes inside one block, per token, fp32
     head_chunk_tokens: int
     # per segment, the optimizer's state bytes (tierlm.optim.flat: its slots over the segment's
     # flat layout), the optimizer's name, and whether it updates whole segments only (align 0)
@@ -88,10 +90,20 @@ class ModelShape:
     # adapted layers' weights in NF4, the rest fp32), which is all its state and the copy it
     # streams in; None where a segment has no NF4 weight (its base is an fp32 master)
     nf4_bytes: list[int | None] | None = None
+    # the model's config, to measure what one block saves under bf16 and fp8 (None: half the
+    # fp32 bytes)
+    model_config: Any = field(default=None, compare=False, repr=False)
 
     @property
     def n_params(self) -> int:
         return sum(self.numels)
+
+    def saved_bytes_per_token(self, precision: str) -> float:
+        """What one block's forward saves for its backward, per token, under `precision`."""
+        if precision == "fp32" or self.model_config is None:
+            return self.block_saved_bytes_per_token * (1 if precision == "fp32" else 0.5)
+        return block_saved_bytes_per_token(self.model_config, precision)
+
 
     def state_bytes(self, s: int) -> int:
         """Segment `s`'s master, gradient and optimizer state: what its state tier holds."""
@@ -157,7 +169,7 @@ class ModelShape:
         tied = sum(
             p.numel() for n, p, _ in segs[0].params if n in getattr(segs[-1], "borrowed", {})
         )
-        saved = _saved_bytes_meta(model, adapter, probe_tokens) / probe_tokens
+        saved = block_saved_bytes_per_token(config, "fp32", probe_tokens)
         trained = _lora_layout(model, lora) if lora is not None else None
         nf4 = _nf4_bytes(model, layouts, lora) if lora is not None and base_format == "nf4" \
             else None
@@ -173,6 +185,7 @@ class ModelShape:
             vocab_size=model.config.vocab_size,
             n_layers=len(segs) - 2,
             block_saved_bytes_per_token=saved,
+            model_config=config,
             head_chunk_tokens=max(1, (1 << 24) // model.config.vocab_size),
             **optimizer_fields(layouts, optim or OptimConfig(), trained),
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
@@ -253,61 +266,80 @@ def _nf4_bytes(model, layouts, lora) -> list[int | None]:
             else None for lay in layouts]
 
 
-class _FusedAttentionOnMeta(torch.overrides.TorchFunctionMode):
-    """Routes `scaled_dot_product_attention` on meta tensors to the fused (flash) kernel's op.
-    On the meta device SDPA always picks the math path, which saves the (B, H, S, S) softmax;
-    the runtime's SDPA runs a fused kernel (flash on CPU and, in bf16, on CUDA; memory-efficient
-    for fp32 on CUDA), which saves q, k, v, the output and a (B, H, S) log-sum-exp: linear in
-    the sequence, as this op's saved tensors are."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and args and \
-                args[0].device.type == "meta":
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                attn_mask=mask, scale=kwargs.get("scale"))
-            return out
-        return func(*args, **kwargs)
-
-
-def _saved_bytes_meta(model, adapter, tokens: int) -> int:
-    """Bytes autograd saves for one block's forward at `tokens` tokens (fp32), measured on the
-    meta device as the runtime counts them (tierlm.activations.saved): per storage, without the
+def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
+    """Bytes autograd saves for one block's forward over `tokens` tokens under `precision`,
+    counted as the runtime counts them (tierlm.activations.saved): per storage, without the
     segment's weights, its boundary input and the micro-batch context (rotary tables, masks),
-    which the step holds anyway; attention through SDPA's fused kernel, so the bytes are linear
-    in the sequence and bytes per token extrapolate to any length."""
-    from tierlm.models.adapters import StepContext
+    which the step holds anyway. The block runs on fake CPU tensors (shapes and dtypes, no
+    memory), so SDPA takes the fused kernel the runtime takes (it saves q, k, v, the output and
+    a (B, H, S) log-sum-exp: linear in the sequence; on the meta device it would take the math
+    path and save the (B, H, S, S) softmax), and bf16 autocast and the precision policy's
+    layers cast as they do in the run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    seg = adapter.segments[1]
-    views = {n: p for n, p, _ in seg.params}
-    x = torch.empty(1, tokens, model.config.hidden_size, device="meta", requires_grad=True)
-    pos = torch.arange(tokens, device="meta").unsqueeze(0)
-    pe = None
-    if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
-        pe = model.model.rotary_emb(x, position_ids=pos)
-    ctx = StepContext(position_ids=pos, masks={"full_attention": None,
-                                               "sliding_attention": None},
-                      position_embeddings=pe)
+    from tierlm.config import PrecisionConfig
+    from tierlm.models import build_model
+    from tierlm.models.adapters import ModelAdapter, StepContext
+    from tierlm.precision import prepare_precision
 
-    def key(t: torch.Tensor) -> int:  # one storage, however many views of it are saved
-        return t.untyped_storage()._cdata
+    model = build_model(config, device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        if precision != "fp32":
+            prepare_precision(model, PrecisionConfig(mode=precision), precision,
+                              torch.device("cpu"), log=lambda line: None)
+        seg = ModelAdapter(model).segments[1]
+        views = {n: p for n, p, _ in seg.params}
+        x = torch.empty(1, tokens, model.config.hidden_size, requires_grad=True)
+        pos = torch.arange(tokens).unsqueeze(0)
+        pe = None
+        if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
+            pe = model.model.rotary_emb(x, position_ids=pos)
+        ctx = StepContext(position_ids=pos, masks={"full_attention": None,
+                                                   "sliding_attention": None},
+                          position_embeddings=pe)
 
-    skip = {key(p) for p in views.values()} | {key(x), key(pos)} | {
-        key(t) for t in (pe or ()) if isinstance(t, torch.Tensor)}
-    seen: dict[int, int] = {}
+        def key(t: torch.Tensor) -> int:  # one storage, however many views of it are saved
+            return t.untyped_storage()._cdata
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.numel() and key(t) not in skip:
-            seen[key(t)] = t.untyped_storage().nbytes()
-        return t
+        skip = {key(p) for p in views.values()} | {key(x), key(pos)} | {
+            key(t) for t in (pe or ()) if isinstance(t, torch.Tensor)}
+        seen: dict[int, int] = {}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedAttentionOnMeta():
-        out = seg.forward(views, x, ctx)
-    del out
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.numel() and key(t) not in skip:
+                seen[key(t)] = t.untyped_storage().nbytes()
+            return t
+
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32"
+                    else contextlib.nullcontext())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            out = seg.forward(views, x, ctx)
+        del out
     return sum(seen.values())
+
+
+@functools.lru_cache(maxsize=32)
+def _saved_per_token_cached(config_json: str, precision: str, tokens: int) -> float:
+    return _saved_bytes_per_token(_CONFIGS[config_json], precision, tokens)
+
+
+_CONFIGS: dict[str, Any] = {}  # the cache's key -> the config it was made from
+
+
+def _saved_bytes_per_token(config: Any, precision: str, tokens: int) -> float:
+    """One block's saved bytes per token: the slope between `tokens` and twice as many, which
+    leaves out what does not grow with the sequence (under bf16 and fp8, the casts of fp32
+    weights: a compute copy of the run's own precision has none)."""
+    short = _fake_block_saved_bytes(config, precision, tokens)
+    return (_fake_block_saved_bytes(config, precision, 2 * tokens) - short) / tokens
+
+
+def block_saved_bytes_per_token(config: Any, precision: str, tokens: int = 128) -> float:
+    """`_saved_bytes_per_token`, remembered per (model config, precision)."""
+    key = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+    _CONFIGS[key] = config
+    return _saved_per_token_cached(key, precision, tokens)
 
 
 @dataclass(frozen=True)
@@ -712,8 +744,8 @@ def activation_workspace_bytes(shape: ModelShape, train: TrainShape, keep: list[
     """Device bytes of activations outside the ledger at their peak over one step: segments
     that `keep` their graph hold one block's saved tensors per micro-batch in flight, the others
     recompute theirs in the backward (`full`); the head's chunked loss runs in between. One
-    block's saved tensors are linear in the tokens (SDPA's fused kernel); under bf16 and fp8
-    they are counted at 2 bytes an element."""
+    block's saved tensors are linear in the tokens (SDPA's fused kernel), measured under the
+    run's precision."""
     from tierlm.activations.dynamic import (
         SegmentCosts,
         activation_peak_bytes,
@@ -721,9 +753,7 @@ def activation_workspace_bytes(shape: ModelShape, train: TrainShape, keep: list[
     )
 
     tokens = train.batch_size * train.seq_len
-    bytes_per_elem = 2 if train.precision in ("bf16", "fp8") else 4  # fp8: bf16 activations
-    block = SegmentCosts(int(shape.block_saved_bytes_per_token * tokens * bytes_per_elem / 4),
-                         0, 0)
+    block = SegmentCosts(int(shape.saved_bytes_per_token(train.precision) * tokens), 0, 0)
     costs = [SegmentCosts(0, 0, 0)] + [block] * (len(keep) - 1)  # embed saves token ids only
     policies = ["keep" if k else "full" for k in keep]
     head = head_workspace_bytes(shape.head_chunk_tokens, shape.vocab_size, tokens,
