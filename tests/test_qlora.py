@@ -303,7 +303,8 @@ def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
         value, unit = row[5 + 2 * k], row[6 + 2 * k]
         return float(value) * {"GiB": 1, "MiB": 2**-10, "KiB": 2**-20}[unit]
 
-    # the NF4 base: less held off the device and less peak on it than LoRA's fp32 base
-    assert gib(rows["qlora"], 2) + gib(rows["qlora"], 3) < gib(rows["lora"], 2) + gib(
-        rows["lora"], 3)
+    # the NF4 base: less held over all tiers (device total, host, disk) and less peak on the
+    # device than LoRA's fp32 base (where both fit the device whole, the device total differs)
+    held = {m: sum(gib(rows[m], k) for k in (1, 2, 3)) for m in ("lora", "qlora")}
+    assert held["qlora"] < held["lora"]
     assert gib(rows["qlora"], 0) <= gib(rows["lora"], 0)
