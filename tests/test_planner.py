@@ -461,3 +461,27 @@ def test_one_long_sequence_plans_on_a_24gb_card():
     short = over.device_total_bytes - usable_budgets(small)["device"]
     text = "; ".join(over.problems)
     assert f"{short:,} bytes" in text and "--context-parallel 2" in text
+
+
+def test_dynamic_under_auto_spends_what_the_plan_leaves(tmp_path):
+    """`--offload-policy auto --grad-checkpointing dynamic`: `dynamic` gets the plan's device
+    budget less the plan's ledger peak (before, it got none and kept every graph, past the
+    budget), and the step's device peak with activations is the plan's prediction."""
+    from tierlm.config import from_dict
+    from tierlm.train import Trainer
+
+    budget = 5 * 2**20
+    cfg = from_dict({
+        "model": {"size": "tiny"}, "data": {"seq_len": 128, "vocab_size": 512},
+        "train": {"max_steps": 1, "batch_size": 2, "eval_batches": 1, "eval_every": 0},
+        "memory": {"offload_policy": "auto", "device_budget": str(budget), "hardware": "cpu"},
+        "activations": {"policy": "dynamic"},
+        "run": {"out": str(tmp_path), "device": "cpu"},
+    })
+    t = Trainer(cfg, log=lambda _m: None)
+    assert "full" in t.stepper.activation_policies  # not everything fits as a kept graph
+    t.train()
+    peak = t.stepper.ledger.step_peak_device_total_bytes
+    t.stepper.close()
+    assert peak <= t.plan.budgets["device"] < budget
+    assert peak == t.plan.device_total_bytes

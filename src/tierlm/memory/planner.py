@@ -1135,7 +1135,7 @@ def _what_would_fit(shape, train, hw, p: Plan, budgets) -> list[str]:
         need = gib(p.device_total_bytes / (1 - SAFETY_MARGIN))
         hints.append(f"a device budget of at least {need}")
         if train.precision == "fp32":
-            hints.append("--precision bf16 (halves the activation workspace)")
+            hints.append("--precision bf16 (smaller activations)")
         if p.workspace_bytes > b["device"] // 4:  # a long sequence: share it over ranks
             cp = 2 * train.context_parallel
             row = train.seq_len * train.context_parallel

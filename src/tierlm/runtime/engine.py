@@ -108,6 +108,9 @@ class EngineOptions:
     """Regex of segment names whose compute weights stay on the device."""
     device_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
+    activation_budget_bytes: int | None = None
+    """Device bytes `dynamic` may spend on activations beyond what the ledger holds (a plan's
+    device budget less its ledger peak); None: the device budget less the placement."""
     offload_dir: str | None = None
     placements: list[SegmentPlacement] | None = None
     """A placement per segment chosen by the planner; None: derive it from `policy`."""
@@ -131,7 +134,8 @@ class EngineOptions:
     device, or in host RAM (copied there as it is produced, dropped from the device once the
     segment's forward has read it, brought back for its backward). On host, layer-outer holds
     two segments' micro-batches on the device instead of every segment's. Needs the `full`
-    activation policy: a kept graph would pin the input on the device anyway."""
+    activation policy, or `dynamic`, which parks the inputs of the segments it recomputes: a
+    kept graph pins its input on the device."""
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     check_placement: Callable[[PlacementReport], None] = lambda report: None
     """Called with the placement before anything is allocated or written (the trainer's
@@ -300,12 +304,14 @@ class Engine(Stepper):
         )
         options.check_placement(self.report)
         budget = options.device_budget_bytes
+        activation_budget = options.activation_budget_bytes if (
+            options.activation_budget_bytes is not None) else (
+            None if budget is None else budget - self.report.device_bytes + reserve)
         self.activation_policies: list[str] = resolve_policies(
             acts.policy, acts.overrides, [s.name for s in segs[:-1]],
             [p.resident for p in self.report.placements[:-1]],
             fallback=acts.dynamic_fallback, costs=costs, in_flight=in_flight,
-            budget_bytes=None if budget is None else budget - self.report.device_bytes + reserve,
-            head_bytes=head_bytes, boundary_bytes=boundary_bytes,
+            budget_bytes=activation_budget, head_bytes=head_bytes, boundary_bytes=boundary_bytes,
         )
         self.activation_costs = costs  # measured per-segment bytes (dynamic only)
         self.activation_head_bytes = head_bytes  # the head's predicted activation peak

@@ -141,9 +141,10 @@ def make_plan(
         hw,
         device_budget=parse_bytes(mem.device_budget) if mem.device_budget else None,
         host_budget=parse_bytes(mem.host_budget) if mem.host_budget else None,
-        # parked boundaries need every segment to recompute (--boundary-activations)
-        park_boundaries=cfg.activations.policy in ("none", "full")
-        and not cfg.activations.overrides,
+        # parked boundaries need every segment to recompute (--boundary-activations), or
+        # `dynamic`, which parks the inputs of the segments it recomputes
+        park_boundaries=cfg.activations.policy == "dynamic" or (
+            cfg.activations.policy in ("none", "full") and not cfg.activations.overrides),
     )
     return p, shape, train
 

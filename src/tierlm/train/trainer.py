@@ -224,6 +224,8 @@ def build_stepper(
         if cfg.activations.policy == "none" and not cfg.activations.overrides:
             options.activations = None  # keep or recompute resident segments as planned
         options.device_budget_bytes = options.host_budget_bytes = None
+        if cfg.activations.policy == "dynamic":  # without a budget it would keep every graph
+            options.activation_budget_bytes = plan.budgets["device"] - plan.device_peak_bytes
     return Engine(model, cfg.optim, options, device=device, initial_weights=initial_weights)
 
 
