@@ -863,9 +863,13 @@ def lora_of(cfg: Config) -> LoraConfig | None:
     return cfg.lora if cfg.train.finetune in ("lora", "qlora") else None
 
 
-def base_format_of(cfg: Config) -> str:
-    """How the frozen base is held and streamed: nf4 under --finetune qlora, else fp32."""
-    return "nf4" if cfg.train.finetune == "qlora" else "fp32"
+def base_format_of(cfg: Config, precision: str) -> str:
+    """How the frozen base is held and streamed (tierlm.models.frozen), given the resolved
+    compute `precision`: nf4 under --finetune qlora (decoded to what the layers compute in),
+    its bf16 compute copy under --finetune lora in bf16, else fp32."""
+    if cfg.train.finetune == "qlora":
+        return "nf4"
+    return "bf16" if cfg.train.finetune == "lora" and precision == "bf16" else "fp32"
 
 
 def uses_tiered_runtime(cfg: Config) -> bool:

@@ -105,7 +105,8 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
         from tierlm.train.planning import hardware_for, train_shape
 
         shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
-                                       base_format=base_format_of(cfg))
+                                       base_format=base_format_of(cfg, precision),
+                                       precision=precision)
         return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
     return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)
