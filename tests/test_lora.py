@@ -254,6 +254,33 @@ def _run_cfg(tmp_path, out, policy, **train):
     })
 
 
+def test_bf16_run_reference_trainer_equals_runtime_and_writes_the_adapter(tmp_path):
+    """`tierlm train --finetune lora --precision bf16`: the reference trainer (its base in RAM
+    stored as bf16) and the runtime (host base) train the same adapters bit for bit, and the
+    run writes RUN_DIR/adapter for peft's layers under the precision policy."""
+    from tierlm.train.trainer import Trainer
+
+    src = tmp_path / "src"
+    build_model(tiny_hf_configs(vocab_size=300)["llama_tied_gqa"], seed=0).save_pretrained(src)
+    train_bpe_tokenizer([TEXT], vocab_size=300).save_pretrained(src)
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    adapters = {}
+    for policy in ("none", "host"):
+        cfg = _run_cfg(tmp_path, policy, policy, max_steps=2, grad_accum_steps=1)
+        cfg.precision.mode = "bf16"
+        trainer = Trainer(cfg, log=lambda _m: None)
+        if policy == "none":
+            base = trainer.model.model.layers[0].self_attn.q_proj.base_layer.weight
+            assert base.dtype == torch.bfloat16 and not base.requires_grad
+        trainer.train()
+        adapters[policy] = trainer.stepper.weights()
+        trainer.stepper.close()
+        assert (tmp_path / policy / "adapter" / "adapter_model.safetensors").is_file()
+    assert adapters["none"].keys() == adapters["host"].keys()
+    assert all(torch.equal(adapters["none"][k], adapters["host"][k]) for k in adapters["none"])
+    assert any(v.abs().max() > 0 for k, v in adapters["host"].items() if "lora_B" in k)
+
+
 @pytest.mark.parametrize("policy", ["none", "host"])  # the reference trainer; the runtime
 def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(policy, tmp_path):
     from peft import PeftModel

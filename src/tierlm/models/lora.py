@@ -51,9 +51,19 @@ PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
 
 
 def _linear_types() -> tuple[type, ...]:
+    """A linear layer, as built or as the precision policy swapped it (tierlm.precision)."""
     from transformers.pytorch_utils import Conv1D
 
-    return (nn.Linear, Conv1D)
+    from tierlm.precision.linear import PrecisionLinear
+
+    return (nn.Linear, Conv1D, PrecisionLinear)
+
+
+def _stored_transposed(layer: nn.Module) -> bool:
+    """Whether a linear layer's weight is stored (in, out): GPT-2's Conv1D, swapped or not."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(layer, Conv1D) or getattr(layer, "transposed", False) is True
 
 
 def _base(module: nn.Module) -> nn.Module:
@@ -79,14 +89,13 @@ def lora_targets(model: nn.Module, regex: str) -> list[str]:
 def peft_config(model: nn.Module, lora: LoraConfig, base_path: str | None = None):
     """peft's LoraConfig for `model` (GPT-2's Conv1D stores weights (in, out): fan_in_fan_out)."""
     from peft import LoraConfig as PeftLoraConfig
-    from transformers.pytorch_utils import Conv1D
 
     targets = lora_targets(model, lora.targets)
     modules = dict(model.named_modules())
     return PeftLoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=lora.targets, bias="none", task_type="CAUSAL_LM",
-        fan_in_fan_out=any(isinstance(_base(modules[t]), Conv1D) for t in targets),
+        fan_in_fan_out=any(_stored_transposed(_base(modules[t])) for t in targets),
         base_model_name_or_path=base_path,
     )
 
