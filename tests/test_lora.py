@@ -141,9 +141,13 @@ def test_unbuilt_combinations_are_refused():
 BF16_LOSS_REL = 1e-6
 
 
-@pytest.mark.parametrize(("policy", "order"), [("host", "microbatch-outer"),
-                                               ("disk", "layer-outer")])
-def test_tiered_lora_under_bf16_matches_peft_in_bf16(policy, order, tmp_path):
+@pytest.mark.parametrize(("policy", "order", "acts"), [
+    ("host", "microbatch-outer", None),
+    # kept, offloaded and selective graphs over a streamed bf16 base: the stored bf16 views a
+    # graph saves come back from the backward's copy
+    ("disk", "layer-outer", "block.0=offload,block.1=selective,embed=keep"),
+])
+def test_tiered_lora_under_bf16_matches_peft_in_bf16(policy, order, acts, tmp_path):
     """--finetune lora --precision bf16: the base held, streamed and read as bf16 (its compute
     copy alone, no fp32 master), the adapters fp32 with fp32 AdamW state, every matmul under
     the bf16 policy; equal to peft in plain PyTorch doing the same bf16 computation."""
@@ -158,7 +162,8 @@ def test_tiered_lora_under_bf16_matches_peft_in_bf16(policy, order, tmp_path):
     ref_recs, ref_adapters, ref_frozen = bf16_lora_reference(base, steps, lrs, CLIP)
     opts = EngineOptions(policy=policy, microbatch_order=order, grad_clip=CLIP, micro_batches=M,
                          batch_size=2, seq_len=16, offload_dir=str(tmp_path / "offload"),
-                         autocast=bf16_autocast, base_format="bf16")
+                         autocast=bf16_autocast, base_format="bf16",
+                         activations=acts and ActivationConfig(policy="full", overrides=acts))
     eng = Engine(copy.deepcopy(base), OPTIM, opts, device=CPU)
     blocks = eng.states[1:-1]
     # each block's base is its bf16 compute copy and nothing else; embed and head stay fp32

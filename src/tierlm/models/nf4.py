@@ -36,8 +36,11 @@ wraps (`<module>.base_layer.weight`), as QLoRA quantises the frozen linear layer
 biases, embeddings and the head stay fp32. A segment holding any of them gets an `NF4Format`
 (the `compute_format` of runtime/state.py): its state on its tier (device, host RAM or a disk
 file) is these bytes and nothing else (no fp32 master), quantised at load from the fp32 weights
-the streamed loader hands over, one tensor at a time; the stream moves the bytes, and each
-action decodes the segment's weights on the device right before it runs (`NF4Format.flat`).
+the streamed loader hands over, one tensor at a time (tierlm.models.frozen); the stream moves
+the bytes, and each action decodes the segment's weights on the device right before it runs
+(`NF4Format.flat`): into fp32, or in a bf16 run straight into bf16 (a bf16 compute copy, norms
+fp32, read as a streamed bf16 copy is). bf16(decoded) is what a reference computes from the
+round trip cast to bf16: the same fp32 product rounded once.
 """
 
 from __future__ import annotations

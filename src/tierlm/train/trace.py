@@ -124,7 +124,8 @@ def placement_map(engine: Any) -> list[dict[str, Any]]:
             by_class = held.setdefault(str(t), {})
             by_class[str(cls)] = by_class.get(str(cls), 0) + nbytes
 
-        nf4 = st.frozen and st.compute_format is not None  # a QLoRA base: its NF4 bytes only
+        # a frozen base held in its own copy (NF4, or bf16 under --precision bf16) alone
+        nf4 = st.frozen and st.compute_format is not None
         if not nf4:
             add(tier, TensorClass.MASTER, 4 * n)
         if not st.frozen:  # a LoRA run's base is its master alone
