@@ -84,13 +84,14 @@ def bf16_autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def bf16_model(model):
-    """`model` with the bf16 precision policy applied (a peft model's layers swapped too)."""
+def bf16_model(model, fp32_layers: str | None = None):
+    """`model` with the bf16 precision policy applied (a peft model's layers swapped too;
+    `fp32_layers`: --fp32-layers)."""
     from tierlm.config import PrecisionConfig
     from tierlm.precision import prepare_precision
 
-    prepare_precision(model, PrecisionConfig(mode="bf16"), "bf16", torch.device("cpu"),
-                      log=lambda _m: None)
+    prepare_precision(model, PrecisionConfig(mode="bf16", fp32_layers=fp32_layers), "bf16",
+                      torch.device("cpu"), log=lambda _m: None)
     return model
 
 

@@ -127,6 +127,10 @@ def test_unbuilt_combinations_are_refused():
             assert finetune_precision(cfg, PrecisionChoice(mode, why)) == PrecisionChoice(
                 mode, why)
     assert finetune_precision(from_dict({}), PrecisionChoice("fp8")).mode == "fp8"
+    # an fp8-only flag that auto's fp8 would have read is refused once LoRA takes bf16
+    emulate = from_dict({"train": {"finetune": "lora"}, "precision": {"fp8_emulate": True}})
+    with pytest.raises(ConfigError, match=r"--fp8-emulate has no effect under --finetune lora"):
+        finetune_precision(emulate, PrecisionChoice("fp8", "--fp8-emulate on device cpu"))
     with pytest.raises(ConfigError, match=r"--lora.targets 'nothing' matches no linear"):
         apply_lora(tiny_model("llama_tied_gqa"), LoraConfig(targets="nothing"), seed=0)
     with pytest.raises(ConfigError, match=r"--lora.rank: must be > 0"):

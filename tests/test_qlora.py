@@ -162,15 +162,20 @@ def test_tiered_qlora_matches_peft_on_the_round_tripped_base(reference, policy, 
     assert any(not torch.equal(decoded[k], base.get_parameter(k).detach()) for k in names)
 
 
-@pytest.mark.parametrize(("policy", "order"), [("host", "layer-outer"),
-                                               ("none", "microbatch-outer")])
-def test_tiered_qlora_under_bf16_matches_peft_on_the_bf16_round_trip(policy, order, tmp_path):
+@pytest.mark.parametrize(("policy", "order", "fp32_layers"), [
+    ("host", "layer-outer", None),
+    ("none", "microbatch-outer", "lora_"),  # the adapters' matmuls fp32 on bf16 activations
+])
+def test_tiered_qlora_under_bf16_matches_peft_on_the_bf16_round_trip(policy, order, fp32_layers,
+                                                                       tmp_path):
     """--finetune qlora --precision bf16: NF4 bytes on the tier, decoded per action straight
     into bf16 (norms fp32), adapters fp32 with fp32 AdamW state; equal to peft in plain PyTorch
     on the NF4 round trip cast to bf16, under the same bf16 policy and autocast. Written: the
     adapters, gradient norms and base came out bitwise equal, the loss within 2.4e-7 (its
     last bit: the runtime sums micro-batch losses in float64)."""
-    base = bf16_model(_qlora_model())
+    base = bf16_model(_qlora_model(), fp32_layers)
+    adapter = base.model.layers[0].self_attn.q_proj.lora_A["default"]
+    assert adapter.compute.name == ("fp32" if fp32_layers else "bf16")
     steps, lrs = batches(3, M), [OPTIM.lr * (1 - 0.1 * i) for i in range(3)]
     ref_recs, ref_adapters, ref_frozen = bf16_lora_reference(base, steps, lrs, CLIP, nf4=True)
     eng = _engine(copy.deepcopy(base), tmp_path, policy, order, autocast=bf16_autocast)

@@ -9,11 +9,13 @@ import torch
 
 from tierlm.config import (
     Config,
+    ConfigError,
     NotSupportedYet,
     PrecisionConfig,
     base_format_of,
     check_precision_flags,
     lora_of,
+    mode_only_flags,
     parse_bytes,
 )
 from tierlm.memory.hardware import HardwareProfile, resolve
@@ -93,6 +95,10 @@ def finetune_precision(cfg: Config, choice: PrecisionChoice) -> PrecisionChoice:
     if choice.why is None:
         raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision fp8",
                               "use --precision bf16 (or auto)")
+    for flag, modes in mode_only_flags(cfg.precision):  # asked for fp8 only: nothing reads it
+        if "bf16" not in modes:
+            raise ConfigError(f"{flag} has no effect under --finetune {cfg.train.finetune}: it "
+                              f"computes in bf16 at most; drop {flag.split()[0]}")
     return PrecisionChoice("bf16", f"{choice.why}; bf16 at most: --finetune "
                                    f"{cfg.train.finetune} has no fp8 (its frozen base and "
                                    "adapters compute in bf16)")
