@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="every method's (bf16: full's bf16 compute copies, lora's bf16 base, "
+                    "qlora's NF4 decoded to bf16)")
     args = ap.parse_args()
     work = (ROOT / args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -120,7 +123,7 @@ def main() -> None:
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
             "--max-steps", str(args.steps), "--lr", str(lr), "--optim.warmup_steps", "3",
             "--eval-every", "0", "--train.eval_batches", str(args.eval_batches),
-            "--train.sample_tokens", "0", "--precision", "fp32",
+            "--train.sample_tokens", "0", "--precision", args.precision,
             "--offload-policy", args.offload_policy, "--out", str(run), "--device", "cpu",
             "--seed", str(args.seed),
         ], work / f"{method}.log")
@@ -130,7 +133,8 @@ def main() -> None:
     mib = 2**20
     print(f"\nmodel: {model}; text: {text.name} (the held-out plays; tierlm holds out its last "
           f"5%); {args.steps} steps of {args.batch_size} x {args.seq_len} tokens, "
-          f"--offload-policy {args.offload_policy}, fp32, rank {args.rank} (alpha {2 * args.rank})"
+          f"--offload-policy {args.offload_policy}, {args.precision}, rank {args.rank} "
+          f"(alpha {2 * args.rank})"
           "\n")
     print("| method | lr | held-out ppl before | after | device peak MiB | host peak MiB "
           "| peak RSS MiB | step s (median) | checkpoint MiB | adapter MiB |")

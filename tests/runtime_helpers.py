@@ -78,3 +78,39 @@ def assert_same_state(state: dict, ref_state: dict, where: object = None) -> Non
         assert state[k].shape == v.shape, k
         assert (state[k].float() - v.float()).abs().max().item() <= 1e-6 * max(
             1.0, v.float().abs().max().item()), k
+
+
+def bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def bf16_model(model, fp32_layers: str | None = None):
+    """`model` with the bf16 precision policy applied (a peft model's layers swapped too;
+    `fp32_layers`: --fp32-layers)."""
+    from tierlm.config import PrecisionConfig
+    from tierlm.precision import prepare_precision
+
+    prepare_precision(model, PrecisionConfig(mode="bf16", fp32_layers=fp32_layers), "bf16",
+                      torch.device("cpu"), log=lambda _m: None)
+    return model
+
+
+def bf16_lora_reference(base, steps, lrs, clip: float, *, nf4: bool = False):
+    """peft's LoRA model `base` (under the bf16 precision policy) trained in plain PyTorch: the
+    base stored in bf16 where its layers compute in bf16 (under `nf4` its NF4 round trip, then
+    bf16), bf16 autocast. Its step records, adapters and frozen weights (as fp32)."""
+    from tierlm.models.lora import store_frozen_as_computed
+    from tierlm.models.nf4 import quantise_in_place
+    from tierlm.train.reference import ReferenceStep
+
+    model = copy.deepcopy(base)
+    if nf4:
+        quantise_in_place(model)
+    assert store_frozen_as_computed(model) > 0
+    assert {p.dtype for n, p in model.named_parameters() if ".base_layer.weight" in n} == {
+        torch.bfloat16}
+    ref = ReferenceStep(model, OPTIM, grad_clip=clip, device=torch.device("cpu"),
+                        autocast=bf16_autocast)
+    recs = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    frozen = {n: p.detach().float() for n, p in model.named_parameters() if not p.requires_grad}
+    return recs, ref.weights(), frozen

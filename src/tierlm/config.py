@@ -177,9 +177,10 @@ class PrecisionConfig:
     """Compute precision, master weights always fp32: fp32; bf16 (autocast, with embeddings,
     norms and the output head kept in fp32); fp8 (as bf16, plus fp8 matmuls for the attention
     and MLP projections); auto (the default) takes fp8 where the device has fp8 units (CUDA
-    sm_89+, or with --fp8-emulate; bf16 at most under --backend fsdp), else bf16 where it
-    computes bf16 natively, else fp32 (a CPU); `tierlm plan` resolves it against the
-    --hardware profile. The run logs and saves what auto resolved to (--precision)."""
+    sm_89+, or with --fp8-emulate; bf16 at most under --backend fsdp or --finetune
+    lora/qlora), else bf16 where it computes bf16 natively, else fp32 (a CPU); `tierlm plan`
+    resolves it against the --hardware profile. The run logs and saves what auto resolved to
+    (--precision)."""
     fp8_scaling: Literal["dynamic", "delayed", "fixed"] = "dynamic"
     """How fp8 activations and gradients are scaled before the cast: dynamic (by the tensor's
     current amax), delayed (by the largest amax of the last fp8_history steps) or fixed
@@ -866,9 +867,13 @@ def lora_of(cfg: Config) -> LoraConfig | None:
     return cfg.lora if cfg.train.finetune in ("lora", "qlora") else None
 
 
-def base_format_of(cfg: Config) -> str:
-    """How the frozen base is held and streamed: nf4 under --finetune qlora, else fp32."""
-    return "nf4" if cfg.train.finetune == "qlora" else "fp32"
+def base_format_of(cfg: Config, precision: str) -> str:
+    """How the frozen base is held and streamed (tierlm.models.frozen), given the resolved
+    compute `precision`: nf4 under --finetune qlora (decoded to what the layers compute in),
+    its bf16 compute copy under --finetune lora in bf16, else fp32."""
+    if cfg.train.finetune == "qlora":
+        return "nf4"
+    return "bf16" if cfg.train.finetune == "lora" and precision == "bf16" else "fp32"
 
 
 def uses_tiered_runtime(cfg: Config) -> bool:

@@ -86,10 +86,14 @@ class ModelShape:
     trained_numel: int = 0
     trained_optim_bytes: int = 0
     lora: Any = None  # its tierlm.config.LoraConfig
-    # --finetune qlora: per segment, the bytes of its base in NF4 (tierlm.models.nf4: the
-    # adapted layers' weights in NF4, the rest fp32), which is all its state and the copy it
-    # streams in; None where a segment has no NF4 weight (its base is an fp32 master)
-    nf4_bytes: list[int | None] | None = None
+    # --finetune qlora, or lora under bf16: per segment, the bytes of its frozen base's own
+    # copy (tierlm.models.frozen: the adapted layers' weights in NF4, or the blocks' linear
+    # weights in bf16; the rest fp32), which is all its state and the copy it streams in; None
+    # where a segment has none (its base is an fp32 master)
+    base_bytes: list[int | None] | None = None
+    # per segment, the bytes an action decodes its base copy into (an NF4 base's: fp32, or its
+    # bf16 compute copy under bf16), outside the ledger; None: read where it lies
+    base_decoded_bytes: list[int] | None = None
     # the model's config, to measure what one block saves under bf16 and fp8 (None: half the
     # fp32 bytes)
     model_config: Any = field(default=None, compare=False, repr=False)
@@ -108,8 +112,8 @@ class ModelShape:
     def state_bytes(self, s: int) -> int:
         """Segment `s`'s master, gradient and optimizer state: what its state tier holds."""
         if self.frozen:
-            # a QLoRA segment's state is its NF4 copy, counted as its compute copy (wire_bytes)
-            return 0 if self.nf4(s) is not None else MASTER_B * self.numels[s]
+            # a base held in its own copy: counted as its compute copy (wire_bytes)
+            return 0 if self.base_copy(s) is not None else MASTER_B * self.numels[s]
         return (MASTER_B + GRAD_B) * self.numels[s] + self.optim_state_bytes[s]
 
     def update_state_bytes(self, s: int) -> int:
@@ -146,16 +150,18 @@ class ModelShape:
         return update_staging_bytes(self.numels[s], staged, whole=self.optim_whole,
                                     chunk_numel=chunk_numel)
 
-    def nf4(self, s: int) -> int | None:
-        """Segment `s`'s NF4 bytes under --finetune qlora (None: fp32)."""
-        return None if self.nf4_bytes is None else self.nf4_bytes[s]
+    def base_copy(self, s: int) -> int | None:
+        """Segment `s`'s frozen base copy bytes (NF4 or bf16; None: an fp32 master)."""
+        return None if self.base_bytes is None else self.base_bytes[s]
 
     @classmethod
     def from_config(cls, config: Any, *, probe_tokens: int = 256, optim: Any = None,
-                    lora: Any = None, base_format: str = "fp32") -> ModelShape:
+                    lora: Any = None, base_format: str = "fp32",
+                    precision: str = "fp32") -> ModelShape:
         """`optim`: the run's tierlm.config.OptimConfig (None: the default, AdamW); `lora`:
         its tierlm.config.LoraConfig under --finetune lora or qlora (None: full fine-tuning);
-        `base_format`: nf4 under --finetune qlora."""
+        `base_format`: how its frozen base is held (tierlm.config.base_format_of: fp32, bf16
+        or nf4); `precision`: what it computes in (an NF4 base is decoded to it)."""
         from tierlm.config import OptimConfig
         from tierlm.memory.layout import FlatLayout
         from tierlm.models import build_model
@@ -171,10 +177,11 @@ class ModelShape:
         )
         saved = block_saved_bytes_per_token(config, "fp32", probe_tokens)
         trained = _lora_layout(model, lora) if lora is not None else None
-        nf4 = _nf4_bytes(model, layouts, lora) if lora is not None and base_format == "nf4" \
-            else None
+        base, decoded = (_base_bytes(model, layouts, lora, base_format, precision)
+                         if lora is not None and base_format != "fp32" else (None, None))
         return cls(
-            nf4_bytes=nf4,
+            base_bytes=base,
+            base_decoded_bytes=decoded,
             lora=lora,
             frozen=trained is not None,
             trained_numel=trained.numel if trained else 0,
@@ -212,9 +219,9 @@ class ModelShape:
         device (tierlm.precision.streaming): block matmul weights in bf16 (2 bytes) or fp8 (1
         byte + a scale), norms and biases in fp32 (the runtime's padding of each entry to 16
         bytes aside). None where the fp32 master itself is used: fp32 runs, and the embeddings and
-        head (sensitive, fp32). A QLoRA base's segment: its NF4 bytes."""
-        if self.nf4(s) is not None:
-            return self.nf4(s)
+        head (sensitive, fp32). A frozen base held in its own copy: that copy's bytes."""
+        if self.base_copy(s) is not None:
+            return self.base_copy(s)
         if precision not in ("bf16", "fp8") or s in (0, len(self.numels) - 1):
             return None
         n = self.numels[s]
@@ -253,17 +260,38 @@ def _lora_layout(model, lora):
     return FlatLayout(shapes)
 
 
-def _nf4_bytes(model, layouts, lora) -> list[int | None]:
-    """Per segment, the bytes tierlm.models.nf4.NF4Base holds its base in: NF4 for the targets'
-    weights (a multiple of 64 elements), fp32 for the rest; None for a segment without one."""
+def _base_bytes(model, layouts, lora, base_format: str,
+                precision: str) -> tuple[list[int | None], list[int]]:
+    """Per segment, the bytes tierlm.models.frozen.FrozenBase holds its base in (None for a
+    segment it leaves an fp32 master) and the bytes an action decodes it into: NF4 for the
+    targets' weights (a multiple of 64 elements), or bf16 for every linear weight the default
+    precision policy computes in bf16 (the blocks'), fp32 for the rest."""
+    from tierlm.config import PrecisionConfig
     from tierlm.models.lora import lora_targets
     from tierlm.models.nf4 import BLOCK, NF4Format
+    from tierlm.precision.policy import classify
+    from tierlm.precision.streaming import ComputeFormat
 
     params = dict(model.named_parameters())
-    quantised = {f"{t}.weight" for t in lora_targets(model, lora.targets)}
-    quantised = {n for n in quantised if n in params and params[n].numel() % BLOCK == 0}
-    return [NF4Format(lay, quantised).nbytes if {s.name for s in lay.slots} & quantised
-            else None for lay in layouts]
+    kind_of: dict[str, str] = {}
+    if precision == "bf16":  # what slot_kinds reads off the precision layers, by name
+        for c in classify(model, PrecisionConfig(mode="bf16"), "bf16"):
+            if c.is_linear and c.compute == "bf16":
+                kind_of.update({f"{c.name}.weight": "bf16", f"{c.name}.bias": "bf16"})
+    base, decoded = [], []
+    for lay in layouts:
+        kinds = [kind_of.get(s.name, "fp32") for s in lay.slots]
+        compute = ComputeFormat(lay, kinds).nbytes if "bf16" in kinds else 4 * lay.numel
+        if base_format == "nf4":
+            quantised = {f"{t}.weight" for t in lora_targets(model, lora.targets)}
+            quantised = {n for n in quantised if n in params and params[n].numel() % BLOCK == 0}
+            nf4 = {s.name for s in lay.slots} & quantised
+            base.append(NF4Format(lay, quantised).nbytes if nf4 else None)
+            decoded.append(compute if nf4 else 0)
+        else:
+            base.append(compute if "bf16" in kinds else None)
+            decoded.append(0)
+    return base, decoded
 
 
 def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
@@ -550,9 +578,9 @@ def _simulate(
     h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
 
     def allocate_state(tier: Tier, s: int) -> None:
-        if shape.nf4(s) is not None:  # a QLoRA base's NF4 bytes: off the device, its `wire`
+        if shape.base_copy(s) is not None:  # a frozen base's own copy: off the device, `wire`
             if tier == Tier.DEVICE:
-                ledger.allocate(tier, TensorClass.COMPUTE, shape.nf4(s))
+                ledger.allocate(tier, TensorClass.COMPUTE, shape.base_copy(s))
             return
         ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
         if not frozen:
@@ -733,9 +761,8 @@ def _simulate(
     # flight, then the larger of the head (its input, its gradient and one chunk of logits) and
     # one recomputed block's saved tensors during the backward
     workspace = activation_workspace_bytes(shape, train, keep[:last], order)
-    # a QLoRA segment's action decodes its NF4 weights into fp32 of its own
-    decoded = max((4 * numels[s] for s in range(n_segs) if shape.nf4(s) is not None), default=0)
-    workspace += decoded
+    # a QLoRA segment's action decodes its NF4 weights into a buffer of its own
+    workspace += max(shape.base_decoded_bytes or [0])
     return ledger, workspace, update_staging
 
 

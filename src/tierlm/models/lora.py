@@ -21,6 +21,13 @@ the tiered runtime quantises them at load and decodes them on the device per act
 RAM (the reference trainer's) gets them replaced by their NF4 round trip here, so both compute
 with the same values. Its adapter loads on that round-tripped base, and its export merges the
 adapters into it.
+
+Under --precision bf16 the precision policy swaps peft's layers as any others (the base layer
+and both adapters of a target become bf16 `PrecisionLinear`s inside peft's `lora.Linear`), so the
+adapters' matmuls run under full training's bf16 policy: bf16 operands, fp32 gradients for the
+adapters' fp32 masters (their AdamW state fp32 too). The frozen base is held as its layers read
+it: bf16 for the blocks' linear layers (NF4 decoded to bf16 under qlora), by the runtime
+(tierlm.models.frozen) and, in RAM, by `store_frozen_as_computed`.
 """
 
 from __future__ import annotations
@@ -44,9 +51,19 @@ PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
 
 
 def _linear_types() -> tuple[type, ...]:
+    """A linear layer, as built or as the precision policy swapped it (tierlm.precision)."""
     from transformers.pytorch_utils import Conv1D
 
-    return (nn.Linear, Conv1D)
+    from tierlm.precision.linear import PrecisionLinear
+
+    return (nn.Linear, Conv1D, PrecisionLinear)
+
+
+def _stored_transposed(layer: nn.Module) -> bool:
+    """Whether a linear layer's weight is stored (in, out): GPT-2's Conv1D, swapped or not."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(layer, Conv1D) or getattr(layer, "transposed", False) is True
 
 
 def _base(module: nn.Module) -> nn.Module:
@@ -72,14 +89,13 @@ def lora_targets(model: nn.Module, regex: str) -> list[str]:
 def peft_config(model: nn.Module, lora: LoraConfig, base_path: str | None = None):
     """peft's LoraConfig for `model` (GPT-2's Conv1D stores weights (in, out): fan_in_fan_out)."""
     from peft import LoraConfig as PeftLoraConfig
-    from transformers.pytorch_utils import Conv1D
 
     targets = lora_targets(model, lora.targets)
     modules = dict(model.named_modules())
     return PeftLoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=lora.targets, bias="none", task_type="CAUSAL_LM",
-        fan_in_fan_out=any(isinstance(_base(modules[t]), Conv1D) for t in targets),
+        fan_in_fan_out=any(_stored_transposed(_base(modules[t])) for t in targets),
         base_model_name_or_path=base_path,
     )
 
@@ -233,6 +249,26 @@ def prepare_finetune(
 
         quantise_in_place(model)
     return LoraFinetune(model, lora, base_path), LoraWeights(initial_weights, adapters)
+
+
+def store_frozen_as_computed(model: nn.Module) -> int:
+    """A LoRA model in RAM (the reference trainer's): every frozen weight and bias a bf16
+    precision layer reads (tierlm.precision: the blocks' linear layers under --precision bf16)
+    stored in bf16, as the tiered runtime holds its base: the values the layer's cast gives,
+    in half the memory. Parameters on the meta device (a skeleton) are left alone. Returns the
+    bytes saved."""
+    from tierlm.precision.linear import PrecisionLinear
+
+    saved = 0
+    for m in model.modules():
+        if not isinstance(m, PrecisionLinear) or m.compute.name != "bf16":
+            continue
+        for p in (m.weight, m.bias):
+            if p is not None and not p.requires_grad and not p.is_meta \
+                    and p.dtype == torch.float32:
+                p.data = p.data.to(torch.bfloat16)
+                saved += 2 * p.numel()
+    return saved
 
 
 # -- the merged export --------------------------------------------------------------------------

@@ -36,20 +36,19 @@ wraps (`<module>.base_layer.weight`), as QLoRA quantises the frozen linear layer
 biases, embeddings and the head stay fp32. A segment holding any of them gets an `NF4Format`
 (the `compute_format` of runtime/state.py): its state on its tier (device, host RAM or a disk
 file) is these bytes and nothing else (no fp32 master), quantised at load from the fp32 weights
-the streamed loader hands over, one tensor at a time; the stream moves the bytes, and each
-action decodes the segment's weights on the device right before it runs (`NF4Format.flat`).
+the streamed loader hands over, one tensor at a time (tierlm.models.frozen); the stream moves
+the bytes, and each action decodes the segment's weights on the device right before it runs
+(`NF4Format.flat`): into fp32, or in a bf16 run straight into bf16 (a bf16 compute copy, norms
+fp32, read as a streamed bf16 copy is). bf16(decoded) is what a reference computes from the
+round trip cast to bf16: the same fp32 product rounded once.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tierlm.memory.layout import FlatLayout
-from tierlm.memory.store import Store
-from tierlm.memory.tiers import TensorClass, Tier
 
 BLOCK = 64  # weights per first-level (absmax) scale
 SCALE_BLOCK = 256  # first-level scales per second-level (fp32) step
@@ -169,12 +168,18 @@ def quantise_in_place(model: nn.Module) -> None:
 class NF4Format:
     """A frozen segment's weights as one byte buffer: NF4 for the `quantised` parameters, fp32
     for the rest, each entry 16-byte aligned. Stands where runtime/state.py's `compute_format`
-    stands: `nbytes`, `flat` (the decoded flat weights of one action) and `views`."""
+    stands: `nbytes`, `flat` (the decoded weights of one action) and `views`.
+
+    `kinds`: the dtype each slot computes in (tierlm.precision.streaming.slot_kinds); None or
+    all fp32: decoded into one flat fp32 buffer read through plain views. Otherwise (a bf16
+    run) decoded into a `ComputeFormat` buffer of those kinds (the NF4 weights straight into
+    bf16, the norms fp32), read through its views as a streamed bf16 compute copy is."""
 
     def __init__(self, layout: FlatLayout, quantised: set[str],
-                 dtype: torch.dtype = torch.float32) -> None:
+                 kinds: list[str] | None = None) -> None:
+        from tierlm.precision.streaming import ComputeFormat
+
         self.layout = layout
-        self.dtype = dtype  # what the matmuls read: the run's compute dtype
         self.entries: list[tuple[int, int, int, bool]] = []  # (offset, numel, byte offset, nf4)
         nbytes = 0
         for slot in layout.slots:
@@ -184,6 +189,10 @@ class NF4Format:
             nbytes += -(-size // ALIGN) * ALIGN
         self.nbytes = nbytes
         self.kinds = ["nf4" if nf4 else "fp32" for *_, nf4 in self.entries]
+        mixed = kinds is not None and any(k != "fp32" for k in kinds)
+        self.decoded = ComputeFormat(layout, kinds) if mixed else None
+        # the buffer each action decodes into (outside the ledger)
+        self.decoded_nbytes = 4 * layout.numel if self.decoded is None else self.decoded.nbytes
 
     def encode_slot(self, k: int, values: torch.Tensor, wire: torch.Tensor) -> None:
         """Write slot `k`'s fp32 `values` (its numel) into the copy `wire` (uint8, host)."""
@@ -198,101 +207,41 @@ class NF4Format:
         for k, (offset, numel, _, _) in enumerate(self.entries):
             self.encode_slot(k, master.narrow(0, offset, numel), wire)
 
-    def flat(self, copy: torch.Tensor) -> torch.Tensor:
-        """The segment's flat weights decoded from its copy `copy` (uint8, on the device) into
-        a buffer of this action's own: NF4 entries block by block, fp32 ones copied."""
-        out = torch.empty(self.layout.numel, dtype=self.dtype, device=copy.device)
-        for offset, numel, at, nf4 in self.entries:
-            dst = out.narrow(0, offset, numel)
+    def _decode_into(self, copy: torch.Tensor, dst_of) -> None:
+        """Decode every entry of `copy` into `dst_of(k, offset, numel)` (a flat tensor of the
+        entry's decoded dtype): NF4 entries block by block, fp32 ones copied (rounded to the
+        destination's dtype)."""
+        for k, (offset, numel, at, nf4) in enumerate(self.entries):
+            dst = dst_of(k, offset, numel)
             if nf4:
-                dequantise(copy[at : at + nf4_nbytes(numel)], numel, self.dtype, out=dst)
+                dequantise(copy[at : at + nf4_nbytes(numel)], numel, dst.dtype, out=dst)
             else:
                 dst.copy_(copy[at : at + 4 * numel].view(torch.float32))
-        return out
+
+    def flat(self, copy: torch.Tensor) -> torch.Tensor:
+        """The segment's flat weights decoded from its copy `copy` (uint8, on the device) into
+        a buffer of this action's own."""
+        if self.decoded is None:
+            out = torch.empty(self.layout.numel, dtype=torch.float32, device=copy.device)
+            self._decode_into(copy, lambda k, offset, numel: out.narrow(0, offset, numel))
+            return out
+        fmt = self.decoded
+        buf = torch.empty(fmt.nbytes, dtype=torch.uint8, device=copy.device)
+        self._decode_into(copy, lambda k, offset, numel: fmt.slot_view(buf, k))
+        return fmt.flat(buf)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.layout.views(flat)
+        return (self.layout.views(flat) if self.decoded is None else self.decoded.views(flat))
 
-
-class NF4Base:
-    """--finetune qlora's frozen base in the tiered runtime, in place of
-    tierlm.precision.streaming.ComputeCopies: every segment holding a quantised parameter keeps
-    its weights as NF4 bytes on its tier (`init_state`), the rest as LoRA's fp32 master."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.quantised = quantised_names(model)
-        self.enabled = False  # formats never change after load: the stream cache keeps its size
-        if not self.quantised:
-            raise ValueError("--finetune qlora: no LoRA-wrapped weight to quantise (a multiple "
-                             f"of {BLOCK} elements); check --lora.targets")
-
-    def format_of(self, layout: FlatLayout) -> NF4Format | None:
-        names = {s.name for s in layout.slots}
-        return NF4Format(layout, self.quantised) if names & self.quantised else None
-
-    def layout_nbytes(self, layout: FlatLayout) -> int:
-        """Bytes a segment of flat layout `layout` holds and streams its weights in."""
-        fmt = self.format_of(layout)
-        return 4 * layout.numel if fmt is None else fmt.nbytes
-
-    def nbytes(self, st) -> int:
-        return st.device_nbytes()
-
-    def choose_format(self, st) -> None:
-        st.compute_format = self.format_of(st.layout)
-
-    def attach(self, store: Store, st) -> None:
-        """Nothing: `init_state` put the bytes in place."""
-
-    def refresh(self, store: Store, st, master: torch.Tensor) -> None:
-        """Nothing: the base is never updated."""
-
-    def init_state(self, store: Store, st, fill: Callable[[torch.Tensor, int], object],
-                   optim_device: torch.device, ranges: list[tuple[int, int]]) -> None:
-        """runtime.state.init_state for a frozen segment: NF4 bytes on its tier, quantised at
-        load one parameter at a time (`fill(out, lo)` packs the fp32 elements from `lo`), so
-        host RAM holds one tensor in fp32 on the way, never the segment."""
-        fmt: NF4Format | None = st.compute_format
-        if fmt is None:
-            from tierlm.runtime.state import init_state
-
-            init_state(store, st, fill, optim_device, ranges)
-            return
-        host = st.tier == Tier.HOST
-        wire = store.alloc(Tier.HOST, TensorClass.COMPUTE if host else TensorClass.STAGING,
-                           fmt.nbytes, dtype=torch.uint8)
-        wire.zero_()  # alignment padding: the file's bytes are deterministic
-        largest = max(numel for _, numel, _, _ in fmt.entries)
-        values = store.alloc(Tier.HOST, TensorClass.STAGING, largest)
-        for k, (offset, numel, _, _) in enumerate(fmt.entries):
-            fmt.encode_slot(k, fill(values[:numel], offset), wire)
-        store.free(Tier.HOST, TensorClass.STAGING, values)
-        if host:
-            st.wire = wire  # streamed from here (runtime.state.WireLoad)
-        elif st.tier == Tier.DISK:
-            store.write_file(st.file("compute"), wire, TensorClass.COMPUTE).result()
-        if st.tier == Tier.DEVICE or st.placement.resident:
-            st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, fmt.nbytes,
-                                            dtype=torch.uint8)
-            store.wait(store.to_device(st.device_weights, wire, st.seg.name))
-            if st.device_weights.device.type == "cuda":
-                torch.cuda.current_stream(st.device_weights.device).synchronize()
-        if not host:
-            store.free(Tier.HOST, TensorClass.STAGING, wire)
-
-    def weights(self, store: Store, st) -> dict[str, torch.Tensor]:
-        """The decoded weights of frozen segment `st` by parameter name (CPU, fp32)."""
-        fmt: NF4Format = st.compute_format
-        if st.device_weights is not None:
-            copy = st.device_weights.to("cpu")
-        elif st.wire is not None:
-            copy = st.wire
-        else:
-            staging = store.alloc(Tier.HOST, TensorClass.STAGING, fmt.nbytes, dtype=torch.uint8)
-            store.read_file(st.file("compute"), staging).result()
-            copy = staging.clone()
-            store.free(Tier.HOST, TensorClass.STAGING, staging)
-        return {n: v.clone() for n, v in fmt.views(fmt.flat(copy)).items()}
+    def decode(self, copy: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values the matmuls read, by parameter name, widened to fp32 (CPU tensors of
+        their own)."""
+        copy = copy.to("cpu")
+        if self.decoded is None:
+            return {n: v.clone() for n, v in self.layout.views(self.flat(copy)).items()}
+        buf = torch.empty(self.decoded.nbytes, dtype=torch.uint8)
+        self._decode_into(copy, lambda k, offset, numel: self.decoded.slot_view(buf, k))
+        return self.decoded.decode(buf)
 
 
 def bits_per_parameter(numel: int) -> float:
@@ -300,6 +249,6 @@ def bits_per_parameter(numel: int) -> float:
     return 8 * nf4_nbytes(numel) / numel
 
 
-__all__ = ["BLOCK", "SCALE_BLOCK", "NF4Base", "NF4Format", "bits_per_parameter", "dequantise",
+__all__ = ["BLOCK", "SCALE_BLOCK", "NF4Format", "bits_per_parameter", "dequantise",
            "dequantised_scales", "nf4_levels", "nf4_nbytes", "quantise", "quantise_in_place",
            "quantised_names", "round_trip"]

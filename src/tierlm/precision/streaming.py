@@ -91,16 +91,34 @@ class ComputeFormat:
 
     def encode(self, master: torch.Tensor, wire: torch.Tensor) -> None:
         """Fill the compute copy `wire` (uint8, on the host) from the flat fp32 `master`."""
-        inv = wire[self.scales_offset : self.nbytes].view(torch.float32)
-        for e in self.entries:
-            src = master.narrow(0, e.offset, e.numel)
-            dst = self._slice(wire, e)
-            if e.kind != "e4m3":
-                dst.copy_(src)
-                continue
-            scale = dynamic_scale(E4M3, src.abs().amax())  # what the layer would choose
-            dst.copy_((src * scale).clamp_(-E4M3.max, E4M3.max))
-            inv[e.scale_index] = scale.reciprocal()
+        for k, e in enumerate(self.entries):
+            self.encode_slot(k, master.narrow(0, e.offset, e.numel), wire)
+
+    def encode_slot(self, k: int, values: torch.Tensor, wire: torch.Tensor) -> None:
+        """Write slot `k`'s fp32 `values` (its numel) into the compute copy `wire` (a frozen
+        base is encoded one tensor at a time as the loader hands it over)."""
+        e = self.entries[k]
+        src = values.reshape(-1)
+        dst = self._slice(wire, e)
+        if e.kind != "e4m3":
+            dst.copy_(src)
+            return
+        scale = dynamic_scale(E4M3, src.abs().amax())  # what the layer would choose
+        dst.copy_((src * scale).clamp_(-E4M3.max, E4M3.max))
+        wire[self.scales_offset : self.nbytes].view(torch.float32)[e.scale_index] = \
+            scale.reciprocal()
+
+    def decode(self, copy: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The values the compute copy `copy` (uint8) holds, by parameter name, widened to fp32
+        (E4M3 entries times their scale's reciprocal): what the matmuls read."""
+        inv = copy[self.scales_offset : self.nbytes].view(torch.float32)
+        out = {}
+        for slot, e in zip(self.layout.slots, self.entries, strict=True):
+            values = self._slice(copy, e).float()
+            if e.kind == "e4m3":
+                values = values * inv[e.scale_index]
+            out[slot.name] = values.view(slot.shape)
+        return out
 
     def flat(self, copy: torch.Tensor) -> torch.Tensor:
         """The flat fp32 weights a segment's actions take from its device compute copy `copy`
@@ -127,13 +145,17 @@ class ComputeFormat:
                 out[slot.name] = stand_in(sink, Stored(values, scale))
         return out
 
+    def slot_view(self, buf: torch.Tensor, k: int) -> torch.Tensor:
+        """Slot `k`'s stored values in the copy `buf` (uint8), flat, in its stored dtype."""
+        return self._slice(buf, self.entries[k])
+
     @staticmethod
     def _slice(wire: torch.Tensor, e: _Entry) -> torch.Tensor:
         size = e.numel * WIRE_DTYPE[e.kind].itemsize
         return wire[e.byte_offset : e.byte_offset + size].view(WIRE_DTYPE[e.kind])
 
 
-def _slot_kinds(model: nn.Module, layout: FlatLayout) -> list[str]:
+def slot_kinds(model: nn.Module, layout: FlatLayout) -> list[str]:
     """The compute dtype of every slot: what the module that owns the parameter computes in."""
     kind_of: dict[int, str] = {}
     for m in model.modules():
@@ -159,7 +181,7 @@ class ComputeCopies:
     def layout_nbytes(self, layout: FlatLayout) -> int:
         """Bytes of the compute copy of a segment with flat layout `layout` whose state is off
         the device (4 per parameter where every weight computes in fp32)."""
-        kinds = _slot_kinds(self.model, layout) if self.enabled else ["fp32"]
+        kinds = slot_kinds(self.model, layout) if self.enabled else ["fp32"]
         if all(k == "fp32" for k in kinds):
             return layout.numel * 4
         return ComputeFormat(layout, kinds).nbytes
@@ -174,7 +196,7 @@ class ComputeCopies:
         (`init_state` then leaves a resident segment's device copy to `attach`)."""
         if not self.enabled or st.tier == Tier.DEVICE:
             return
-        kinds = _slot_kinds(self.model, st.layout)
+        kinds = slot_kinds(self.model, st.layout)
         if any(k != "fp32" for k in kinds):
             st.compute_format = ComputeFormat(st.layout, kinds)
 
@@ -206,7 +228,7 @@ class ComputeCopies:
         from the amax of all of it). Layers switched from fp8 to bf16 change the format."""
         if st.compute_format is None:
             return
-        kinds = _slot_kinds(self.model, st.layout)
+        kinds = slot_kinds(self.model, st.layout)
         if kinds != st.compute_format.kinds:
             st.compute_format = ComputeFormat(st.layout, kinds)
             if st.tier == Tier.HOST:

@@ -60,7 +60,7 @@ from tierlm.memory.placement import (
 from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
-from tierlm.models.nf4 import NF4Base
+from tierlm.models.frozen import FrozenBase
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.optim.flat import advance
@@ -153,8 +153,9 @@ class EngineOptions:
     """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
     1024, so chunk offsets suit O_DIRECT)."""
     base_format: str = "fp32"
-    """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32, or nf4
-    (--finetune qlora: tierlm.models.nf4, decoded on the device by each action)."""
+    """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32 (its master),
+    bf16 (--finetune lora under bf16: its compute copy alone), or nf4 (--finetune qlora:
+    decoded on the device by each action); tierlm.models.frozen."""
     readahead: ReadAhead | None = None
     """Read disk-tier segments' master and slots into host staging during the backward, so the
     update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
@@ -211,11 +212,12 @@ class Engine(Stepper):
         self.ledger = self.store.ledger
         self.adapter = ModelAdapter(model)
         # weights whose state is off the device are held, moved and computed from in the
-        # precision they compute in (tierlm.precision.streaming); a QLoRA base in NF4 bytes on
-        # every tier (tierlm.models.nf4)
-        nf4 = options.base_format == "nf4"
-        self.compute_copies = NF4Base(model) if nf4 else ComputeCopies(model)
-        place_state = self.compute_copies.init_state if nf4 else init_state
+        # precision they compute in (tierlm.precision.streaming); a LoRA base in its bf16
+        # compute copy or NF4 bytes alone, on every tier (tierlm.models.frozen)
+        frozen_copy = options.base_format != "fp32"
+        self.compute_copies = (FrozenBase(model, options.base_format) if frozen_copy
+                               else ComputeCopies(model))
+        place_state = self.compute_copies.init_state if frozen_copy else init_state
         self.optimizer = build_flat_optimizer(optim)
         options.grad_sync.check_optimizer(self.optimizer)
         self.has_dropout = any(
@@ -247,9 +249,10 @@ class Engine(Stepper):
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
         self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
         tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
-        # an NF4 segment's action decodes its weights into fp32 of its own (outside the ledger)
-        decoded_bytes = max((4 * lay.numel for lay in layouts
-                             if nf4 and self.compute_copies.format_of(lay)), default=0)
+        # an NF4 segment's action decodes its weights into a buffer of its own (outside the
+        # ledger)
+        decoded_bytes = max((self.compute_copies.decoded_nbytes(lay) for lay in layouts),
+                            default=0) if frozen_copy else 0
         self.host_boundaries = options.boundary_tier == Tier.HOST
         self.hidden_bytes = hidden_bytes  # one micro-batch's boundary input (fp32)
         self.activation_bytes = (

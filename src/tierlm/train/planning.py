@@ -9,11 +9,13 @@ import torch
 
 from tierlm.config import (
     Config,
+    ConfigError,
     NotSupportedYet,
     PrecisionConfig,
     base_format_of,
     check_precision_flags,
     lora_of,
+    mode_only_flags,
     parse_bytes,
 )
 from tierlm.memory.hardware import HardwareProfile, resolve
@@ -82,16 +84,24 @@ def resolve_precision(
 
 
 def finetune_precision(cfg: Config, choice: PrecisionChoice) -> PrecisionChoice:
-    """--finetune lora/qlora computes in fp32 so far (the precision policy would swap peft's
-    adapter layers, and the frozen base's compute copy is fp32, NF4 decoded to fp32): `auto`
-    resolves to fp32 there, saying why; a named bf16/fp8 is refused, naming the flag."""
-    if cfg.train.finetune == "full" or choice.mode == "fp32":
+    """--finetune lora/qlora computes in fp32 or bf16: the frozen base's copy in the dtype its
+    layers compute in (bf16 for the blocks' linear layers: LoRA's base stored and streamed as
+    bf16, QLoRA's NF4 decoded to bf16), the adapters' fp32 masters and AdamW state, and every
+    matmul under the bf16 policy of full training (tierlm.models.frozen). fp8 is not built for
+    a frozen base (it would need an E4M3 copy of it, or NF4 re-quantised to E4M3 per action):
+    `auto` choosing fp8 becomes bf16, saying why; a named fp8 is refused, naming the flag."""
+    if cfg.train.finetune == "full" or choice.mode != "fp8":
         return choice
     if choice.why is None:
-        raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision {choice.mode}",
-                              "use --precision fp32 (or auto)")
-    return PrecisionChoice("fp32", f"--finetune {cfg.train.finetune} computes in fp32 so far; "
-                                   f"auto would have chosen {choice.mode}: {choice.why}")
+        raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision fp8",
+                              "use --precision bf16 (or auto)")
+    for flag, modes in mode_only_flags(cfg.precision):  # asked for fp8 only: nothing reads it
+        if "bf16" not in modes:
+            raise ConfigError(f"{flag} has no effect under --finetune {cfg.train.finetune}: it "
+                              f"computes in bf16 at most; drop {flag.split()[0]}")
+    return PrecisionChoice("bf16", f"{choice.why}; bf16 at most: --finetune "
+                                   f"{cfg.train.finetune} has no fp8 (its frozen base and "
+                                   "adapters compute in bf16)")
 
 
 def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> tuple[str, str]:
@@ -133,7 +143,8 @@ def make_plan(
     """`shape`: the model's (default: from `model_config` under the run's optimizer)."""
     mem = cfg.memory
     shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
-                                            base_format=base_format_of(cfg))
+                                            base_format=base_format_of(cfg, precision),
+                                            precision=precision)
     train = train_shape(cfg, precision)
     p = plan(
         shape,
@@ -203,8 +214,9 @@ def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
                         full_precision: str, chosen: Plan) -> str:
     """`tierlm plan --finetune lora|qlora`: the plan of each --finetune on the same model,
     hardware and step (full fine-tuning in the precision --precision resolves to for it; lora
-    and qlora in fp32, as they train): trained parameters, the placement, device bytes (the
-    ledger's peak and the total with activation workspace), host and disk bytes, tokens/s."""
+    and qlora in what `finetune_precision` makes of it): trained parameters, the placement,
+    device bytes (the ledger's peak and the total with activation workspace), host and disk
+    bytes, tokens/s."""
     from dataclasses import replace
 
     from tierlm.memory.placement import gib
@@ -213,17 +225,19 @@ def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
             "  method  precision  trained   state on dev/host/disk  resident  device peak"
             "  device total       host       disk  tokens/s  fits"]
     for method in ("full", "lora", "qlora"):
+        c = replace(cfg, train=replace(cfg.train, finetune=method))
+        # as auto would resolve it: a named fp8 maps to what lora/qlora compute in, too
+        precision = finetune_precision(c, PrecisionChoice(full_precision, "the table")).mode
         if method == cfg.train.finetune:
             p = chosen
         else:
-            c = replace(cfg, train=replace(cfg.train, finetune=method))
-            p = make_plan(c, model_config, hw, full_precision if method == "full" else "fp32")[0]
+            p = make_plan(c, model_config, hw, precision)[0]
         shape_numel = sum(p.numels)
         trained = shape_numel if method == "full" else _trained_numel(cfg, model_config)
         tiers = p.tier_counts()
         fits = "yes" if p.fits else "no: " + "; ".join(p.problems)
         rows.append(
-            f"  {method:<8}{full_precision if method == 'full' else 'fp32':<9}"
+            f"  {method:<8}{precision:<9}"
             f"{trained / 1e6:>8,.1f}M  {tiers['device']:>6}/{tiers['host']}/{tiers['disk']:<13}"
             f"{len(p.resident_names()):>8}  {gib(p.device_peak_bytes):>11}  "
             f"{gib(p.device_total_bytes):>12}  {gib(p.host_peak_bytes):>9}  {gib(p.disk_bytes):>9}"
@@ -305,7 +319,8 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
 
     hw = hardware_for(cfg)
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
-                                   base_format=base_format_of(cfg))
+                                   base_format=base_format_of(cfg, precision),
+                                   precision=precision)
     return evaluate(
         shape, train_shape(cfg, precision), hw, engine.report.placements,
         engine.opts.microbatch_order, engine.opts.keep_resident_activations,

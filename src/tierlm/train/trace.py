@@ -105,7 +105,8 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
         from tierlm.train.planning import hardware_for, train_shape
 
         shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
-                                       base_format=base_format_of(cfg))
+                                       base_format=base_format_of(cfg, precision),
+                                       precision=precision)
         return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
     return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)
@@ -123,7 +124,8 @@ def placement_map(engine: Any) -> list[dict[str, Any]]:
             by_class = held.setdefault(str(t), {})
             by_class[str(cls)] = by_class.get(str(cls), 0) + nbytes
 
-        nf4 = st.frozen and st.compute_format is not None  # a QLoRA base: its NF4 bytes only
+        # a frozen base held in its own copy (NF4, or bf16 under --precision bf16) alone
+        nf4 = st.frozen and st.compute_format is not None
         if not nf4:
             add(tier, TensorClass.MASTER, 4 * n)
         if not st.frozen:  # a LoRA run's base is its master alone

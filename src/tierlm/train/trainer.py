@@ -64,7 +64,7 @@ from tierlm.models import (
 from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
-from tierlm.models.lora import prepare_finetune
+from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision
@@ -207,7 +207,7 @@ def build_stepper(
         activations=cfg.activations,
         autocast=autocast,
         check_placement=preflight or (lambda report: None),
-        base_format=base_format_of(cfg),
+        base_format=base_format_of(cfg, precision),
         chunk_loss=chunk_loss,
     )
     if grad_sync is not None:
@@ -385,6 +385,8 @@ class Trainer:
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
+        if cfg.train.finetune != "full":  # a base in RAM held as its bf16 layers read it
+            store_frozen_as_computed(self.model)
         # after the precision policy (its layers are what the blocks run), before the stepper
         self.compiled = build_compile(cfg.run.compile, cache_dir() / "inductor")
         self.compiled.apply(self.model, log)

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""LoRA and QLoRA in fp32 and bf16 on the tiered runtime: what the frozen base costs.
+
+One random-initialised Llama (`--hidden`, `--layers`; no download), wrapped with the same
+adapters, trained for `--steps` steps on the same random batches with its base streamed from
+`--offload-policy` (host by default), four ways: lora and qlora, each in fp32 and bf16. Per
+run: the base's bytes on its tier (the ledger: LoRA fp32 holds an fp32 master, bf16 its bf16
+compute copy, QLoRA NF4 bytes in either), bytes moved host-to-device per step, the ledger's
+device peak, and the median step time after the first; every figure also as a ratio to lora
+fp32, measured in the same run, interleaved.
+
+    python bench/lora_precision.py                   # ~1 minute on the 2-core dev CPU
+    python bench/lora_precision.py --device cuda     # a GPU's bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from tierlm.config import LoraConfig, OptimConfig, PrecisionConfig  # noqa: E402
+from tierlm.memory.tiers import Link, Tier  # noqa: E402
+from tierlm.models.lora import apply_lora  # noqa: E402
+from tierlm.precision import prepare_precision  # noqa: E402
+from tierlm.runtime import Engine, EngineOptions  # noqa: E402
+
+RUNS = [("lora", "fp32"), ("lora", "bf16"), ("qlora", "fp32"), ("qlora", "bf16")]
+
+
+def build(hidden: int, layers: int, vocab: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                      num_key_value_heads=hidden // 64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def run(model, method: str, precision: str, args, batches, offload: Path) -> dict:
+    device = torch.device(args.device)
+    model = copy.deepcopy(model)
+    if precision == "bf16":
+        prepare_precision(model, PrecisionConfig(mode="bf16"), "bf16", device,
+                          log=lambda _m: None)
+    base_format = "nf4" if method == "qlora" else precision
+    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+                if precision == "bf16" else None)
+    opts = EngineOptions(policy=args.offload_policy, batch_size=args.batch_size,
+                         seq_len=args.seq_len, offload_dir=str(offload),
+                         base_format=base_format, **({"autocast": autocast} if autocast else {}))
+    eng = Engine(model, OptimConfig(lr=1e-3), opts, device=device)
+    tier = Tier(args.offload_policy) if args.offload_policy in ("host", "disk") else Tier.DEVICE
+    base_bytes = sum(st.device_nbytes() for st in eng.states)
+    held = eng.ledger.tier_bytes(tier)
+    times, losses, h2d = [], [], 0
+    for k, b in enumerate(batches):
+        before = eng.ledger.total_moved_bytes.get(Link.H2D, 0)
+        t0 = time.perf_counter()
+        rec = eng.step([b], 1e-3)
+        times.append(time.perf_counter() - t0)
+        losses.append(rec["loss"])
+        if k == len(batches) - 1:
+            h2d = eng.ledger.total_moved_bytes.get(Link.H2D, 0) - before
+    peak = eng.ledger.peak_tier_bytes[Tier.DEVICE]
+    eng.close()
+    return {"base": base_bytes, "held": held, "h2d": h2d, "peak": peak,
+            "step_s": statistics.median(times[1:]), "loss": losses[-1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2000)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--offload-policy", default="host")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+
+    base = build(args.hidden, args.layers, args.vocab)
+    apply_lora(base, LoraConfig(rank=args.rank, alpha=2.0 * args.rank), seed=0)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len + 1), generator=g)
+               for _ in range(args.steps)]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for method, precision in RUNS:
+            out[(method, precision)] = run(base, method, precision, args, batches,
+                                           Path(tmp) / f"{method}-{precision}")
+            print(f"{method} {precision}: done", flush=True)
+    ref = out[("lora", "fp32")]
+    kib = 1024
+    print(f"\nLlama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, rank "
+          f"{args.rank}; {args.steps} steps of {args.batch_size} x {args.seq_len} on "
+          f"{args.device}, --offload-policy {args.offload_policy}; ratios to lora fp32\n")
+    print("| method | precision | base weights KiB | on its tier KiB | H2D/step KiB "
+          "| device peak KiB | step s (median) | last loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (method, precision), r in out.items():
+        def cell(key: str, r=r) -> str:
+            return f"{r[key] / kib:,.0f} ({r[key] / ref[key]:.2f}x)"
+
+        print(f"| {method} | {precision} | {cell('base')} | {cell('held')} | {cell('h2d')} "
+              f"| {cell('peak')} | {r['step_s']:.3f} ({r['step_s'] / ref['step_s']:.2f}x) "
+              f"| {r['loss']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
