@@ -258,7 +258,7 @@ class Trainer:
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
-        # --compile segments covers fp32 in one process so far
+        # --compile segments covers fp32 and bf16 in one process so far
         check_compile(cfg, choice.mode, distributed=self.world.distributed)
         self.cfg = cfg
         self.precision = choice.mode
@@ -384,7 +384,7 @@ class Trainer:
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
         # after the precision policy (its layers are what the blocks run), before the stepper
-        self.compiled = build_compile(cfg.run.compile, cache_dir() / "inductor")
+        self.compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", self.precision)
         self.compiled.apply(self.model, log)
         auto = (
             plan_auto(cfg, self.model.config, self.precision)
