@@ -239,6 +239,28 @@ def test_supported_combinations_pass():
     check_compile(from_dict({"activations": {"policy": "selective"}}), "bf16")  # compile off
 
 
+def test_precision_auto_stops_at_bf16_when_compiled(capsys):
+    """On an fp8 GPU, --precision auto with --compile segments runs bf16 (saying why) instead
+    of refusing its own default; fp8 asked for (named, or --fp8-emulate) is still refused."""
+    from tierlm.cli import main
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.train.planning import resolve_precision
+
+    auto = PrecisionConfig(mode="auto")
+    got = resolve_precision(auto, None, PROFILES["rtx4090"], compiled=True)
+    assert got.describe() == ("precision: auto -> bf16 (rtx4090 has fp8 units; bf16 at most: "
+                              "--compile segments has no fp8 yet)")
+    assert resolve_precision(auto, None, PROFILES["rtx3090"], compiled=True).mode == "bf16"
+    assert resolve_precision(auto, None, PROFILES["rtx4090"]).mode == "fp8"  # compile off
+    emulate = resolve_precision(PrecisionConfig(mode="auto", fp8_emulate=True), CPU, None,
+                                compiled=True)
+    with pytest.raises(NotSupportedYet, match="--precision fp8"):
+        check_compile(_cfg(), emulate.mode)
+    assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--compile",
+                 "segments", "--no-optimizer-table"]) == 0
+    assert "precision: auto -> bf16" in capsys.readouterr().out
+
+
 def test_allocator_settings_are_cuda_only():
     assert configure_cuda_allocator(CPU, lambda msg: None) is False
 

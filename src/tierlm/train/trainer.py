@@ -251,8 +251,9 @@ class Trainer:
         self.device = resolve_device(cfg.run.device)
         configure_cuda_allocator(self.device, log)  # before anything allocates on the device
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
-        choice = finetune_precision(cfg, resolve_precision(cfg.precision, self.device, None,
-                                                           backend=cfg.distributed.backend))
+        choice = finetune_precision(cfg, resolve_precision(
+            cfg.precision, self.device, None, backend=cfg.distributed.backend,
+            compiled=cfg.run.compile != "off"))
         if choice.why:  # a named precision is logged with the layer table
             log(choice.describe())
         # from here on the run is configured with what auto chose: config.yaml and the
