@@ -102,6 +102,13 @@ class _Bf16LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gout):
+        # Eager autograd runs this outside autocast; a compiled graph traces it under the
+        # forward's autocast, which would take the fp32 GEMMs below back to bf16.
+        with torch.autocast(gout.device.type, enabled=False):
+            return _Bf16LinearFn._backward(ctx, gout)
+
+    @staticmethod
+    def _backward(ctx, gout):
         xb, wb = ctx.saved_tensors
         g = gout.to(torch.bfloat16)
         gx = gw = gb = None
