@@ -1,7 +1,7 @@
-"""--compile segments: the compiled block and chunk loss reproduce eager PyTorch (fp32, within
-1e-5; bf16 closer to eager bf16 than eager bf16 is to fp32), in the reference trainer and the
-tiered runtime with streamed segments, resume like an eager run, and compile once per distinct
-graph whatever the number of blocks.
+"""--compile segments: the compiled block and chunk loss reproduce eager PyTorch (fp32, and bf16
+against eager bf16, within 1e-5), in the reference trainer and the tiered runtime with streamed
+segments, resume like an eager run, and compile once per distinct graph whatever the number of
+blocks.
 
 Compilation dominates the time here: every test uses the same tiny shapes (B=2, T=16, 3 blocks),
 so in one session a model class compiles once and later tests reuse the in-memory code, and
@@ -152,14 +152,12 @@ def test_bf16_compiled_matches_eager_bf16_resident_and_host(compiler, tmp_path):
     """--precision bf16 compiled: the reference trainer (the whole model resident, the layers
     cast fp32 weights) and the tiered runtime streaming every block from host (the layers read
     the stored bf16 copy, a graph input beside the fp32 gradient stand-in), 4 steps each,
-    against eager bf16. Inductor sums and fuses in another order than eager's bf16 kernels, so
-    the bound is bf16's own: the compiled run must sit closer to eager bf16 than eager bf16 sits
-    to fp32 (measured: losses 2.9e-5 relative against bf16-vs-fp32 4.3e-5; updates 3.2e-3
-    against 4.6e-3). AdamW's eps far above the gradients makes every update proportional to
-    its gradient, so the updates compare gradients rather than their signs. The two compiled
-    runs' weights agree bit for bit (the stored bf16 copy holds what the layer's cast gives),
-    and the
-    streamed steps after the first compile nothing."""
+    against eager bf16 within the fp32 bound (measured: losses 8e-8 relative, the compiled chunk
+    loss; updates 1.6e-7 of their norm; eager bf16 against fp32 is 4.3e-5 and 2.9e-3). Inductor
+    rounds to bf16 where eager's casts do (`emulate_precision_casts`) and the bf16 layer's
+    backward keeps its fp32 GEMMs out of the forward's autocast. AdamW's eps far above the
+    gradients makes every update proportional to its gradient, so the updates compare
+    gradients rather than their signs. The streamed steps after the first compile nothing."""
     optim = OptimConfig(lr=1e-2, weight_decay=0.0, eps=1.0)
     base = tiny_model("llama_tied_gqa", layers=LAYERS)
     start = {k: v.detach().clone() for k, v in base.named_parameters()}
@@ -172,22 +170,12 @@ def test_bf16_compiled_matches_eager_bf16_resident_and_host(compiler, tmp_path):
         compiled.apply(model, lambda msg: None)
         return model
 
-    def reference(model, autocast=None):
-        kw = {"autocast": autocast} if autocast else {}
-        ref = ReferenceStep(model, optim, grad_clip=1.0, device=CPU, **kw)
-        return _run(ref, steps), ref.weights()
-
-    def gaps(run, ref):  # (worst loss, all updates) relative differences
-        (losses, weights), (ref_losses, ref_weights) = run, ref
-        loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-        diff = sum(((weights[k] - ref_weights[k]) ** 2).sum() for k in start)
-        norm = sum(((ref_weights[k] - w0) ** 2).sum() for k, w0 in start.items())
-        return loss, (diff / norm).sqrt().item()
-
-    fp32 = reference(copy.deepcopy(base))
-    eager = reference(bf16_model(NoCompile()), _bf16_autocast)
-    bound = gaps(eager, fp32)
-    resident = reference(bf16_model(bf16_compiler), _bf16_autocast)
+    eager = ReferenceStep(bf16_model(NoCompile()), optim, grad_clip=1.0, device=CPU,
+                          autocast=_bf16_autocast)
+    eager = _run(eager, steps), eager.weights()
+    resident = ReferenceStep(bf16_model(bf16_compiler), optim, grad_clip=1.0, device=CPU,
+                             autocast=_bf16_autocast)
+    resident = _run(resident, steps), resident.weights()
 
     eng = _engine(bf16_model(bf16_compiler), tmp_path, bf16_compiler, "host", "full", optim,
                   _bf16_autocast)
@@ -200,16 +188,13 @@ def test_bf16_compiled_matches_eager_bf16_resident_and_host(compiler, tmp_path):
     eng.close()
     assert graphs[1] - graphs[0] <= 3  # block no-grad, block with grad, chunk loss
     assert graphs[2:] == graphs[1:2] * (STEPS - 1)  # no recompiles while streaming
-    # the weights bit for bit; the losses to fp32 rounding (the compiled chunk loss against the
-    # reference trainer's eager loss over the full logits)
-    assert all(torch.equal(host[1][k], resident[1][k]) for k in start)
-    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(host[0], resident[0], strict=True))
 
-    for what, run in (("resident", resident), ("host", host)):
-        loss_gap, update_gap = gaps(run, eager)
-        assert loss_gap <= max(bound[0], 1e-5), (what, loss_gap, bound)
-        assert update_gap <= bound[1], (what, update_gap, bound)
-        assert update_gap > 0  # compiled for real: inductor's sums differ from eager's
+    for what, (losses, weights) in (("resident", resident), ("host", host)):
+        for a, b in zip(losses, eager[0], strict=True):
+            assert abs(a - b) <= REL * abs(b), (what, losses, eager[0])
+        diff = sum(((weights[k] - eager[1][k]) ** 2).sum() for k in start)
+        norm = sum(((eager[1][k] - w0) ** 2).sum() for k, w0 in start.items())
+        assert (diff / norm).sqrt() <= REL, what
 
 
 @pytest.mark.parametrize("over, precision, flag", [
