@@ -18,8 +18,10 @@ weight's stored bf16 copy as a buffer that `functional_call` swaps in beside the
 stand-in (which carries the fp32 gradient to the flat master gradient): both are graph inputs, so
 the same graph serves every block and every stream slot. Inductor computes a fused kernel's bf16
 values in fp32; the block compiles with `emulate_precision_casts`, so it rounds to bf16 where an
-explicit cast does in eager (the loss and gradients then differ from eager bf16 by less than eager
-bf16 differs from fp32; tests/test_compile.py).
+explicit cast does in eager, and the bf16 layer's backward leaves autocast (which a compiled
+graph would otherwise apply to its fp32 GEMMs). Llama-family blocks then give eager bf16's
+numbers to fp32 rounding (tests/test_compile.py); elementwise chains eager rounds after every op
+(GPT-2's tanh GELU) keep their fp32 intermediates, a bf16-sized difference.
 
 What it does not cover, refused in `check_compile` with a message naming --compile off:
 - `--precision fp8`: the fp8 layers' scalers keep amax history and counters as Python state
