@@ -10,7 +10,9 @@ head's chunk loss (`cache`: whether the inductor cache dir held anything when th
 the rows share it, so a later row may find kernels an earlier one built). The timed steps give the
 best wall time (noise only adds), tokens/s from it, the best CPU time of this process (all
 threads), the peak resident memory a step adds over its start (VmHWM after a reset; on a GPU:
-max_memory_allocated), and the largest loss difference between the two (fp32, same batches).
+max_memory_allocated), and the largest loss difference between the two (same batches).
+`--precision bf16`: both steppers compute in bf16 (tierlm.precision's layers under bf16
+autocast; the host runtime streams bf16 compute copies), as `--precision auto` does on a GPU.
 
     python bench/compile.py --sizes small 125m --steps 4 --seq-len 256 --batch-size 4
 """
@@ -28,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from tierlm.config import ActivationConfig, OptimConfig
+from tierlm.config import ActivationConfig, OptimConfig, PrecisionConfig
 from tierlm.models import build_model, preset_config
+from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.runtime.compile import NoCompile, SegmentCompile, compiled_graphs
 from tierlm.train.reference import ReferenceStep
@@ -75,13 +78,17 @@ class PeakMemory:
 
 def build(base, runtime: str, compiled, device, args):
     model = copy.deepcopy(base)
+    autocast = {}
+    if args.precision == "bf16":
+        prepare_precision(model, PrecisionConfig(mode="bf16"), "bf16", device, log=lambda m: None)
+        autocast = {"autocast": lambda: torch.autocast(device.type, dtype=torch.bfloat16)}
     compiled.apply(model, lambda msg: None)
     if runtime == "resident":
-        return ReferenceStep(model.to(device), OPTIM, grad_clip=1.0, device=device)
+        return ReferenceStep(model.to(device), OPTIM, grad_clip=1.0, device=device, **autocast)
     opts = EngineOptions(policy="host", batch_size=args.batch_size, seq_len=args.seq_len,
                          activations=ActivationConfig(policy="full"),
                          chunk_loss=compiled.chunk_loss,
-                         offload_dir=tempfile.mkdtemp(prefix="tierlm-bench-compile-"))
+                         offload_dir=tempfile.mkdtemp(prefix="tierlm-bench-compile-"), **autocast)
     return Engine(model, OPTIM, opts, device=device)
 
 
@@ -160,6 +167,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--cache-dir", default=None,
                     help="inductor cache (default: a fresh one, so the first compile is cold)")
     args = ap.parse_args()
@@ -167,13 +175,14 @@ def main() -> None:
     cache = Path(args.cache_dir or tempfile.mkdtemp(prefix="tierlm-bench-inductor-"))
     warm = cache.exists() and any(cache.iterdir())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    compiler = SegmentCompile(cache)
+    compiler = SegmentCompile(cache, precision=args.precision)
     rows = []
     for size in args.sizes:
         for runtime in args.runtimes:
             rows += bench(size, runtime, args, device, compiler, warm)
             print(table(rows[-2:]), flush=True)
-    print(f"\nseq {args.seq_len}, batch {args.batch_size}, {args.steps} timed steps, device "
+    print(f"\n{args.precision}, seq {args.seq_len}, batch {args.batch_size}, {args.steps} timed "
+          f"steps, device "
           f"{device}, torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(table(rows))
 

@@ -372,8 +372,8 @@ class RunConfig:
     """segments: torch.compile one block's forward (every block of the model runs the same
     compiled code, its weights passed in, so streaming never recompiles) and the head's chunk
     loss; the first step compiles, later runs read the kernels from the inductor cache under
-    tierlm's cache dir. fp32 only, not with selective or dynamic checkpointing, LoRA or data
-    parallel (--compile)."""
+    tierlm's cache dir. fp32 or bf16 (`auto` stops at bf16), not fp8, not with selective or
+    dynamic checkpointing, LoRA or data parallel (--compile)."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights in the Hugging Face export (RUN_DIR/hf at the end of a run, and
     `tierlm export`); auto: the dtype of the weights the run started from (the --model

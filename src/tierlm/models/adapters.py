@@ -49,13 +49,15 @@ class Segment:
 class HeadSegment(Segment):
     weight_name: str = ""  # the output projection's weight (may be borrowed from `embed`)
     bias_name: str | None = None
-    # the head module's own matmul on given tensors where it has one (tierlm.precision's
+    # the head module's own matmul on tensors given by name where it has one (tierlm.precision's
     # PrecisionLinear keeps the head in fp32 under autocast), else a plain linear
-    linear: Callable[..., torch.Tensor] = F.linear
+    linear: Callable[..., torch.Tensor] | None = None
 
     def project(self, views: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            return self.linear(h, views, self.weight_name, self.bias_name)
         bias = views[self.bias_name] if self.bias_name else None
-        return self.linear(h, views[self.weight_name], bias)
+        return F.linear(h, views[self.weight_name], bias)
 
 
 def _mask_cache_arg(fn: Callable) -> str:
@@ -123,7 +125,7 @@ class ModelAdapter:
             borrowed={weight_name: "embed"} if tied else {},
             weight_name=weight_name,
             bias_name=bias_name,
-            linear=getattr(lm_head, "functional", F.linear),
+            linear=getattr(lm_head, "functional", None),
         )
 
     # -- Llama family (Llama, Mistral, Qwen2, Qwen3) ----

@@ -18,6 +18,7 @@ from tierlm.precision.linear import (
     Fp8Linear,
     Fp32Linear,
     PrecisionLinear,
+    probe_fp32_out_mm,
 )
 from tierlm.precision.matmul import select_matmul
 from tierlm.precision.policy import LayerChoice, classify, linear_dims, scaling_label, table
@@ -55,6 +56,7 @@ def prepare_precision(
     if mode == "fp32":
         log("precision: fp32 everywhere")
         return NoFp8Watch()
+    probe_fp32_out_mm(device)
     any_fp8 = any(c.compute == "fp8" for c in choices)
     mm = select_matmul(device, cfg.fp8_emulate) if any_fp8 else None
     input_rule, grad_rule = scaling_rules(cfg)

@@ -12,8 +12,9 @@ fp32 master.
 
 The device copy is one byte buffer (`ComputeFormat.nbytes`). A segment's actions read it
 through `ComputeFormat.views`: fp32 entries as fp32 views; bf16 and E4M3 entries as fp32
-stand-ins without values (tierlm.precision.linear.stand_in) that the layers' matmuls replace by
-the stored values: bf16 directly, E4M3 with its scale (`torch._scaled_mm` where the device runs
+stand-ins without values, with the stored values (and an E4M3 entry's scale) beside them under
+suffixed names (tierlm.precision.linear.STORED) that the layers' matmuls read instead: bf16
+directly, E4M3 with its scale (`torch._scaled_mm` where the device runs
 it; the emulation widens the stored values to fp32 per matmul). Gradients flow through the
 stand-ins in fp32 into the segment's flat fp32 gradient, exactly as from an fp32 copy.
 
@@ -34,7 +35,7 @@ from tierlm.memory.layout import FlatLayout
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.precision.formats import E4M3
-from tierlm.precision.linear import PrecisionLinear, Stored, stand_in
+from tierlm.precision.linear import INV_SCALE, STORED, PrecisionLinear
 from tierlm.precision.scaling import dynamic_scale
 
 WIRE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": E4M3.dtype}
@@ -130,8 +131,9 @@ class ComputeFormat:
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Name -> parameter tensor for one run of the segment on `flat` (from `flat()`, or a
         leaf detached from it): fp32 entries read the copy; bf16 and E4M3 entries are fp32
-        stand-ins for their stored values (tierlm.precision.linear). Every gradient lands in
-        `flat`'s fp32 gradient, through one split as `FlatLayout.views`'."""
+        stand-ins, their stored values (and 1/scale) under `name + STORED` (`+ INV_SCALE`),
+        the buffers the layers read them from (tierlm.precision.linear). Every gradient lands
+        in `flat`'s fp32 gradient, through one split as `FlatLayout.views`'."""
         inv = _typed(flat, self.scales_offset, torch.float32, (self.n_scales,))
         parts = flat.split_with_sizes([s.numel for s in self.layout.slots])
         out = {}
@@ -140,9 +142,10 @@ class ComputeFormat:
             values = _typed(flat, e.byte_offset, WIRE_DTYPE[e.kind], slot.shape)
             if e.kind == "fp32":
                 out[slot.name] = _Values.apply(sink, values)
-            else:
-                scale = inv[e.scale_index] if e.kind == "e4m3" else None
-                out[slot.name] = stand_in(sink, Stored(values, scale))
+                continue
+            out[slot.name], out[slot.name + STORED] = sink, values
+            if e.kind == "e4m3":
+                out[slot.name + INV_SCALE] = inv[e.scale_index]
         return out
 
     def slot_view(self, buf: torch.Tensor, k: int) -> torch.Tensor:

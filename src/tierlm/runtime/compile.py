@@ -13,10 +13,19 @@ The reference trainer calls the same modules through the model's own forward.
 The head compiles the per-chunk cross-entropy (log-softmax and the loss over a chunk of logits,
 the bulk of its elementwise work); the projection stays an eager matmul.
 
+Under `--precision bf16` the blocks' linear layers (tierlm.precision.linear) take a streamed
+weight's stored bf16 copy as a buffer that `functional_call` swaps in beside the weight's fp32
+stand-in (which carries the fp32 gradient to the flat master gradient): both are graph inputs, so
+the same graph serves every block and every stream slot. Inductor computes a fused kernel's bf16
+values in fp32; the block compiles with `emulate_precision_casts`, so it rounds to bf16 where an
+explicit cast does in eager, and the bf16 layer's backward leaves autocast (which a compiled
+graph would otherwise apply to its fp32 GEMMs). Llama-family blocks then give eager bf16's
+numbers to fp32 rounding (tests/test_compile.py); elementwise chains eager rounds after every op
+(GPT-2's tanh GELU) keep their fp32 intermediates, a bf16-sized difference.
+
 What it does not cover, refused in `check_compile` with a message naming --compile off:
-- `--precision bf16/fp8`: the precision layers find a streamed weight's stored bf16/fp8 copy by
-  the identity of its stand-in tensor (tierlm.precision.linear), which a compiled graph, whose
-  inputs are fresh tensors, cannot look up; fp8's amax history is also Python-side state.
+- `--precision fp8`: the fp8 layers' scalers keep amax history and counters as Python state
+  that the compiled graph would bake in as constants.
 - `--grad-checkpointing selective` (or an override to it): its recompute caches matmul outputs
   through a TorchDispatchMode, under which torch.compile silently runs the block eagerly.
 - `--grad-checkpointing dynamic`: its probe measures eager activations, not the compiled ones.
@@ -78,9 +87,11 @@ class SegmentCompile:
     """--compile segments: `apply` compiles the blocks of a model in place; `chunk_loss` is the
     compiled head loss the tiered runtime's chunked cross-entropy calls."""
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, *, precision: str = "fp32") -> None:
         # the inductor cache: an explicit TORCHINDUCTOR_CACHE_DIR wins (tests share one)
         self.cache_dir = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir)))
+        # per compiled block, not process-wide: fp32 graphs keep their cache keys
+        self.block_options = {"emulate_precision_casts": True} if precision == "bf16" else {}
         self.chunk_loss: ChunkLoss = torch.compile(sum_cross_entropy)
         self.log: Callable[[str], None] = print
         self.first_step = True
@@ -92,7 +103,7 @@ class SegmentCompile:
         model.config.use_cache = False
         self.log = log
         for block in blocks:
-            block.compile()
+            block.compile(options=self.block_options or None)
         log(f"compiling the block: {type(blocks[0]).__name__} x {len(blocks)} and the head's "
             f"chunk loss compile at the first step (torch.compile, inductor cache "
             f"{self.cache_dir}); every block reuses block 0's graphs")
@@ -108,9 +119,9 @@ class SegmentCompile:
         return {"compiled_graphs": graphs}
 
 
-def build_compile(mode: str, cache_dir: Path) -> NoCompile | SegmentCompile:
-    """The compile choice of --compile: `off` or `segments`."""
-    return SegmentCompile(cache_dir) if mode == "segments" else NoCompile()
+def build_compile(mode: str, cache_dir: Path, precision: str) -> NoCompile | SegmentCompile:
+    """The compile choice of --compile: `off` or `segments`; `precision`: the resolved one."""
+    return SegmentCompile(cache_dir, precision=precision) if mode == "segments" else NoCompile()
 
 
 def check_compile(cfg: Config, precision: str, *, distributed: bool = False) -> None:
@@ -121,9 +132,9 @@ def check_compile(cfg: Config, precision: str, *, distributed: bool = False) -> 
     acts = cfg.activations
     overrides = acts.overrides or ""
     refused = [
-        (precision != "fp32", f"--precision {precision}",
-         "the precision layers look up streamed compute copies by tensor identity; use "
-         "--precision fp32"),
+        (precision == "fp8", f"--precision {precision}",
+         "fp8 layers keep their scales' amax history as Python state; use --precision bf16 "
+         "or fp32"),
         (acts.policy == "selective" or "=selective" in overrides, "--grad-checkpointing selective",
          "its recompute runs under a dispatch mode, where torch.compile runs eagerly; use full "
          "or offload"),

@@ -253,14 +253,15 @@ class Trainer:
         self.device = resolve_device(cfg.run.device)
         configure_cuda_allocator(self.device, log)  # before anything allocates on the device
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
-        choice = finetune_precision(cfg, resolve_precision(cfg.precision, self.device, None,
-                                                           backend=cfg.distributed.backend))
+        choice = finetune_precision(cfg, resolve_precision(
+            cfg.precision, self.device, None, backend=cfg.distributed.backend,
+            compiled=cfg.run.compile != "off"))
         if choice.why:  # a named precision is logged with the layer table
             log(choice.describe())
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
-        # --compile segments covers fp32 in one process so far
+        # --compile segments covers fp32 and bf16 in one process so far
         check_compile(cfg, choice.mode, distributed=self.world.distributed)
         self.cfg = cfg
         self.precision = choice.mode
@@ -388,7 +389,7 @@ class Trainer:
         if cfg.train.finetune != "full":  # a base in RAM held as its bf16 layers read it
             store_frozen_as_computed(self.model)
         # after the precision policy (its layers are what the blocks run), before the stepper
-        self.compiled = build_compile(cfg.run.compile, cache_dir() / "inductor")
+        self.compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", self.precision)
         self.compiled.apply(self.model, log)
         auto = (
             plan_auto(cfg, self.model.config, self.precision)
