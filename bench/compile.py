@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
 import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from activations import PeakMemory  # bench/activations.py, this script's folder
 
 from tierlm.config import ActivationConfig, OptimConfig, PrecisionConfig
 from tierlm.models import build_model, preset_config
@@ -39,41 +38,6 @@ from tierlm.train.reference import ReferenceStep
 
 OPTIM = OptimConfig(lr=1e-4, weight_decay=0.1)
 MiB = 2**20
-
-
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakMemory:
-    """Peak memory a step adds over its start: max_memory_allocated on CUDA, VmHWM on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self) -> PeakMemory:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            self.base = _status_bytes("VmRSS:")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := VmRSS
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.peak = _status_bytes("VmHWM:") - self.base
 
 
 def build(base, runtime: str, compiled, device, args):
