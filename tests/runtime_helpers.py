@@ -114,3 +114,21 @@ def bf16_lora_reference(base, steps, lrs, clip: float, *, nf4: bool = False):
     recs = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
     frozen = {n: p.detach().float() for n, p in model.named_parameters() if not p.requires_grad}
     return recs, ref.weights(), frozen
+
+
+def steps_match_the_plan(eng, predicted, m: int) -> dict[str, int]:
+    """Two steps of `eng`: the ledger's device peak, disk bytes and second step's bytes per link
+    equal the plan's; returns that step's moved bytes by link name."""
+    from tierlm.memory import Tier
+
+    led = eng.ledger
+    moved = []
+    for b in batches(2, m):
+        before = dict(led.total_moved_bytes)
+        eng.step(b, 1e-3)
+        moved.append({k.value: v - before.get(k, 0) for k, v in led.total_moved_bytes.items()
+                      if v - before.get(k, 0)})
+    assert led.peak_tier_bytes[Tier.DEVICE] == predicted.device_peak_bytes
+    assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+    assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
+    return moved[1]

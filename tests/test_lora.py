@@ -12,6 +12,7 @@ from runtime_helpers import (
     bf16_autocast,
     bf16_lora_reference,
     bf16_model,
+    steps_match_the_plan,
     tiny_model,
 )
 
@@ -230,16 +231,7 @@ def test_planner_counts_the_bf16_base(tmp_path):
         autocast=bf16_autocast, base_format="bf16"), device=CPU)
     assert [st.device_nbytes() for st in eng.states] == [
         4 * n if b is None else b for n, b in zip(shape.numels, shape.base_bytes, strict=True)]
-    led = eng.ledger
-    moved = []
-    for b in batches(2, M):
-        before = dict(led.total_moved_bytes)
-        eng.step(b, 1e-3)
-        moved.append({k.value: v - before.get(k, 0) for k, v in led.total_moved_bytes.items()
-                      if v - before.get(k, 0)})
-    assert led.peak_tier_bytes[Tier.DEVICE] == predicted.device_peak_bytes
-    assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
-    assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
+    steps_match_the_plan(eng, predicted, M)
     eng.close()
     # against the fp32 base: less on the device and on disk, less crossing to the device
     base32 = evaluate(fp32, TrainShape(2, 16, M, "fp32"), hw, placements, "microbatch-outer",
@@ -367,17 +359,8 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
     eng = Engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order=order, batch_size=2, seq_len=16,
         micro_batches=M, offload_dir=str(tmp_path)), device=CPU)
-    led = eng.ledger
-    moved = []
-    for b in batches(2, M):
-        before = dict(led.total_moved_bytes)
-        eng.step(b, 1e-3)
-        moved.append({k.value: v - before.get(k, 0) for k, v in led.total_moved_bytes.items()
-                      if v - before.get(k, 0)})
-    assert eng.ledger.peak_tier_bytes[Tier.DEVICE] == predicted.device_peak_bytes
-    assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
-    assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
-    assert "d2h" not in moved[1]  # no gradient of the base leaves the device
+    moved = steps_match_the_plan(eng, predicted, M)
+    assert "d2h" not in moved  # no gradient of the base leaves the device
     from tierlm.train.trace import placement_map
 
     held = [seg["bytes"] for seg in placement_map(eng)]  # the trace's per-segment table

@@ -13,6 +13,7 @@ from runtime_helpers import (
     bf16_autocast,
     bf16_lora_reference,
     bf16_model,
+    steps_match_the_plan,
     tiny_model,
 )
 
@@ -323,20 +324,12 @@ def test_planner_counts_the_nf4_base(spec, precision, tmp_path):
                if st.compute_format is not None]
     assert max(decoded) == max(shape.base_decoded_bytes)
     assert (max(decoded) < 2.2 * eng.states[1].numel) == (precision == "bf16")
-    led = eng.ledger
-    moved = []
-    for b in batches(2, M):
-        before = dict(led.total_moved_bytes)
-        eng.step(b, 1e-3)
-        moved.append({k.value: v - before.get(k, 0) for k, v in led.total_moved_bytes.items()
-                      if v - before.get(k, 0)})
-    assert led.peak_tier_bytes[Tier.DEVICE] == predicted.device_peak_bytes
-    assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
-    assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
+    steps_match_the_plan(eng, predicted, M)
     nf4 = [st.compute_format.nbytes for st in eng.states if st.compute_format is not None]
     assert sum(nf4) < 0.5 * sum(4 * st.numel for st in eng.states[1:-1])
     # fp32 masters are the segments without an NF4 weight (embed, head) only
-    assert sum(led.current_bytes[(t, TensorClass.MASTER)] for t in Tier if t != Tier.DEVICE) == \
+    held = eng.ledger.current_bytes
+    assert sum(held[(t, TensorClass.MASTER)] for t in Tier if t != Tier.DEVICE) == \
         sum(4 * st.numel for st in eng.states if st.compute_format is None
             and st.tier != Tier.DEVICE)
     eng.close()
