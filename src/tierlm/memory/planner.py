@@ -7,8 +7,8 @@ It chooses, under the device/host/disk budgets less a safety margin:
   since their update is needed last by the next step's forward);
 - whether resident segments keep their forward graph (no recompute) or recompute too;
 - the micro-batch order;
-and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, with
-overlap as the runtime does it), naming the bottleneck.
+and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, the
+context-parallel ring's sends, with overlap as the runtime does it), naming the bottleneck.
 
 Memory is predicted by replaying the runtime's own schedule and cache policy over byte counts
 (`_simulate`), so the prediction follows the runtime's allocation pattern rather than a formula
@@ -97,6 +97,10 @@ class ModelShape:
     # the model's config, to measure what one block saves under bf16 and fp8 (None: half the
     # fp32 bytes)
     model_config: Any = field(default=None, compare=False, repr=False)
+    # K/V heads and their width, what the context-parallel ring passes (0: as many heads as
+    # the queries, hidden_size wide in all)
+    kv_heads: int = 0
+    head_dim: int = 0
 
     @property
     def n_params(self) -> int:
@@ -198,6 +202,7 @@ class ModelShape:
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
             matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
+            **_kv_shape(model.config),
         )
 
     def with_optimizer(self, config: Any, optim: Any) -> ModelShape:
@@ -230,6 +235,13 @@ class ModelShape:
             return 2 * mat + 4 * (n - mat)
         scales = 0 if self.matrix_counts is None else 4 * self.matrix_counts[s]
         return mat + scales + 4 * (n - mat)
+
+
+def _kv_shape(cfg: Any) -> dict[str, int]:
+    """A transformers config's K/V heads and head width (GPT-2 names them its own way)."""
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {"kv_heads": getattr(cfg, "num_key_value_heads", None) or heads, "head_dim": head_dim}
 
 
 def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str, Any]:
@@ -825,6 +837,8 @@ def _times(
         # attention scores and the head stay bf16
         fp8_rate = hw.fp8_matmul_flops * MATMUL_EFFICIENCY
         compute = block_flops / fp8_rate + (flops - block_flops) / rate
+    net, net_lane = _net_lane(shape, train, hw, placements, keep_resident, compute,
+                              attention_s=tokens * attn / rate)
     forward = compute * 2 * (block_params + head_params) / (flops / tokens)
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
@@ -841,9 +855,9 @@ def _times(
     update = update_cpu + update_disk
     if hw.device_is_cpu:
         # no separate copy engines or GPU: copies and compute share the cores
-        sweep = compute + h2d + d2h + sweep_disk
+        sweep = compute + h2d + d2h + sweep_disk + (net_lane - compute)
     else:
-        sweep = max(compute, h2d, d2h, sweep_disk)
+        sweep = max(compute, h2d, d2h, sweep_disk, net_lane)
     # the read-ahead starts with the last group's backward; what it has not read by the
     # sweep's end delays the update
     readahead = sum(shape.update_state_bytes(s) for s in read_ahead) / hw.disk_read_Bps
@@ -863,10 +877,40 @@ def _times(
         "cpu_update": update_cpu,
         "update": update,
         "readahead": readahead,
+        "net": net,
+        "net_lane": net_lane,
+        "attention": tokens * attn / rate,
         "update_window": forward / groups,
         "update_stall": step - sweep,
         "step": step,
     }
+
+
+def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements, keep_resident: bool) -> int:
+    """What one context-parallel rank sends through the ring per step (the formula of
+    tierlm.distributed.context): every block's K/V in the forward, again in the backward with
+    dK/dV sent home, and the forward's once more for each block that recomputes (streamed, or
+    resident without its graph). K/V travel in the compute precision, dK/dV in fp32."""
+    if train.context_parallel == 1:
+        return 0
+    from tierlm.distributed.context import ring_send_bytes
+
+    recomputed = sum(not (p.resident and keep_resident) for p in placements[1:-1])
+    kw = dict(cp=train.context_parallel, batch=train.batch_size, local_len=train.seq_len,
+              kv_heads=shape.kv_heads or 1, head_dim=shape.head_dim or shape.hidden_size,
+              element_bytes=4 if train.precision == "fp32" else 2)
+    return train.micro_batches * (ring_send_bytes(**kw, layers=shape.n_layers)
+                                  + ring_send_bytes(**kw, layers=recomputed, backward=False))
+
+
+def _net_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
+              keep_resident: bool, compute: float, *, attention_s: float) -> tuple[float, float]:
+    """(seconds the ring's K/V take to send, the sweep's `net` lane). Each ring step posts the
+    next K/V block before computing attention against the current one, so the sends hide
+    behind attention only: the lane is the compute with the attention stretched to the sends'
+    time where they take longer."""
+    net = ring_kv_bytes(shape, train, placements, keep_resident) / hw.net_Bps
+    return net, compute + max(0.0, net - attention_s)
 
 
 def _bottleneck(t: dict[str, float]) -> str:
@@ -877,6 +921,8 @@ def _bottleneck(t: dict[str, float]) -> str:
     parts = {
         "compute": t["compute"],
         "PCIe (H2D/D2H)": max(t["h2d"], t["d2h"]),
+        # the ring's lane includes the compute: named only where the sends outlast attention
+        "interconnect (ring K/V)": t["net_lane"] if t["net_lane"] > t["compute"] else 0.0,
         "disk": max(t["sweep_disk"] + share * t["update_disk"],
                     t["disk"] if t["disk"] >= t["step"] else 0.0),
         "CPU optimizer update": share * t["cpu_update"],
@@ -1240,6 +1286,11 @@ def describe(
                  f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
                  f"{t['update_disk']:.2f}, runs behind the next step's first forward; one disk "
                  f"serves sweep and update: {t['disk']:.2f} s)")
+    if cp > 1:
+        kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
+        lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max: ring K/V "
+                     f"{gib(kv)} sent per rank per step at {hw.net_Bps / 1e9:.1f} GB/s = "
+                     f"{t['net']:.2f} s, overlapping attention {t['attention']:.2f} s")
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
                  f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
                  f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "
