@@ -526,6 +526,16 @@ def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
                          first_trained=not shape.frozen)
 
 
+def _stream_plan(shape: ModelShape, placements: list[SegmentPlacement], actions: list
+                 ) -> list[list[int]]:
+    """Streamed segments each action reads (Engine.stream_plan, by the same rule), in order."""
+    from tierlm.runtime.schedule import streamed_reads
+
+    resident = [p.resident for p in placements]
+    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
+    return [streamed_reads(a, resident, tied_owners) for a in actions]
+
+
 def _simulate(
     shape: ModelShape,
     train: TrainShape,
@@ -558,7 +568,6 @@ def _simulate(
         grad_landing,
         parked_inputs,
         runs_backward,
-        streamed_reads,
         transient_grad,
     )
     from tierlm.runtime.state import load_bytes, persistent_bytes
@@ -615,8 +624,7 @@ def _simulate(
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
     ahead_held: list[_Bytes] = []
     keep = [p.resident and keep_resident for p in placements]
-    resident = [p.resident for p in placements]
-    needs = [streamed_reads(a, resident, tied_owners) for a in actions]
+    needs = _stream_plan(shape, placements, actions)
     cache.begin(needs)
     # resident segments with host/disk state are refreshed after each update: one load per step
     for s, p in enumerate(placements):
@@ -1083,13 +1091,14 @@ def _overshoot(p: Plan) -> float:
 
 
 def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool) -> int:
-    """Host bytes of the boundary activations parked there at the forward's end: every block's
-    input for the micro-batches in flight (the head's is used at once)."""
-    if not on_host:
-        return 0
-    in_flight = train.micro_batches if order == "layer-outer" else 1
-    return in_flight * (len(shape.names) - 2) * train.batch_size * train.seq_len * \
-        shape.hidden_size * 4
+    """Host bytes of the boundary activations parked there at the forward's end: the inputs
+    the engine parks when every block recomputes (tierlm.runtime.schedule.parked_inputs: every
+    block's; the head's is used at once), for the micro-batches in flight."""
+    from tierlm.runtime.schedule import micro_batches_in_flight, parked_inputs
+
+    parked = parked_inputs(["full"] * (len(shape.names) - 1), on_host)
+    return micro_batches_in_flight(train.micro_batches, order) * len(parked) * \
+        train.batch_size * train.seq_len * shape.hidden_size * 4
 
 
 def _host_then_disk(
