@@ -140,12 +140,13 @@ class GradLanding:
     written: bool = False  # afterwards the file holds a partial sum of this step
 
     def moves(self, grad_bytes: int) -> list[tuple[Link, int]]:
-        """(link, bytes) of each copy this landing makes, in order."""
+        """(link, bytes) of each copy this landing makes, pass by pass; within a pass the
+        chunks interleave, listed D2H first (the planner's timeline starts a landing there)."""
         out = [(Link.D2H, grad_bytes)] if self.to_host else []
         for p in self.passes:
+            out.append((Link.D2H, grad_bytes))
             if p.add:
                 out.append((Link.DISK_READ, grad_bytes))
-            out.append((Link.D2H, grad_bytes))
             out.append((Link.H2D if p.back else Link.DISK_WRITE, grad_bytes))
         return out
 
