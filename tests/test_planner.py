@@ -513,7 +513,8 @@ def test_the_replay_takes_the_engines_schedule(case, tmp_path):
     """The planner's actions and stream plan are the engine's, action for action, and the
     persistent state it counts is what the engine allocated."""
     from tierlm.memory.planner import _actions, _stream_plan
-    from tierlm.runtime.state import persistent_bytes
+    from tierlm.memory.tiers import Link, TensorClass
+    from tierlm.runtime.state import load_bytes, persistent_bytes, start_load
 
     factory, m, order, spec = case
     model = factory()
@@ -535,8 +536,28 @@ def test_the_replay_takes_the_engines_schedule(case, tmp_path):
                     st.placement, st.numel, eng.optimizer.state_nbytes(st.layout), copy_bytes):
                 held[(tier, cls)] = held.get((tier, cls), 0) + nbytes
         assert {k: v for k, v in eng.ledger.current_bytes.items() if v} == held
+        # each streamed segment's load stages and moves what `load_bytes` says
+        led = eng.ledger
+        moved = dict(led.total_moved_bytes)
+        expected = {Link.H2D: 0, Link.DISK_READ: 0}
+        for st in eng.states:
+            if st.placement.resident:
+                continue
+            staging = led.current_bytes[(Tier.HOST, TensorClass.STAGING)]
+            load = start_load(eng.store, st, eng.chunk_numel)
+            want = load_bytes(st.tier, st.numel, None if st.compute_format is None
+                              else st.compute_format.nbytes, eng.chunk_numel)
+            assert led.current_bytes[(Tier.HOST, TensorClass.STAGING)] - staging == \
+                want.staging_bytes
+            dst = eng.store.alloc(Tier.DEVICE, TensorClass.COMPUTE, st.device_nbytes(),
+                                  torch.uint8)
+            load.finish(dst)
+            eng.store.free(Tier.DEVICE, TensorClass.COMPUTE, dst)
+            expected[Link.H2D] += want.h2d_bytes
+            expected[Link.DISK_READ] += want.disk_read_bytes
     finally:
-        eng.close()
+        eng.close()  # and the disk reads' counts are in
+    assert {k: led.total_moved_bytes[k] - moved.get(k, 0) for k in expected} == expected
 
 
 def test_a_changed_rule_changes_the_engine_and_the_plan_alike(tmp_path, monkeypatch):
