@@ -430,12 +430,16 @@ class Engine(Stepper):
 
     # -- schedule ----
 
+    # The schedule and its rules are tierlm.runtime.schedule's pure functions, which the
+    # planner's replay calls too; these methods apply them to this engine's segments.
     boundary_activation_bytes = staticmethod(boundary_activation_bytes)
 
     def _runs_backward(self, s: int) -> bool:
+        """Whether segment `s` has a backward (an untrained embedding has none)."""
         return runs_backward(s, first_trained=self.trained[0] is not None)
 
     def schedule(self, m: int) -> list[Action]:
+        """The actions of an m-micro-batch step, in order."""
         return step_schedule(len(self.states), m, self.opts.microbatch_order,
                              first_trained=self.trained[0] is not None)
 
