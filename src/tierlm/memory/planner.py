@@ -530,19 +530,22 @@ def readahead_schedule(
 
 
 def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
-    """The engine's schedule of one step (Engine.schedule) for this shape."""
-    from tierlm.runtime.engine import Action
+    """The engine's schedule of one step (tierlm.runtime.schedule.step_schedule, which
+    Engine.schedule calls) for this shape: a frozen embedding has no backward."""
+    from tierlm.runtime.schedule import step_schedule
 
-    last = len(shape.names) - 1
-    m = train.micro_batches
-    groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
-    actions = []
-    for mbs in groups:
-        actions += [Action("fwd", s, mbs) for s in range(last)]
-        actions.append(Action("head", last, mbs))
-        # a frozen embedding has no backward (Engine._runs_backward)
-        actions += [Action("bwd", s, mbs) for s in reversed(range(last)) if s or not shape.frozen]
-    return actions
+    return step_schedule(len(shape.names), train.micro_batches, order,
+                         first_trained=not shape.frozen)
+
+
+def _stream_plan(shape: ModelShape, placements: list[SegmentPlacement], actions: list
+                 ) -> list[list[int]]:
+    """Streamed segments each action reads (Engine.stream_plan, by the same rule), in order."""
+    from tierlm.runtime.schedule import streamed_reads
+
+    resident = [p.resident for p in placements]
+    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
+    return [streamed_reads(a, resident, tied_owners) for a in actions]
 
 
 def _simulate(
@@ -565,103 +568,90 @@ def _simulate(
     after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
     Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy;
     `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
-    backward actions the engine issues them after."""
+    backward actions the engine issues them after.
+
+    The rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an
+    action reads, where a gradient goes, which boundary inputs park; tierlm.runtime.state: the
+    persistent state and what a load stages and moves); this replay only orders them as
+    `Engine.step` does and counts their bytes."""
     from tierlm.runtime.cache import StreamCache
+    from tierlm.runtime.schedule import (
+        grad_from_head,
+        grad_landing,
+        parked_inputs,
+        runs_backward,
+        transient_grad,
+    )
+    from tierlm.runtime.state import load_bytes, persistent_bytes
 
     ledger = Ledger() if ledger is None else ledger
     store = _CountingStore(ledger)
-    n_segs = len(shape.names)
-    last = n_segs - 1
+    last = len(shape.names) - 1
     numels = shape.numels
     m = train.micro_batches
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
-    tied = shape.tied_numel
+    frozen = shape.frozen
+    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     # the head's contribution to tied weights is held in a buffer the size of the owner's
     # gradient, which the owner's backward then accumulates its own into (frozen: no gradient)
-    frozen = shape.frozen
-    owner_grad = numels[0] if tied and not frozen else 0
+    tied_trained = bool(tied_owners) and not frozen
+    owner_grad = numels[0] if tied_trained else 0
 
-    def staged(n: int) -> int:
-        return staging_numel(n, chunk_numel)
-
-    # bytes each segment's weights are held on the device in and cross in: the compute copy
-    # for host and disk state, else fp32
+    # the compute copy each segment is kept in off the device (None: its fp32 master), and
+    # what one load of it stages and moves
     wire = _compute_copies(shape, train.precision, placements)
-    h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
-
-    def allocate_state(tier: Tier, s: int) -> None:
-        if shape.base_copy(s) is not None:  # a frozen base's own copy: off the device, `wire`
-            if tier == Tier.DEVICE:
-                ledger.allocate(tier, TensorClass.COMPUTE, shape.base_copy(s))
-            return
-        ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
-        if not frozen:
-            ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
-            ledger.allocate(placements[s].gradient_tier, TensorClass.GRAD, GRAD_B * numels[s])
+    loads = [load_bytes(p.state_tier, numels[s], wire[s], chunk_numel)
+             for s, p in enumerate(placements)]
 
     if frozen:  # the adapters, their gradient and optimizer state, on the device throughout
         ledger.allocate(Tier.DEVICE, TensorClass.MASTER, MASTER_B * shape.trained_numel)
         ledger.allocate(Tier.DEVICE, TensorClass.GRAD, GRAD_B * shape.trained_numel)
         ledger.allocate(Tier.DEVICE, TensorClass.OPTIM, shape.trained_optim_bytes)
-
     for s, p in enumerate(placements):  # persistent state
-        if p.state_tier == Tier.DEVICE:
-            allocate_state(Tier.DEVICE, s)
-        elif p.state_tier == Tier.HOST:
-            allocate_state(Tier.HOST, s)
-            if wire[s] is not None:
-                ledger.allocate(Tier.HOST, TensorClass.COMPUTE, wire[s])
-            if p.resident:
-                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
-        else:
-            allocate_state(Tier.DISK, s)
-            if wire[s] is not None:  # its compute file
-                ledger.allocate(Tier.DISK, TensorClass.COMPUTE, wire[s])
-            if p.resident:
-                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
+        base = shape.base_copy(s)
+        for tier, cls, nbytes in persistent_bytes(
+                p, numels[s], 0 if frozen else shape.optim_state_bytes[s],
+                wire[s] if base is None else base, frozen=frozen, base_copy=base is not None):
+            ledger.allocate(tier, cls, nbytes)
 
-    class Load:
+    class Load:  # tierlm.runtime.state.start_load's loader, on byte counts
         def __init__(self, s: int) -> None:
-            self.s = s
+            self.load = loads[s]
             self.staging = None
-            if placements[s].state_tier == Tier.DISK and wire[s] is not None:  # compute file
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, h2d[s], torch.uint8)
-                ledger.record_move(Link.DISK_READ, h2d[s])
-            elif placements[s].state_tier == Tier.DISK:  # the fp32 master, chunk by chunk
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
-                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+            if self.load.staging_bytes:
+                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING,
+                                           self.load.staging_bytes, torch.uint8)
+            if self.load.disk_read_bytes:
+                ledger.record_move(Link.DISK_READ, self.load.disk_read_bytes)
 
         def finish(self, dst) -> None:
-            ledger.record_move(Link.H2D, h2d[self.s])
+            ledger.record_move(Link.H2D, self.load.h2d_bytes)
             if self.staging is not None:
                 store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
-    streamed = {i: h2d[i] for i in range(n_segs) if not placements[i].resident}
+    streamed = {i: loads[i].h2d_bytes for i, p in enumerate(placements) if not p.resident}
     top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
     cache = StreamCache(store, streamed.__getitem__, sum(top), Load)  # type: ignore[arg-type]
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
     ahead_held: list[_Bytes] = []
     keep = [p.resident and keep_resident for p in placements]
-
-    def needs(a) -> list[int]:  # a: tierlm.runtime.engine.Action
-        segs = [a.seg] + ([0] if a.kind == "head" and tied else [])
-        if a.kind == "bwd" and keep[a.seg]:
-            segs = []
-        return [s for s in segs if not placements[s].resident]
-
-    cache.begin([needs(a) for a in actions])
-    # resident segments with host/disk state are refreshed after each update: one copy per step
+    needs = _stream_plan(shape, placements, actions)
+    cache.begin(needs)
+    # resident segments with host/disk state are refreshed after each update: one load per step
     for s, p in enumerate(placements):
         if p.resident and p.state_tier != Tier.DEVICE and not frozen:
-            ledger.record_move(Link.H2D, h2d[s])
-            if p.state_tier == Tier.DISK:
-                ledger.record_move(Link.DISK_READ, h2d[s])
+            ledger.record_move(Link.H2D, loads[s].h2d_bytes)
+            if loads[s].disk_read_bytes:
+                ledger.record_move(Link.DISK_READ, loads[s].disk_read_bytes)
 
+    # the boundary inputs that wait on the host: the engine's rule on the policies `keep` gives
+    # (resident graphs kept, the rest recomputed)
+    park = parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host)
     acts: dict[tuple[int, int], _Bytes] = {}
     parked: dict[tuple[int, int], _Bytes] = {}  # boundary inputs waiting on the host
     gouts: dict[tuple[int, int], _Bytes] = {}
-    grad_written = [False] * n_segs
+    grad_written = [False] * len(numels)
 
     def hold(d, key) -> None:
         d[key] = store.alloc(Tier.DEVICE, TensorClass.ACTIVATION, hidden)
@@ -672,26 +662,19 @@ def _simulate(
             store.free(Tier.DEVICE, TensorClass.ACTIVATION, t)
 
     def grad_target(s: int):
-        if placements[s].state_tier == Tier.DEVICE or frozen:  # frozen: the adapters' buffer
+        if not transient_grad(placements[s].state_tier, frozen):
             return None
         return store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s])
 
     def land(s: int, g, final: bool) -> None:
-        tier = placements[s].state_tier
-        if tier == Tier.DEVICE:
-            return
-        ledger.record_move(Link.D2H, numels[s] * 4)
-        if placements[s].gradient_tier == Tier.DISK:  # chunk by chunk; the last contribution
-            # sums on the device
-            st = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
-            if grad_written[s]:
-                ledger.record_move(Link.DISK_READ, numels[s] * 4)
-                if final:  # the sum goes back to the device, then out to the file
-                    ledger.record_move(Link.H2D, numels[s] * 4)
-                    ledger.record_move(Link.D2H, numels[s] * 4)
-            ledger.record_move(Link.DISK_WRITE, numels[s] * 4)
-            store.free(Tier.HOST, TensorClass.STAGING, st)
-            grad_written[s] = not final
+        path = grad_landing(placements[s].state_tier, placements[s].gradient_tier,
+                            written=grad_written[s], final=final)
+        for _ in path.passes:  # chunk by chunk through host staging
+            store.free(Tier.HOST, TensorClass.STAGING, store.alloc(
+                Tier.HOST, TensorClass.STAGING, staging_numel(numels[s], chunk_numel)))
+        for link, nbytes in path.moves(GRAD_B * numels[s]):
+            ledger.record_move(link, nbytes)
+        grad_written[s] = path.written
         store.free(Tier.DEVICE, TensorClass.GRAD, g)
 
     borrowed: dict[int, _Bytes] = {}
@@ -700,23 +683,24 @@ def _simulate(
         s = a.seg
         final = a.mbs[-1] == m - 1
         if a.kind == "fwd":
-            if not placements[s].resident:
-                cache.acquire(k, s)
+            for r in needs[k]:
+                cache.acquire(k, r)
             for i in a.mbs:
                 hold(acts, (i, s + 1))
-                if boundary_host and s + 1 < last:  # the head's input is used at once
+                if s + 1 in park:
                     parked[(i, s + 1)] = store.alloc(Tier.HOST, TensorClass.ACTIVATION, hidden)
                     ledger.record_move(Link.D2H, hidden * 4)
             for i in a.mbs:
                 if (i, s) in parked:
                     drop(acts, (i, s))
         elif a.kind == "head":
-            if not placements[s].resident:
+            if s in needs[k]:
                 cache.acquire(k, s)
             g = grad_target(s)
             for i in a.mbs:
-                if tied and not placements[0].resident:
-                    cache.acquire(k, 0)
+                for r in needs[k]:  # the borrowed (tied) weights
+                    if r != s:
+                        cache.acquire(k, r)
                 if owner_grad:
                     borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, owner_grad)
                 hold(gouts, (i, s))
@@ -725,10 +709,10 @@ def _simulate(
                 land(s, g, final)
         else:
             # the owner of tied weights off the device starts from the head's buffer
-            from_head = s == 0 and tied and placements[0].state_tier != Tier.DEVICE
+            from_head = grad_from_head(s, tied_trained, placements[s].state_tier)
             g = None if from_head else grad_target(s)
-            if not keep[s] and not placements[s].resident:
-                cache.acquire(k, s)
+            for r in needs[k]:
+                cache.acquire(k, r)
             for i in a.mbs:
                 if (i, s) in parked:  # brought back for the backward
                     hold(acts, (i, s))
@@ -736,7 +720,7 @@ def _simulate(
                     store.free(Tier.HOST, TensorClass.ACTIVATION, parked.pop((i, s)))
                 drop(gouts, (i, s + 1))
                 if s > 0:
-                    if s > 1 or not frozen:  # a frozen embedding takes no gradient
+                    if runs_backward(s - 1, first_trained=not frozen):
                         hold(gouts, (i, s))
                     drop(acts, (i, s))
                 if s == 0 and i in borrowed:
@@ -1153,13 +1137,14 @@ def _overshoot(p: Plan) -> float:
 
 
 def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool) -> int:
-    """Host bytes of the boundary activations parked there at the forward's end: every block's
-    input for the micro-batches in flight (the head's is used at once)."""
-    if not on_host:
-        return 0
-    in_flight = train.micro_batches if order == "layer-outer" else 1
-    return in_flight * (len(shape.names) - 2) * train.batch_size * train.seq_len * \
-        shape.hidden_size * 4
+    """Host bytes of the boundary activations parked there at the forward's end: the inputs
+    the engine parks when every block recomputes (tierlm.runtime.schedule.parked_inputs: every
+    block's; the head's is used at once), for the micro-batches in flight."""
+    from tierlm.runtime.schedule import micro_batches_in_flight, parked_inputs
+
+    parked = parked_inputs(["full"] * (len(shape.names) - 1), on_host)
+    return micro_batches_in_flight(train.micro_batches, order) * len(parked) * \
+        train.batch_size * train.seq_len * shape.hidden_size * 4
 
 
 def _host_then_disk(
