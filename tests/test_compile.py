@@ -137,7 +137,9 @@ def test_compiled_resume_equals_eager_resume(compiler, tmp_path):
 
 
 @pytest.mark.parametrize("base_format, precision", [
-    ("fp32", "fp32"), ("nf4", "fp32"), ("bf16", "bf16"), ("nf4", "bf16")])
+    ("fp32", "fp32"), ("nf4", "fp32"),
+    # the bf16 LoRA graph is qlora's under bf16 (the base's format only changes the load action)
+    pytest.param("bf16", "bf16", marks=pytest.mark.slow), ("nf4", "bf16")])
 def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, tmp_path):
     """--finetune lora (base_format fp32; bf16: its bf16 compute copy) and qlora (nf4: decoded
     by the load action, outside the graph) with every block streamed from host and recomputed,
