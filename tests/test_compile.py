@@ -1,7 +1,8 @@
 """--compile segments: the compiled block and chunk loss reproduce eager PyTorch (fp32, and bf16
 against eager bf16, within 1e-5), in the reference trainer and the tiered runtime with streamed
-segments, resume like an eager run, and compile once per distinct graph whatever the number of
-blocks.
+segments, under LoRA/QLoRA and 2-rank data parallel, resume like an eager run, and compile once
+per distinct graph whatever the number of blocks; the planner scales the blocks' compute by the
+ratio `tierlm probe --compile segments` measured.
 
 Compilation dominates the time here: every test uses the same tiny shapes (B=2, T=16, 3 blocks),
 so in one session a model class compiles once and later tests reuse the in-memory code, and
