@@ -13,6 +13,9 @@ threads), the peak resident memory a step adds over its start (VmHWM after a res
 max_memory_allocated), and the largest loss difference between the two (same batches).
 `--precision bf16`: both steppers compute in bf16 (tierlm.precision's layers under bf16
 autocast; the host runtime streams bf16 compute copies), as `--precision auto` does on a GPU.
+`--finetune lora`: peft's LoRA adapters (rank 16 on every linear of the blocks) on a frozen base,
+as `--finetune lora` trains them (the host runtime streams the frozen base; under bf16 its bf16
+copy).
 
     python bench/compile.py --sizes small 125m --steps 4 --seq-len 256 --batch-size 4
 """
@@ -29,8 +32,9 @@ from pathlib import Path
 import torch
 from activations import PeakMemory  # bench/activations.py, this script's folder
 
-from tierlm.config import ActivationConfig, OptimConfig, PrecisionConfig
+from tierlm.config import ActivationConfig, LoraConfig, OptimConfig, PrecisionConfig
 from tierlm.models import build_model, preset_config
+from tierlm.models.lora import apply_lora, store_frozen_as_computed
 from tierlm.precision import prepare_precision
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.runtime.compile import NoCompile, SegmentCompile, compiled_graphs
@@ -45,12 +49,16 @@ def build(base, runtime: str, compiled, device, args):
     autocast = {}
     if args.precision == "bf16":
         prepare_precision(model, PrecisionConfig(mode="bf16"), "bf16", device, log=lambda m: None)
+        if args.finetune == "lora":  # the frozen base held as its bf16 layers read it
+            store_frozen_as_computed(model)
         autocast = {"autocast": lambda: torch.autocast(device.type, dtype=torch.bfloat16)}
     compiled.apply(model, lambda msg: None)
     if runtime == "resident":
         return ReferenceStep(model.to(device), OPTIM, grad_clip=1.0, device=device, **autocast)
+    lora = args.finetune == "lora"
+    base_format = ("bf16" if args.precision == "bf16" else "fp32") if lora else "fp32"
     opts = EngineOptions(policy="host", batch_size=args.batch_size, seq_len=args.seq_len,
-                         activations=ActivationConfig(policy="full"),
+                         activations=ActivationConfig(policy="full"), base_format=base_format,
                          chunk_loss=compiled.chunk_loss,
                          offload_dir=tempfile.mkdtemp(prefix="tierlm-bench-compile-"), **autocast)
     return Engine(model, OPTIM, opts, device=device)
@@ -69,6 +77,8 @@ def step(stepper, batch, device) -> dict:
 def bench(size: str, runtime: str, args, device, compiler: SegmentCompile, warm: bool) -> list:
     cfg = preset_config(size, max_seq_len=args.seq_len)
     base = build_model(cfg, device="cpu", seed=0)
+    if args.finetune == "lora":
+        apply_lora(base, LoraConfig(rank=16, alpha=32.0), seed=0)
     g = torch.Generator().manual_seed(0)
     batches = [[torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1),
                               generator=g)] for _ in range(args.steps + 1)]
@@ -93,7 +103,8 @@ def bench(size: str, runtime: str, args, device, compiler: SegmentCompile, warm:
         first, timed = recs[name][0], recs[name][1:]
         best = min(r["wall_s"] for r in timed)
         rows.append({
-            "size": size, "runtime": runtime, "mode": name,
+            "size": size, "runtime": runtime if args.finetune == "full" else
+            f"{runtime}, {args.finetune}", "mode": name,
             "first_s": first["wall_s"],
             "compile_s": first["wall_s"] - best if name == "compiled" else None,
             "cache": ("warm" if warm else "cold") if name == "compiled" else "",
@@ -132,6 +143,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--finetune", default="full", choices=["full", "lora"])
     ap.add_argument("--cache-dir", default=None,
                     help="inductor cache (default: a fresh one, so the first compile is cold)")
     args = ap.parse_args()
@@ -145,8 +157,8 @@ def main() -> None:
         for runtime in args.runtimes:
             rows += bench(size, runtime, args, device, compiler, warm)
             print(table(rows[-2:]), flush=True)
-    print(f"\n{args.precision}, seq {args.seq_len}, batch {args.batch_size}, {args.steps} timed "
-          f"steps, device "
+    print(f"\n{args.precision}, --finetune {args.finetune}, seq {args.seq_len}, batch "
+          f"{args.batch_size}, {args.steps} timed steps, device "
           f"{device}, torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(table(rows))
 

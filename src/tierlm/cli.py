@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("--dir", default=None, help="directory to measure the disk at "
                        "(default: the current directory; use your --offload-dir)")
+    probe.add_argument("--compile", default="off", choices=["off", "segments"],
+                       help="segments: also time one decoder block's forward+backward eager "
+                       "against compiled (tens of seconds of compiling on a CPU); `tierlm plan "
+                       "--compile segments` multiplies the blocks' compute by the ratio")
+    probe.add_argument("--model-size", default=None, help="with --compile segments: the preset "
+                       "whose block is timed (default: small on a CPU, 1b on a GPU)")
+    probe.add_argument("--seq-len", type=int, default=None, help="with --compile segments: "
+                       "tokens per row (default: 256 on a CPU, 2048 on a GPU)")
     return parser
 
 
@@ -160,8 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "probe":
             from tierlm.memory.hardware import probe_path
             from tierlm.memory.probe import run_probe
+            from tierlm.train.trainer import cache_dir
 
-            run_probe(args.dir, probe_path())
+            if args.compile == "off" and (args.model_size or args.seq_len):
+                raise ConfigError("tierlm probe: --model-size and --seq-len choose the block "
+                                  "--compile segments times; add --compile segments")
+            run_probe(args.dir, probe_path(), compile=args.compile,
+                      compile_size=args.model_size, compile_seq_len=args.seq_len,
+                      cache_dir=cache_dir() / "inductor")
             return 0
         cfg = config_from_args(args)
         if args.command == "plan":

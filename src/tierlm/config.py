@@ -373,7 +373,8 @@ class RunConfig:
     compiled code, its weights passed in, so streaming never recompiles) and the head's chunk
     loss; the first step compiles, later runs read the kernels from the inductor cache under
     tierlm's cache dir. fp32 or bf16 (`auto` stops at bf16), not fp8, not with selective or
-    dynamic checkpointing, LoRA or data parallel (--compile)."""
+    dynamic checkpointing, --backend fsdp or --context-parallel; LoRA, QLoRA and data parallel
+    compile (--compile)."""
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the weights in the Hugging Face export (RUN_DIR/hf at the end of a run, and
     `tierlm export`); auto: the dtype of the weights the run started from (the --model

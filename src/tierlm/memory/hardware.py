@@ -39,6 +39,10 @@ class HardwareProfile:
     # device -> device rate per direction (the context-parallel ring's K/V); None: no direct
     # path (GeForce cards: no NVLink, no P2P), so messages go through host memory (`net_Bps`)
     interconnect_Bps: float | None = None
+    # --compile segments: a compiled block's forward+backward time over the eager one's, and
+    # what was measured (`tierlm probe --compile segments`); None: not measured
+    compiled_block_time_ratio: float | None = None
+    compiled_block_probe: str | None = None
 
     def with_overrides(self, **kw) -> HardwareProfile:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -177,13 +181,13 @@ def detect(offload_dir: str | os.PathLike | None = None) -> HardwareProfile:
             # the device tier is this RAM too: give it a quarter, the host tier the rest
             gpu_memory_bytes=host // 4,
         )
-    measured = {k: v for k, v in probe.items() if k in _RATE_FIELDS}
+    measured = {k: v for k, v in probe.items() if k in _MEASURED_FIELDS}
     return prof.with_overrides(**measured)
 
 
-_RATE_FIELDS = {
+_MEASURED_FIELDS = {
     "h2d_Bps", "d2h_Bps", "disk_read_Bps", "disk_write_Bps", "host_copy_Bps", "matmul_flops",
-    "cpu_adam_params_per_s",
+    "cpu_adam_params_per_s", "compiled_block_time_ratio", "compiled_block_probe",
 }
 
 

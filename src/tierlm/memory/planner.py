@@ -389,6 +389,7 @@ class TrainShape:
     micro_batches: int
     precision: str = "fp32"  # compute precision: fp32 or bf16 (autocast)
     context_parallel: int = 1  # ranks sharing each row: its queries attend to N x seq_len keys
+    compiled: bool = False  # --compile segments: the blocks run compiled
 
     @property
     def tokens_per_step(self) -> int:
@@ -807,8 +808,10 @@ def _times(
     # forward 2 FLOPs/param/token, backward 4; recomputed blocks run their forward twice;
     # attention scores add 2*2*T*D per token per layer forward (causal: half), x3 with backward
     attn = 6 * train.seq_len * train.context_parallel * shape.hidden_size * shape.n_layers
-    # a frozen base's weights take no gradient: the backward is 2 FLOPs/param/token
-    block_flops = tokens * ((4 if shape.frozen else 6) * block_params + 2 * recomputed)
+    # a frozen base's weights take no gradient: the backward is 2 FLOPs/param/token; compiled
+    # blocks take their measured share of the eager time, counted as eager-rate FLOPs
+    block_flops = tokens * ((4 if shape.frozen else 6) * block_params + 2 * recomputed) * (
+        compiled_block_factor(train, hw))
     flops = block_flops + tokens * (6 * head_params + attn)
     rate = hw.matmul_flops * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
     if not hw.device_is_cpu and train.precision == "fp32":
@@ -895,6 +898,28 @@ def _net_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placeme
     time where they take longer."""
     net = ring_kv_bytes(shape, train, placements, keep_resident) / hw.net_Bps
     return net, compute + max(0.0, net - attention_s)
+
+
+def compiled_block_factor(train: TrainShape, hw: HardwareProfile) -> float:
+    """The blocks' compute time under `train`'s compile choice over the eager time: the
+    compiled block's measured ratio (`tierlm probe --compile segments`) when the run compiles
+    and the profile holds one, else 1.0."""
+    if train.compiled and hw.compiled_block_time_ratio is not None:
+        return hw.compiled_block_time_ratio
+    return 1.0
+
+
+def compiled_block_source(train: TrainShape, hw: HardwareProfile) -> str | None:
+    """Where `compiled_block_factor` came from, for the plan's output (None: compile off)."""
+    if not train.compiled:
+        return None
+    factor = compiled_block_factor(train, hw)
+    if hw.compiled_block_time_ratio is None:
+        return (f"compile: segments; blocks' compute x{factor:.2f} (not probed: run `tierlm "
+                "probe --compile segments` on the training machine and plan with --hardware "
+                "auto)")
+    return (f"compile: segments; blocks' compute x{factor:.2f} of eager (probed: "
+            f"{hw.compiled_block_probe or 'tierlm probe --compile segments'})")
 
 
 def _bottleneck(t: dict[str, float]) -> str:
@@ -1234,6 +1259,9 @@ def describe(
              else "")
     lines.append(f"step: {train.micro_batches} x {train.batch_size} x {train.seq_len} "
                  f"tokens{share}, {train.precision}, micro-batch order {p.order}")
+    compiled = compiled_block_source(train, hw)
+    if compiled:
+        lines.append(compiled)
     lines.append("")
     lines.append("peak bytes per tier (by tensor class):")
     for tier, total, classes in (

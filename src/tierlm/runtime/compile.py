@@ -23,14 +23,23 @@ graph would otherwise apply to its fp32 GEMMs). Llama-family blocks then give ea
 numbers to fp32 rounding (tests/test_compile.py); elementwise chains eager rounds after every op
 (GPT-2's tanh GELU) keep their fp32 intermediates, a bf16-sized difference.
 
+`--finetune lora` and `qlora` compile the same way: peft's LoRA layers are part of the block the
+graph traces, the frozen base's weights are graph inputs like any others (its bf16 copy, or the
+NF4 base decoded by the runtime's load action before the block runs, outside the graph), and
+only the adapters take gradients. Data parallel (`--nproc N` on the tiered runtime) runs the
+same compiled block on every rank: the gradient sync starts after a segment's backward, outside
+the graph. tests/test_compile.py checks both against the eager run.
+
 What it does not cover, refused in `check_compile` with a message naming --compile off:
 - `--precision fp8`: the fp8 layers' scalers keep amax history and counters as Python state
   that the compiled graph would bake in as constants.
 - `--grad-checkpointing selective` (or an override to it): its recompute caches matmul outputs
   through a TorchDispatchMode, under which torch.compile silently runs the block eagerly.
 - `--grad-checkpointing dynamic`: its probe measures eager activations, not the compiled ones.
-- `--finetune lora/qlora`: peft's layers and the frozen base's stand-ins, not verified.
-- data parallel (`--nproc > 1`, `--backend fsdp`): not verified against the compiled graphs.
+- `--backend fsdp`: FSDP2's parameter all-gathers run in hooks around the block, not verified
+  compiled.
+- `--context-parallel N`: the ring attention's collectives run inside the block, not verified
+  compiled.
 
 Compilation is lazy: the first step compiles (the trainer logs a line before it), later runs
 read the kernels from the inductor cache (`TORCHINDUCTOR_CACHE_DIR`, under tierlm's cache dir
@@ -124,9 +133,9 @@ def build_compile(mode: str, cache_dir: Path, precision: str) -> NoCompile | Seg
     return SegmentCompile(cache_dir, precision=precision) if mode == "segments" else NoCompile()
 
 
-def check_compile(cfg: Config, precision: str, *, distributed: bool = False) -> None:
+def check_compile(cfg: Config, precision: str) -> None:
     """Refuse what --compile segments does not cover (see the module docstring); `precision`:
-    the resolved --precision; `distributed`: the run has more than one process (torchrun)."""
+    the resolved --precision."""
     if cfg.run.compile == "off":
         return
     acts = cfg.activations
@@ -140,10 +149,12 @@ def check_compile(cfg: Config, precision: str, *, distributed: bool = False) -> 
          "or offload"),
         (acts.policy == "dynamic", "--grad-checkpointing dynamic",
          "its probe measures eager activations; name a policy"),
-        (cfg.train.finetune != "full", f"--finetune {cfg.train.finetune}",
-         "adapters are not verified compiled"),
-        (distributed or cfg.distributed.nproc > 1 or cfg.distributed.backend == "fsdp",
-         "--nproc > 1, torchrun or --backend fsdp", "data parallel is not verified compiled"),
+        (cfg.distributed.backend == "fsdp", "--backend fsdp",
+         "FSDP2's all-gather hooks around the block are not verified compiled; use the tiered "
+         "runtime's data parallel (--backend engine)"),
+        (cfg.distributed.context_parallel > 1,
+         f"--context-parallel {cfg.distributed.context_parallel}",
+         "the ring attention's collectives inside the block are not verified compiled"),
     ]
     for bad, flag, why in refused:
         if bad:

@@ -136,6 +136,7 @@ def train_shape(cfg: Config, precision: str) -> TrainShape:
         micro_batches=cfg.train.grad_accum_steps,
         precision=precision,
         context_parallel=cp,
+        compiled=cfg.run.compile == "segments",
     )
 
 
@@ -185,7 +186,7 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
     `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
     import json
 
-    from tierlm.memory.planner import describe
+    from tierlm.memory.planner import compiled_block_factor, compiled_block_source, describe
 
     hw = hardware_for(cfg)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend,
@@ -199,7 +200,10 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
     if as_json:
         print(json.dumps({**p.to_json(), "disk_wear": wear.to_json(),
                           "precision": {"requested": cfg.precision.mode, "resolved": precision,
-                                        "why": choice.why}}, indent=1))
+                                        "why": choice.why},
+                          "compile": {"mode": cfg.run.compile,
+                                      "block_factor": compiled_block_factor(train, hw),
+                                      "source": compiled_block_source(train, hw)}}, indent=1))
     else:
         print(choice.describe())
         print(describe(p, shape, train, hw, run_flags=_input_flags(cfg, precision)))
@@ -293,6 +297,8 @@ def _input_flags(cfg: Config, precision: str) -> list[str]:
     out += ["--batch-size", str(cfg.train.batch_size), "--seq-len", str(cfg.data.seq_len),
             "--grad-accum-steps", str(cfg.train.grad_accum_steps), "--precision", precision,
             "--hardware", m.hardware]
+    if cfg.run.compile != "off":
+        out += ["--compile", cfg.run.compile]
     if cfg.distributed.context_parallel > 1:
         out += ["--nproc", str(max(cfg.distributed.nproc, cfg.distributed.context_parallel)),
                 "--context-parallel", str(cfg.distributed.context_parallel)]

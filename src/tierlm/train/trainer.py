@@ -261,8 +261,8 @@ class Trainer:
         # from here on the run is configured with what auto chose: config.yaml and the
         # checkpoints record it, so a resume elsewhere continues in the same precision
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
-        # --compile segments covers fp32 and bf16 in one process so far
-        check_compile(cfg, choice.mode, distributed=self.world.distributed)
+        # --compile segments covers fp32 and bf16, LoRA/QLoRA and the runtime's data parallel
+        check_compile(cfg, choice.mode)
         self.cfg = cfg
         self.precision = choice.mode
         run_dir, resume_ckpt = self.world.main_first(
