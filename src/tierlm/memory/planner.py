@@ -91,8 +91,8 @@ class ModelShape:
     # weights in bf16; the rest fp32), which is all its state and the copy it streams in; None
     # where a segment has none (its base is an fp32 master)
     base_bytes: list[int | None] | None = None
-    # per segment, the bytes an action decodes its base copy into (an NF4 base's: fp32, or its
-    # bf16 compute copy under bf16), outside the ledger; None: read where it lies
+    # per segment, the most bytes one matmul decodes an NF4 weight into (its largest target
+    # weight, fp32 or bf16 under bf16, and the decode's temporaries), outside the ledger
     base_decoded_bytes: list[int] | None = None
     # the model's config, to measure what one block saves under bf16 and fp8 (None: half the
     # fp32 bytes)
@@ -275,7 +275,8 @@ def _lora_layout(model, lora):
 def _base_bytes(model, layouts, lora, base_format: str,
                 precision: str) -> tuple[list[int | None], list[int]]:
     """Per segment, the bytes tierlm.models.frozen.FrozenBase holds its base in (None for a
-    segment it leaves an fp32 master) and the bytes an action decodes it into: NF4 for the
+    segment it leaves an fp32 master) and the most bytes one matmul decodes a weight into (the
+    largest target's, with the decode's temporaries: tierlm.models.nf4.NF4Linear): NF4 for the
     targets' weights (a multiple of 64 elements), or bf16 for every linear weight the default
     precision policy computes in bf16 (the blocks'), fp32 for the rest."""
     from tierlm.config import PrecisionConfig
@@ -298,8 +299,9 @@ def _base_bytes(model, layouts, lora, base_format: str,
             quantised = {f"{t}.weight" for t in lora_targets(model, lora.targets)}
             quantised = {n for n in quantised if n in params and params[n].numel() % BLOCK == 0}
             nf4 = {s.name for s in lay.slots} & quantised
-            base.append(NF4Format(lay, quantised).nbytes if nf4 else None)
-            decoded.append(compute if nf4 else 0)
+            fmt = NF4Format(lay, quantised, kinds)
+            base.append(fmt.nbytes if nf4 else None)
+            decoded.append(fmt.decoded_nbytes)  # one matmul's weight: NF4Linear decodes per call
         else:
             base.append(compute if "bf16" in kinds else None)
             decoded.append(0)
@@ -773,7 +775,7 @@ def _simulate(
     # flight, then the larger of the head (its input, its gradient and one chunk of logits) and
     # one recomputed block's saved tensors during the backward
     workspace = activation_workspace_bytes(shape, train, keep[:last], order)
-    # a QLoRA segment's action decodes its NF4 weights into a buffer of its own
+    # a QLoRA matmul decodes its NF4 weight into a buffer of its own, one weight at a time
     workspace += max(shape.base_decoded_bytes or [0])
     return ledger, workspace, update_staging
 
