@@ -164,6 +164,68 @@ def test_tiered_qlora_matches_peft_on_the_round_tripped_base(reference, policy, 
     assert any(not torch.equal(decoded[k], base.get_parameter(k).detach()) for k in names)
 
 
+class _LiveDecodes:
+    """Wraps tierlm.models.nf4._decode_weight (what NF4Linear decodes each matmul's weight
+    with): records every decoded weight and, at each decode, how many earlier ones are still
+    alive, so a decode kept by the graph or a whole segment's decode shows up."""
+
+    def __init__(self, monkeypatch) -> None:
+        import weakref
+
+        from tierlm.models import nf4
+
+        self.alive: list[weakref.ref] = []
+        self.most_alive = self.largest_bytes = self.calls = 0
+        decode = nf4._decode_weight
+
+        def counted(*args):
+            self.alive = [r for r in self.alive if r() is not None]
+            w = decode(*args)
+            self.alive.append(weakref.ref(w))
+            self.most_alive = max(self.most_alive, len(self.alive))
+            self.largest_bytes = max(self.largest_bytes, w.numel() * w.element_size())
+            self.calls += 1
+            return w
+
+        monkeypatch.setattr(nf4, "_decode_weight", counted)
+
+
+@pytest.mark.parametrize(("acts", "order"), [("full", "microbatch-outer"),
+                                             ("offload", "layer-outer"),
+                                             ("selective", "microbatch-outer")])
+def test_qlora_decodes_one_weight_at_a_time_under_every_activation_policy(
+        reference, acts, order, tmp_path, monkeypatch):
+    """Each NF4 base layer decodes its own weight just before its matmul, forward, recompute
+    and backward alike, and nothing keeps it: at most one decoded weight is alive at any
+    decode, the largest is one linear's (what `decoded_nbytes` reserves room for, with the
+    decode's temporaries), and the run still equals peft on the round-tripped base."""
+    from tierlm.config import ActivationConfig
+
+    base, steps, lrs, ref_recs, ref_adapters, _ = reference
+    model = copy.deepcopy(base)
+    names = quantised_names(model)
+    eng = _engine(model, tmp_path, "host", order, activations=ActivationConfig(policy=acts))
+    live = _LiveDecodes(monkeypatch)
+    recs = [eng.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    adapters = eng.weights()
+    block = eng.states[1]
+    eng.close()
+    largest = max(s.numel for s in block.layout.slots if s.name in names)
+    assert live.most_alive == 1
+    assert live.largest_bytes == 4 * largest
+    assert block.compute_format.decoded_nbytes == decode_workspace_nbytes(largest, torch.float32)
+    assert block.compute_format.decoded_nbytes < 4 * block.numel / 2  # a segment's: 4 * numel
+    # forward and backward of every micro-batch decode each weight; a recompute (full, and
+    # selective: the decode is one of the cheap ops it reruns) once more
+    per_pass = len(names) * M * STEPS
+    assert live.calls == per_pass * (2 if acts == "offload" else 3)
+    for r, ref in zip(recs, ref_recs, strict=True):
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for k, v in ref_adapters.items():
+        assert (adapters[k] - v).abs().max().item() <= 1e-6, k
+
+
 @pytest.mark.parametrize(("policy", "order", "fp32_layers"), [
     ("host", "layer-outer", None),
     ("none", "microbatch-outer", "lora_"),  # the adapters' matmuls fp32 on bf16 activations

@@ -127,6 +127,16 @@ def dequantised_scales(buf: torch.Tensor, numel: int) -> torch.Tensor:
 DECODE_CHUNK = 1 << 22  # weights decoded per pass: bounds the decode's index and fp32 temporaries
 
 
+def decode_traffic_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes `dequantise` reads and writes in memory to decode `numel` weights into `dtype`
+    (the planner's decode time: a memory-bound pass): per weight, the codes (1/2) widened to
+    int32 indices (written 2, read 2), the levels gathered (written 4), scaled in place (read
+    and written 4 each), and for bf16 the fp32 products read (4) and rounded into the output
+    (2): 16.5 bytes a weight into fp32, 22.5 into bf16. The block scales (1/16) are left out."""
+    per_two = 33 if dtype == torch.float32 else 45  # bytes per two weights
+    return numel * per_two // 2
+
+
 def _pairs(device: torch.device) -> torch.Tensor:
     """(256, 2) fp32: the two levels each code byte holds (high nibble first), on `device`."""
     table = _PAIRS.get(device)
@@ -426,6 +436,6 @@ def bits_per_parameter(numel: int) -> float:
 
 
 __all__ = ["BLOCK", "DECODE_CHUNK", "NF4_BYTES", "SCALE_BLOCK", "NF4Format", "NF4Linear",
-           "bits_per_parameter", "decode_workspace_nbytes", "dequantise", "dequantised_scales",
-           "nf4_levels", "nf4_nbytes", "quantise", "quantise_in_place", "quantised_names",
-           "round_trip", "swap_nf4_layers"]
+           "bits_per_parameter", "decode_traffic_bytes", "decode_workspace_nbytes", "dequantise",
+           "dequantised_scales", "nf4_levels", "nf4_nbytes", "quantise", "quantise_in_place",
+           "quantised_names", "round_trip", "swap_nf4_layers"]
