@@ -427,3 +427,36 @@ def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
     assert gib(rows["qlora"], 2) + gib(rows["qlora"], 3) <= gib(rows["lora"], 2) + gib(
         rows["lora"], 3)
     assert gib(rows["qlora"], 0) < 0.6 * gib(rows["lora"], 0)
+
+
+def test_planner_counts_the_decode_time_per_matmul():
+    """Every NF4 weight is decoded in each micro-batch's forward and backward, once more where
+    its segment recomputes, at decode_traffic_bytes per weight over the device's memory
+    bandwidth; the decode is part of the step's compute, and LoRA has none."""
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.memory.placement import SegmentPlacement
+    from tierlm.memory.planner import ModelShape, TrainShape, _decode_s, evaluate, usable_budgets
+    from tierlm.models.nf4 import decode_traffic_bytes
+
+    config = tiny_model("llama_tied_gqa", layers=2).config
+    hw = PROFILES["rtx4090"]
+    resident = [SegmentPlacement(True, Tier.DEVICE)] * 4
+    streamed = [SegmentPlacement(False, Tier.HOST)] * 4
+    shapes = {p: ModelShape.from_config(config, optim=OPTIM, lora=LORA, base_format="nf4",
+                                        precision=p) for p in ("fp32", "bf16")}
+    nf4 = sum(shapes["fp32"].base_nf4_numels)
+    assert nf4 == 2 * sum(s.numel() for s in _qlora_model().model.layers[0].parameters()
+                          if s.numel() % BLOCK == 0 and not s.requires_grad and s.ndim == 2)
+    for p, shape in shapes.items():
+        dtype = torch.bfloat16 if p == "bf16" else torch.float32
+        one = decode_traffic_bytes(nf4, dtype) / (hw.device_memory_Bps * 0.9)
+        kept = _decode_s(shape, TrainShape(2, 16, M, p), hw, resident, True)
+        assert kept == pytest.approx(2 * M * one)  # forward + backward, per micro-batch
+        assert _decode_s(shape, TrainShape(2, 16, M, p), hw, streamed, True) == \
+            pytest.approx(3 * M * one)  # and the recompute
+    plan = evaluate(shapes["bf16"], TrainShape(2, 16, M, "bf16"), hw, resident,
+                    "microbatch-outer", True, usable_budgets(hw))
+    assert 0 < plan.times_s["decode"] < plan.times_s["compute"]
+    lora = ModelShape.from_config(config, optim=OPTIM, lora=LORA, base_format="bf16",
+                                  precision="bf16")
+    assert _decode_s(lora, TrainShape(2, 16, M, "bf16"), hw, resident, True) == 0

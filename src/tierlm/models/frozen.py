@@ -31,7 +31,7 @@ from torch import nn
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.models.nf4 import BLOCK, NF4Format, quantised_names, swap_nf4_layers
+from tierlm.models.nf4 import BLOCK, NF4Format, NF4Linear, quantised_names, swap_nf4_layers
 from tierlm.precision.linear import PrecisionLinear
 from tierlm.precision.streaming import ComputeFormat, slot_kinds
 
@@ -64,6 +64,12 @@ class FrozenBase:
         params = [(n, tuple(p.shape), True) for n, p in model.named_parameters()]
         self._kind_of = dict(zip([n for n, _, _ in params],
                                  slot_kinds(model, FlatLayout(params)), strict=True))
+        for name, m in model.named_modules():  # swapped already (a second engine on `model`)
+            if isinstance(m, NF4Linear):
+                kind = "bf16" if m.compute == "bf16" else "fp32"
+                self._kind_of[f"{name}.weight"] = kind
+                if m.bias is not None:
+                    self._kind_of[f"{name}.bias"] = kind
         if base_format == "nf4":
             swap_nf4_layers(model, self.quantised)
 
