@@ -124,7 +124,15 @@ def dequantised_scales(buf: torch.Tensor, numel: int) -> torch.Tensor:
     return scales.float() * step.repeat_interleave(SCALE_BLOCK)[:blocks] + mean
 
 
-DECODE_CHUNK = 1 << 22  # weights decoded per pass: bounds the decode's index and fp32 temporaries
+DECODE_CHUNK = 1 << 22  # most weights decoded per pass: bounds the index and fp32 temporaries
+MIN_DECODE_CHUNK = 1 << 16  # fewest (a smaller tensor is one pass)
+
+
+def _chunk(numel: int) -> int:
+    """Weights per decode pass of a tensor of `numel`: a quarter of it (so the temporaries stay
+    below 1.5 bytes a weight), whole blocks, within [MIN_DECODE_CHUNK, DECODE_CHUNK]; few
+    passes, as each is a handful of kernel launches on a GPU."""
+    return max(MIN_DECODE_CHUNK, min(DECODE_CHUNK, numel // 4 // BLOCK * BLOCK))
 
 
 def decode_traffic_bytes(numel: int, dtype: torch.dtype) -> int:
@@ -155,17 +163,18 @@ def dequantise(buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32
     """The `numel` weights NF4 bytes `buf` hold (flat, `dtype`, on `buf`'s device), written into
     `out` when given: `level[code] * s_hat` in fp32, rounded once to `dtype`.
 
-    Decoded `DECODE_CHUNK` weights at a time, so besides `out` and the block scales (fp32, 1/16
-    of a byte per weight) the decode holds only one chunk's int32 code indices and, for a dtype
-    other than fp32, its fp32 products (`decode_workspace_nbytes`)."""
+    Decoded a chunk of weights at a time (`_chunk`), so besides `out` and the block scales (fp32,
+    1/16 of a byte per weight) the decode holds only one chunk's int32 code indices and, for a
+    dtype other than fp32, its fp32 products (`decode_workspace_nbytes`)."""
     blocks, groups, _ = _parts(numel)
     codes = _views(buf, blocks, groups)[3]
     if out is None:
         out = torch.empty(numel, dtype=dtype, device=buf.device)
     scales = dequantised_scales(buf, numel)  # (blocks,)
     table = _pairs(buf.device)
-    for lo in range(0, numel, DECODE_CHUNK):
-        n = min(DECODE_CHUNK, numel - lo)
+    chunk = _chunk(numel)
+    for lo in range(0, numel, chunk):
+        n = min(chunk, numel - lo)
         idx = codes[lo // 2 : (lo + n) // 2].int()  # (n/2,) one index per byte
         dst = out.narrow(0, lo, n)
         w = dst if dst.dtype == torch.float32 else torch.empty(n, device=buf.device)
@@ -178,12 +187,12 @@ def dequantise(buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32
 
 
 def decode_workspace_nbytes(numel: int, dtype: torch.dtype) -> int:
-    """Peak bytes `dequantise` allocates for one tensor of `numel` weights decoded into `dtype`:
-    the output, the block scales and the temporaries that make them (at most three fp32 arrays
-    of one value per block, padded to whole scale groups), and one chunk's int32 indices (and
-    fp32 products, unless `dtype` is fp32)."""
+    """At most the bytes `dequantise` holds at once for one tensor of `numel` weights decoded
+    into `dtype`: the output, the block scales and the temporaries that make them (three fp32
+    arrays of one value per block, padded to whole scale groups), and one chunk's int32 indices
+    (and fp32 products, unless `dtype` is fp32)."""
     _, groups, _ = _parts(numel)
-    chunk = min(numel, DECODE_CHUNK)
+    chunk = min(numel, _chunk(numel))
     products = 0 if dtype == torch.float32 else 4 * chunk
     return numel * dtype.itemsize + 3 * 4 * groups * SCALE_BLOCK + 2 * chunk + products
 
