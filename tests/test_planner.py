@@ -277,10 +277,11 @@ def test_probe_measures_and_detect_uses_it(tmp_path, monkeypatch):
     monkeypatch.setattr(hardware, "probe_path", lambda: out)
     result = run_probe(str(tmp_path), out, disk_mib=16, log=lambda _m: None)
     for key in ("disk_read_Bps", "disk_write_Bps", "host_copy_Bps", "cpu_adam_params_per_s",
-                "matmul_flops"):
+                "matmul_flops", "device_memory_Bps"):
         assert result[key] > 0
     prof = hardware.detect(tmp_path)
     assert prof.cpu_adam_params_per_s == result["cpu_adam_params_per_s"]
+    assert prof.device_memory_Bps == result["device_memory_Bps"]
     assert prof.disk_read_Bps == result["disk_read_Bps"]
     assert prof.host_memory_bytes > 2**30 and prof.disk_budget_bytes > 0
 

@@ -23,6 +23,7 @@ from tierlm.models.lora import apply_lora
 from tierlm.models.nf4 import (
     BLOCK,
     SCALE_BLOCK,
+    decode_workspace_nbytes,
     dequantise,
     dequantised_scales,
     nf4_levels,
@@ -163,6 +164,68 @@ def test_tiered_qlora_matches_peft_on_the_round_tripped_base(reference, policy, 
     assert any(not torch.equal(decoded[k], base.get_parameter(k).detach()) for k in names)
 
 
+class _LiveDecodes:
+    """Wraps tierlm.models.nf4._decode_weight (what NF4Linear decodes each matmul's weight
+    with): records every decoded weight and, at each decode, how many earlier ones are still
+    alive, so a decode kept by the graph or a whole segment's decode shows up."""
+
+    def __init__(self, monkeypatch) -> None:
+        import weakref
+
+        from tierlm.models import nf4
+
+        self.alive: list[weakref.ref] = []
+        self.most_alive = self.largest_bytes = self.calls = 0
+        decode = nf4._decode_weight
+
+        def counted(*args):
+            self.alive = [r for r in self.alive if r() is not None]
+            w = decode(*args)
+            self.alive.append(weakref.ref(w))
+            self.most_alive = max(self.most_alive, len(self.alive))
+            self.largest_bytes = max(self.largest_bytes, w.numel() * w.element_size())
+            self.calls += 1
+            return w
+
+        monkeypatch.setattr(nf4, "_decode_weight", counted)
+
+
+@pytest.mark.parametrize(("acts", "order"), [("full", "microbatch-outer"),
+                                             ("offload", "layer-outer"),
+                                             ("selective", "microbatch-outer")])
+def test_qlora_decodes_one_weight_at_a_time_under_every_activation_policy(
+        reference, acts, order, tmp_path, monkeypatch):
+    """Each NF4 base layer decodes its own weight just before its matmul, forward, recompute
+    and backward alike, and nothing keeps it: at most one decoded weight is alive at any
+    decode, the largest is one linear's (what `decoded_nbytes` reserves room for, with the
+    decode's temporaries), and the run still equals peft on the round-tripped base."""
+    from tierlm.config import ActivationConfig
+
+    base, steps, lrs, ref_recs, ref_adapters, _ = reference
+    model = copy.deepcopy(base)
+    names = quantised_names(model)
+    eng = _engine(model, tmp_path, "host", order, activations=ActivationConfig(policy=acts))
+    live = _LiveDecodes(monkeypatch)
+    recs = [eng.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    adapters = eng.weights()
+    block = eng.states[1]
+    eng.close()
+    largest = max(s.numel for s in block.layout.slots if s.name in names)
+    assert live.most_alive == 1
+    assert live.largest_bytes == 4 * largest
+    assert block.compute_format.decoded_nbytes == decode_workspace_nbytes(largest, torch.float32)
+    assert block.compute_format.decoded_nbytes < 4 * block.numel / 2  # a segment's: 4 * numel
+    # forward and backward of every micro-batch decode each weight; a recompute (full, and
+    # selective: the decode is one of the cheap ops it reruns) once more
+    per_pass = len(names) * M * STEPS
+    assert live.calls == per_pass * (2 if acts == "offload" else 3)
+    for r, ref in zip(recs, ref_recs, strict=True):
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for k, v in ref_adapters.items():
+        assert (adapters[k] - v).abs().max().item() <= 1e-6, k
+
+
 @pytest.mark.parametrize(("policy", "order", "fp32_layers"), [
     ("host", "layer-outer", None),
     ("none", "microbatch-outer", "lora_"),  # the adapters' matmuls fp32 on bf16 activations
@@ -182,10 +245,11 @@ def test_tiered_qlora_under_bf16_matches_peft_on_the_bf16_round_trip(policy, ord
     eng = _engine(copy.deepcopy(base), tmp_path, policy, order, autocast=bf16_autocast)
     blocks = [st for st in eng.states if st.compute_format is not None]
     assert len(blocks) == 2 and all(st.master is None for st in blocks)
-    for st in blocks:  # decoded into a bf16 compute copy: half the bytes of fp32, about
+    for st in blocks:  # each quantised weight decodes into bf16 per matmul, one at a time
         fmt = st.compute_format
-        assert fmt.decoded is not None and fmt.decoded_nbytes < 2.2 * st.numel
-        kinds = dict(zip([s.name for s in st.layout.slots], fmt.decoded.kinds, strict=True))
+        largest = max(s.numel for s in st.layout.slots if s.name in quantised_names(base))
+        assert fmt.decoded_nbytes == decode_workspace_nbytes(largest, torch.bfloat16)
+        kinds = dict(zip([s.name for s in st.layout.slots], fmt.compute_kinds, strict=True))
         assert {kinds[n] for n in kinds if n in quantised_names(base)} == {"bf16"}
         assert {k for n, k in kinds.items() if "layernorm" in n} == {"fp32"}
     before = eng.frozen_weights()
@@ -200,6 +264,31 @@ def test_tiered_qlora_under_bf16_matches_peft_on_the_bf16_round_trip(policy, ord
     assert before.keys() == after.keys() == ref_frozen.keys()
     assert all(torch.equal(before[k], ref_frozen[k]) and torch.equal(after[k], before[k])
                for k in before)
+
+
+@pytest.mark.parametrize("acts", ["full", "offload"])
+def test_qlora_bf16_decodes_per_matmul_under_recompute_and_offload(acts, tmp_path, monkeypatch):
+    """Under bf16 each weight decodes straight into bf16 per matmul, one alive at a time, with
+    recompute (full) and offloaded graphs, and the run equals peft on the bf16 round trip: the
+    adapters bit for bit."""
+    from tierlm.config import ActivationConfig
+
+    base = bf16_model(_qlora_model())
+    steps, lrs = batches(2, M), [OPTIM.lr, 0.9 * OPTIM.lr]
+    ref_recs, ref_adapters, _ = bf16_lora_reference(base, steps, lrs, CLIP, nf4=True)
+    eng = _engine(copy.deepcopy(base), tmp_path, "host", autocast=bf16_autocast,
+                  activations=ActivationConfig(policy=acts))
+    live = _LiveDecodes(monkeypatch)
+    recs = [eng.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
+    adapters = eng.weights()
+    largest = max(s.numel for s in eng.states[1].layout.slots
+                  if s.name in quantised_names(base))
+    eng.close()
+    assert live.most_alive == 1 and live.largest_bytes == 2 * largest
+    for r, ref in zip(recs, ref_recs, strict=True):
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+    assert all(torch.equal(adapters[k], v) for k, v in ref_adapters.items())
 
 
 CYCLE = torch.tensor([3, 17, 42, 99, 150])  # the text: these five tokens over and over
@@ -323,7 +412,12 @@ def test_planner_counts_the_nf4_base(spec, precision, tmp_path):
     decoded = [st.compute_format.decoded_nbytes for st in eng.states
                if st.compute_format is not None]
     assert max(decoded) == max(shape.base_decoded_bytes)
-    assert (max(decoded) < 2.2 * eng.states[1].numel) == (precision == "bf16")
+    # one matmul's weight (the largest target's, in the compute dtype) and the decode's
+    # temporaries, less than decoding the segment whole (fp32, or bf16 with fp32 norms)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    largest = max(s.numel for s in eng.states[1].layout.slots if s.name in quantised_names(model))
+    assert max(decoded) == decode_workspace_nbytes(largest, dtype)
+    assert max(decoded) < dtype.itemsize * eng.states[1].numel
     steps_match_the_plan(eng, predicted, M)
     nf4 = [st.compute_format.nbytes for st in eng.states if st.compute_format is not None]
     assert sum(nf4) < 0.5 * sum(4 * st.numel for st in eng.states[1:-1])
@@ -358,3 +452,36 @@ def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
     assert gib(rows["qlora"], 2) + gib(rows["qlora"], 3) <= gib(rows["lora"], 2) + gib(
         rows["lora"], 3)
     assert gib(rows["qlora"], 0) < 0.6 * gib(rows["lora"], 0)
+
+
+def test_planner_counts_the_decode_time_per_matmul():
+    """Every NF4 weight is decoded in each micro-batch's forward and backward, once more where
+    its segment recomputes, at decode_traffic_bytes per weight over the device's memory
+    bandwidth; the decode is part of the step's compute, and LoRA has none."""
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.memory.placement import SegmentPlacement
+    from tierlm.memory.planner import ModelShape, TrainShape, _decode_s, evaluate, usable_budgets
+    from tierlm.models.nf4 import decode_traffic_bytes
+
+    config = tiny_model("llama_tied_gqa", layers=2).config
+    hw = PROFILES["rtx4090"]
+    resident = [SegmentPlacement(True, Tier.DEVICE)] * 4
+    streamed = [SegmentPlacement(False, Tier.HOST)] * 4
+    shapes = {p: ModelShape.from_config(config, optim=OPTIM, lora=LORA, base_format="nf4",
+                                        precision=p) for p in ("fp32", "bf16")}
+    nf4 = sum(shapes["fp32"].base_nf4_numels)
+    assert nf4 == 2 * sum(s.numel() for s in _qlora_model().model.layers[0].parameters()
+                          if s.numel() % BLOCK == 0 and not s.requires_grad and s.ndim == 2)
+    for p, shape in shapes.items():
+        dtype = torch.bfloat16 if p == "bf16" else torch.float32
+        one = decode_traffic_bytes(nf4, dtype) / (hw.device_memory_Bps * 0.9)
+        kept = _decode_s(shape, TrainShape(2, 16, M, p), hw, resident, True)
+        assert kept == pytest.approx(2 * M * one)  # forward + backward, per micro-batch
+        assert _decode_s(shape, TrainShape(2, 16, M, p), hw, streamed, True) == \
+            pytest.approx(3 * M * one)  # and the recompute
+    plan = evaluate(shapes["bf16"], TrainShape(2, 16, M, "bf16"), hw, resident,
+                    "microbatch-outer", True, usable_budgets(hw))
+    assert 0 < plan.times_s["decode"] < plan.times_s["compute"]
+    lora = ModelShape.from_config(config, optim=OPTIM, lora=LORA, base_format="bf16",
+                                  precision="bf16")
+    assert _decode_s(lora, TrainShape(2, 16, M, "bf16"), hw, resident, True) == 0

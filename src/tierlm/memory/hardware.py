@@ -35,6 +35,10 @@ class HardwareProfile:
     matmul_flops: float  # dense matmul rate in the compute precision (bf16 on GPUs)
     fp8_matmul_flops: float | None  # None: no fp8 units
     cpu_adam_params_per_s: float  # fused AdamW over fp32 state on the CPU
+    # device memory bandwidth, bytes read + written per second (datasheet peak on GPUs; on
+    # "cpu", `tierlm probe` measures it as the NF4 decode sees it): what QLoRA's per-matmul
+    # NF4 decode is bound by
+    device_memory_Bps: float
     device_is_cpu: bool = False
     # device -> device rate per direction (the context-parallel ring's K/V); None: no direct
     # path (GeForce cards: no NVLink, no P2P), so messages go through host memory (`net_Bps`)
@@ -83,59 +87,69 @@ _PCIE5_X16 = dict(h2d_Bps=50 * GB, d2h_Bps=50 * GB)
 PROFILES: dict[str, HardwareProfile] = {
     # GeForce RTX 3090: 24 GB; 71 TFLOPS dense FP16/BF16 tensor with FP32 accumulate
     # (NVIDIA Ampere GA102 whitepaper, appendix table); no fp8.
+    # 936 GB/s GDDR6X (GeForce RTX 3090 specifications).
     "rtx3090": HardwareProfile(
         name="rtx3090", gpu_memory_bytes=24 * GB, matmul_flops=71 * T, fp8_matmul_flops=None,
-        **_PCIE4_X16, **_DESKTOP,
+        device_memory_Bps=936 * GB, **_PCIE4_X16, **_DESKTOP,
     ),
     # GeForce RTX 4090: 24 GB; 165 TFLOPS dense FP16/BF16, 330 dense FP8 (NVIDIA Ada Lovelace
     # architecture whitepaper, appendix table).
+    # 1,008 GB/s GDDR6X (Ada whitepaper, appendix table).
     "rtx4090": HardwareProfile(
         name="rtx4090", gpu_memory_bytes=24 * GB, matmul_flops=165 * T,
-        fp8_matmul_flops=330 * T, **_PCIE4_X16, **_DESKTOP,
+        fp8_matmul_flops=330 * T, device_memory_Bps=1008 * GB, **_PCIE4_X16, **_DESKTOP,
     ),
     # GeForce RTX 4060 Ti 16 GB: 44 TFLOPS dense FP16, 88 FP8 (Ada whitepaper); PCIe 4.0 x8.
+    # 288 GB/s GDDR6 (Ada whitepaper).
     "rtx4060ti-16g": HardwareProfile(
         name="rtx4060ti-16g", gpu_memory_bytes=16 * GB, matmul_flops=44 * T,
-        fp8_matmul_flops=88 * T, **_PCIE4_X8, **_DESKTOP,
+        fp8_matmul_flops=88 * T, device_memory_Bps=288 * GB, **_PCIE4_X8, **_DESKTOP,
     ),
     # GeForce RTX 5090: 32 GB; 209 TFLOPS dense FP16/BF16, 419 dense FP8 (NVIDIA Blackwell
     # RTX whitepaper); PCIe 5.0 x16.
+    # 1,792 GB/s GDDR7 (Blackwell RTX whitepaper).
     "rtx5090": HardwareProfile(
         name="rtx5090", gpu_memory_bytes=32 * GB, matmul_flops=209 * T,
-        fp8_matmul_flops=419 * T, **_PCIE5_X16, **_DESKTOP,
+        fp8_matmul_flops=419 * T, device_memory_Bps=1792 * GB, **_PCIE5_X16, **_DESKTOP,
     ),
     # A100 40/80 GB: 312 TFLOPS dense BF16 (NVIDIA A100 datasheet); no fp8; PCIe 4.0 host link.
-    # NVLink 3 between SXM cards: 600 GB/s both directions, 300 per direction.
+    # NVLink 3 between SXM cards: 600 GB/s both directions, 300 per direction. HBM2e:
+    # 1,555 GB/s (40 GB), 2,039 GB/s (80 GB SXM) (A100 datasheet).
     "a100-40g": HardwareProfile(
         name="a100-40g", gpu_memory_bytes=40 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
-        interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
+        device_memory_Bps=1555 * GB, interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g", gpu_memory_bytes=80 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
-        interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
+        device_memory_Bps=2039 * GB, interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
     ),
-    # H100 SXM 80 GB: 989 TFLOPS dense BF16, 1979 dense FP8 (NVIDIA H100 datasheet); PCIe 5.0;
-    # NVLink 4: 900 GB/s both directions, 450 per direction.
+    # H100 SXM 80 GB: 989 TFLOPS dense BF16, 1979 dense FP8, 3.35 TB/s HBM3 (NVIDIA H100
+    # datasheet); PCIe 5.0; NVLink 4: 900 GB/s both directions, 450 per direction.
     "h100-80g": HardwareProfile(
         name="h100-80g", gpu_memory_bytes=80 * GB, matmul_flops=989 * T,
-        fp8_matmul_flops=1979 * T, interconnect_Bps=450 * GB, **_PCIE5_X16, **_DESKTOP,
+        fp8_matmul_flops=1979 * T, device_memory_Bps=3350 * GB, interconnect_Bps=450 * GB,
+        **_PCIE5_X16, **_DESKTOP,
     ),
-    # H200: 141 GB HBM3e; same tensor cores and NVLink as H100 (NVIDIA H200 datasheet).
+    # H200: 141 GB HBM3e at 4.8 TB/s; same tensor cores and NVLink as H100 (NVIDIA H200
+    # datasheet).
     "h200": HardwareProfile(
         name="h200", gpu_memory_bytes=141 * GB, matmul_flops=989 * T,
-        fp8_matmul_flops=1979 * T, interconnect_Bps=450 * GB, **_PCIE5_X16, **_DESKTOP,
+        fp8_matmul_flops=1979 * T, device_memory_Bps=4800 * GB, interconnect_Bps=450 * GB,
+        **_PCIE5_X16, **_DESKTOP,
     ),
     # This project's CPU-only development machine (2 vCPU, 24 GiB; PLATFORM_NOTES.md): fp32
     # matmul ~180 GFLOPS (1024^3 in 12 ms), memcpy ~25 GB/s, O_DIRECT read ~1.8 / write ~2.4
     # GB/s, fused AdamW 1.6 G params/s. The "device" is the CPU: copies are memcpys. Between
     # ranks, gloo's isend/irecv over loopback TCP: 0.34-0.60 GB/s per rank each way for 4-64
-    # MiB messages on 2 ranks (tests running beside it), taken as 0.5 GB/s.
+    # MiB messages on 2 ranks (tests running beside it), taken as 0.5 GB/s. Its memory as the
+    # NF4 decode moves it (tierlm.memory.probe.decode_memory_Bps, 16M weights): 0.8-9.7 GB/s
+    # over ten runs at load 5, ~4 GB/s typical.
     "cpu": HardwareProfile(
         name="cpu", gpu_memory_bytes=8 * GiB, host_memory_bytes=16 * GiB,
         disk_budget_bytes=50 * GiB, h2d_Bps=25 * GB, d2h_Bps=25 * GB,
         disk_read_Bps=1.8 * GB, disk_write_Bps=2.4 * GB, host_copy_Bps=25 * GB,
         matmul_flops=0.18 * T, fp8_matmul_flops=None, cpu_adam_params_per_s=1.6e9,
-        device_is_cpu=True, interconnect_Bps=0.5 * GB,
+        device_memory_Bps=4 * GB, device_is_cpu=True, interconnect_Bps=0.5 * GB,
     ),
 }
 
@@ -187,7 +201,8 @@ def detect(offload_dir: str | os.PathLike | None = None) -> HardwareProfile:
 
 _MEASURED_FIELDS = {
     "h2d_Bps", "d2h_Bps", "disk_read_Bps", "disk_write_Bps", "host_copy_Bps", "matmul_flops",
-    "cpu_adam_params_per_s", "compiled_block_time_ratio", "compiled_block_probe",
+    "cpu_adam_params_per_s", "device_memory_Bps", "compiled_block_time_ratio",
+    "compiled_block_probe",
 }
 
 

@@ -91,9 +91,11 @@ class ModelShape:
     # weights in bf16; the rest fp32), which is all its state and the copy it streams in; None
     # where a segment has none (its base is an fp32 master)
     base_bytes: list[int | None] | None = None
-    # per segment, the bytes an action decodes its base copy into (an NF4 base's: fp32, or its
-    # bf16 compute copy under bf16), outside the ledger; None: read where it lies
+    # per segment, the most bytes one matmul decodes an NF4 weight into (its largest target
+    # weight, fp32 or bf16 under bf16, and the decode's temporaries), outside the ledger
     base_decoded_bytes: list[int] | None = None
+    # per segment, the NF4 weights its matmuls decode (each forward, backward and recompute)
+    base_nf4_numels: list[int] | None = None
     # the model's config, to measure what one block saves under bf16 and fp8 (None: half the
     # fp32 bytes)
     model_config: Any = field(default=None, compare=False, repr=False)
@@ -181,11 +183,13 @@ class ModelShape:
         )
         saved = block_saved_bytes_per_token(config, "fp32", probe_tokens)
         trained = _lora_layout(model, lora) if lora is not None else None
-        base, decoded = (_base_bytes(model, layouts, lora, base_format, precision)
-                         if lora is not None and base_format != "fp32" else (None, None))
+        base, decoded, nf4_numels = (
+            _base_bytes(model, layouts, lora, base_format, precision)
+            if lora is not None and base_format != "fp32" else (None, None, None))
         return cls(
             base_bytes=base,
             base_decoded_bytes=decoded,
+            base_nf4_numels=nf4_numels,
             lora=lora,
             frozen=trained is not None,
             trained_numel=trained.numel if trained else 0,
@@ -273,11 +277,13 @@ def _lora_layout(model, lora):
 
 
 def _base_bytes(model, layouts, lora, base_format: str,
-                precision: str) -> tuple[list[int | None], list[int]]:
+                precision: str) -> tuple[list[int | None], list[int], list[int]]:
     """Per segment, the bytes tierlm.models.frozen.FrozenBase holds its base in (None for a
-    segment it leaves an fp32 master) and the bytes an action decodes it into: NF4 for the
+    segment it leaves an fp32 master) and the most bytes one matmul decodes a weight into (the
+    largest target's, with the decode's temporaries: tierlm.models.nf4.NF4Linear): NF4 for the
     targets' weights (a multiple of 64 elements), or bf16 for every linear weight the default
-    precision policy computes in bf16 (the blocks'), fp32 for the rest."""
+    precision policy computes in bf16 (the blocks'), fp32 for the rest; and the NF4 weights
+    each segment holds."""
     from tierlm.config import PrecisionConfig
     from tierlm.models.lora import lora_targets
     from tierlm.models.nf4 import BLOCK, NF4Format
@@ -290,7 +296,7 @@ def _base_bytes(model, layouts, lora, base_format: str,
         for c in classify(model, PrecisionConfig(mode="bf16"), "bf16"):
             if c.is_linear and c.compute == "bf16":
                 kind_of.update({f"{c.name}.weight": "bf16", f"{c.name}.bias": "bf16"})
-    base, decoded = [], []
+    base, decoded, nf4_numels = [], [], []
     for lay in layouts:
         kinds = [kind_of.get(s.name, "fp32") for s in lay.slots]
         compute = ComputeFormat(lay, kinds).nbytes if "bf16" in kinds else 4 * lay.numel
@@ -298,12 +304,15 @@ def _base_bytes(model, layouts, lora, base_format: str,
             quantised = {f"{t}.weight" for t in lora_targets(model, lora.targets)}
             quantised = {n for n in quantised if n in params and params[n].numel() % BLOCK == 0}
             nf4 = {s.name for s in lay.slots} & quantised
-            base.append(NF4Format(lay, quantised).nbytes if nf4 else None)
-            decoded.append(compute if nf4 else 0)
+            fmt = NF4Format(lay, quantised, kinds)
+            base.append(fmt.nbytes if nf4 else None)
+            decoded.append(fmt.decoded_nbytes)  # one matmul's weight: NF4Linear decodes per call
+            nf4_numels.append(sum(s.numel for s in lay.slots if s.name in nf4))
         else:
             base.append(compute if "bf16" in kinds else None)
             decoded.append(0)
-    return base, decoded
+            nf4_numels.append(0)
+    return base, decoded, nf4_numels
 
 
 def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
@@ -758,7 +767,7 @@ def _simulate(
     # flight, then the larger of the head (its input, its gradient and one chunk of logits) and
     # one recomputed block's saved tensors during the backward
     workspace = activation_workspace_bytes(shape, train, keep[:last], order)
-    # a QLoRA segment's action decodes its NF4 weights into a buffer of its own
+    # a QLoRA matmul decodes its NF4 weight into a buffer of its own, one weight at a time
     workspace += max(shape.base_decoded_bytes or [0])
     return ledger, workspace, update_staging
 
@@ -824,6 +833,8 @@ def _times(
         # attention scores and the head stay bf16
         fp8_rate = hw.fp8_matmul_flops * MATMUL_EFFICIENCY
         compute = block_flops / fp8_rate + (flops - block_flops) / rate
+    decode = _decode_s(shape, train, hw, placements, keep_resident)
+    compute += decode
     net, net_lane = _net_lane(shape, train, hw, placements, keep_resident, compute,
                               attention_s=tokens * attn / rate)
     forward = compute * 2 * (block_params + head_params) / (flops / tokens)
@@ -856,6 +867,7 @@ def _times(
     step = max(sweep + stall, sweep_disk + update_disk)
     return {
         "compute": compute,
+        "decode": decode,
         "h2d": h2d,
         "d2h": d2h,
         "sweep_disk": sweep_disk,
@@ -920,6 +932,25 @@ def compiled_block_source(train: TrainShape, hw: HardwareProfile) -> str | None:
                 "auto)")
     return (f"compile: segments; blocks' compute x{factor:.2f} of eager (probed: "
             f"{hw.compiled_block_probe or 'tierlm probe --compile segments'})")
+
+
+def _decode_s(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
+              keep_resident: bool) -> float:
+    """Seconds per step a QLoRA base spends decoding NF4 weights on the device (part of its
+    compute): each matmul decodes its weight (tierlm.models.nf4.NF4Linear) in every micro-batch's
+    forward and backward, and once more where the segment recomputes its forward; a memory-bound
+    pass at `decode_traffic_bytes` per weight over the device's memory bandwidth."""
+    if not shape.base_nf4_numels:
+        return 0.0
+    import torch
+
+    from tierlm.models.nf4 import decode_traffic_bytes
+
+    dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+    decodes = sum(n * (2 + (not (p.resident and keep_resident)))
+                  for n, p in zip(shape.base_nf4_numels, placements, strict=True))
+    rate = hw.device_memory_Bps * (1.0 if hw.device_is_cpu else COPY_EFFICIENCY)
+    return train.micro_batches * decode_traffic_bytes(decodes, dtype) / rate
 
 
 def _bottleneck(t: dict[str, float]) -> str:
@@ -1293,7 +1324,9 @@ def describe(
                  f"wait on the {'host' if p.boundary_on_host else 'device'}")
     t = p.times_s
     lines.append("")
-    lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}, "
+    decode = f" incl. NF4 decode {t['decode']:.2f}" if t.get("decode") else ""
+    lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}"
+                 f"{decode}, "
                  f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
                  f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "

@@ -39,6 +39,25 @@ def _best_s(fn: Callable[[], None], repeats: int = 3) -> float:
     return best
 
 
+def decode_memory_Bps(dev: torch.device, numel: int = 16 * 2**20) -> float:
+    """Device memory bandwidth as QLoRA's per-matmul NF4 decode sees it: `numel` weights
+    decoded into fp32, at the bytes tierlm.models.nf4.decode_traffic_bytes counts per weight
+    (the planner's decode time divides the same count by this rate)."""
+    from tierlm.models.nf4 import decode_traffic_bytes, dequantise, nf4_nbytes, quantise
+
+    x = torch.randn(numel)
+    buf = quantise(x, torch.empty(nf4_nbytes(numel), dtype=torch.uint8)).to(dev)
+    out = torch.empty(numel, device=dev)
+
+    def decode() -> None:
+        dequantise(buf, numel, out=out)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    decode()  # warm: the level table on the device
+    return decode_traffic_bytes(numel, torch.float32) / _best_s(decode)
+
+
 def measure(directory: Path, *, disk_mib: int = 512, log=print) -> dict[str, float]:
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(dir=directory, prefix=".tierlm-probe-") as d:
@@ -81,6 +100,10 @@ def measure(directory: Path, *, disk_mib: int = 512, log=print) -> dict[str, flo
 
     out["matmul_flops"] = 4 * 2 * size**3 / _best_s(mm)
     log(f"matmul ({dev.type}, {dtype}): {out['matmul_flops'] / 1e12:.2f} TFLOPS")
+
+    out["device_memory_Bps"] = decode_memory_Bps(dev)
+    log(f"device memory, as the NF4 decode moves it: "
+        f"{out['device_memory_Bps'] / 1e9:.1f} GB/s (read + write)")
 
     if dev.type == "cuda":
         host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)

@@ -14,7 +14,9 @@ The copy's format follows `--finetune` and the run's precision (`base_format`):
   read through the same fp32 stand-ins a full-parameter bf16 run's streamed copy is: 2 bytes
   per weight of the blocks' linear layers, on every tier.
 - `nf4` (`--finetune qlora`): tierlm.models.nf4's `NF4Format` (~0.52 bytes per quantised
-  weight), decoded per action into fp32 (an fp32 run) or into such a bf16 copy (a bf16 run).
+  weight, the rest fp32). Nothing is decoded per segment: each quantised weight's layer is
+  swapped for an `NF4Linear` (`swap_nf4_layers`) that decodes its own weight per matmul, into
+  fp32 (an fp32 run) or bf16 (a bf16 run), forward and backward.
 
 Stands where ComputeCopies stands in the engine (`init_state` replaces runtime.state's).
 """
@@ -29,7 +31,7 @@ from torch import nn
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.models.nf4 import BLOCK, NF4Format, quantised_names
+from tierlm.models.nf4 import BLOCK, NF4Format, NF4Linear, quantised_names, swap_nf4_layers
 from tierlm.precision.linear import PrecisionLinear
 from tierlm.precision.streaming import ComputeFormat, slot_kinds
 
@@ -57,9 +59,23 @@ class FrozenBase:
         if base_format == "bf16" and not self.precision_layers:
             raise ValueError("a bf16 frozen base needs the precision policy applied first "
                              "(tierlm.precision.prepare_precision under --precision bf16)")
+        # what each parameter computes in, read off the precision layers before NF4 layers
+        # replace the quantised weights' ones
+        params = [(n, tuple(p.shape), True) for n, p in model.named_parameters()]
+        self._kind_of = dict(zip([n for n, _, _ in params],
+                                 slot_kinds(model, FlatLayout(params)), strict=True))
+        for name, m in model.named_modules():  # swapped already (a second engine on `model`)
+            if isinstance(m, NF4Linear):
+                kind = "bf16" if m.compute == "bf16" else "fp32"
+                self._kind_of[f"{name}.weight"] = kind
+                if m.bias is not None:
+                    self._kind_of[f"{name}.bias"] = kind
+        if base_format == "nf4":
+            swap_nf4_layers(model, self.quantised)
 
     def _kinds(self, layout: FlatLayout) -> list[str] | None:
-        return slot_kinds(self.model, layout) if self.precision_layers else None
+        return ([self._kind_of[s.name] for s in layout.slots] if self.precision_layers
+                else None)
 
     def format_of(self, layout: FlatLayout) -> ComputeFormat | NF4Format | None:
         """The copy a segment of flat layout `layout` holds its base in (None: its fp32
@@ -76,8 +92,9 @@ class FrozenBase:
         return 4 * layout.numel if fmt is None else fmt.nbytes
 
     def decoded_nbytes(self, layout: FlatLayout) -> int:
-        """Bytes an action of this segment decodes its weights into, outside the ledger (an NF4
-        base's; a bf16 copy is read where it lies)."""
+        """Bytes one matmul of this segment decodes its weight into at most, outside the ledger
+        (an NF4 base's largest quantised weight, and the decode's temporaries; a bf16 copy is
+        read where it lies)."""
         fmt = self.format_of(layout)
         return fmt.decoded_nbytes if isinstance(fmt, NF4Format) else 0
 

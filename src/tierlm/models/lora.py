@@ -17,7 +17,8 @@ keys `base_model.model.<module>.lora_A.weight`), so `PeftModel.from_pretrained(b
 it; the Hugging Face export merges it into the base (W + alpha/r * B A), tensor by tensor.
 
 --finetune qlora is the same adapters on a base whose adapted weights are NF4 (tierlm.models.nf4):
-the tiered runtime quantises them at load and decodes them on the device per action; a model in
+the tiered runtime quantises them at load and each base layer decodes its own weight per matmul
+(tierlm.models.nf4.NF4Linear); a model in
 RAM (the reference trainer's) gets them replaced by their NF4 round trip here, so both compute
 with the same values. Its adapter loads on that round-tripped base, and its export merges the
 adapters into it.
@@ -51,12 +52,14 @@ PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
 
 
 def _linear_types() -> tuple[type, ...]:
-    """A linear layer, as built or as the precision policy swapped it (tierlm.precision)."""
+    """A linear layer, as built or as the precision policy (tierlm.precision) or a QLoRA
+    runtime (tierlm.models.nf4.NF4Linear) swapped it."""
     from transformers.pytorch_utils import Conv1D
 
+    from tierlm.models.nf4 import NF4Linear
     from tierlm.precision.linear import PrecisionLinear
 
-    return (nn.Linear, Conv1D, PrecisionLinear)
+    return (nn.Linear, Conv1D, PrecisionLinear, NF4Linear)
 
 
 def _stored_transposed(layer: nn.Module) -> bool:

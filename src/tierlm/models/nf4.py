@@ -46,6 +46,7 @@ round trip cast to bf16: the same fp32 product rounded once.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tierlm.memory.layout import FlatLayout
@@ -123,19 +124,77 @@ def dequantised_scales(buf: torch.Tensor, numel: int) -> torch.Tensor:
     return scales.float() * step.repeat_interleave(SCALE_BLOCK)[:blocks] + mean
 
 
+DECODE_CHUNK = 1 << 22  # most weights decoded per pass: bounds the index and fp32 temporaries
+MIN_DECODE_CHUNK = 1 << 16  # fewest (a smaller tensor is one pass)
+
+
+def _chunk(numel: int) -> int:
+    """Weights per decode pass of a tensor of `numel`: a quarter of it (so the temporaries stay
+    below 1.5 bytes a weight), whole blocks, within [MIN_DECODE_CHUNK, DECODE_CHUNK]; few
+    passes, as each is a handful of kernel launches on a GPU."""
+    return max(MIN_DECODE_CHUNK, min(DECODE_CHUNK, numel // 4 // BLOCK * BLOCK))
+
+
+def decode_traffic_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes `dequantise` reads and writes in memory to decode `numel` weights into `dtype`
+    (the planner's decode time: a memory-bound pass): per weight, the codes (1/2) widened to
+    int32 indices (written 2, read 2), the levels gathered (written 4), scaled in place (read
+    and written 4 each), and for bf16 the fp32 products read (4) and rounded into the output
+    (2): 16.5 bytes a weight into fp32, 22.5 into bf16. The block scales (1/16) are left out."""
+    per_two = 33 if dtype == torch.float32 else 45  # bytes per two weights
+    return numel * per_two // 2
+
+
+def _pairs(device: torch.device) -> torch.Tensor:
+    """(256, 2) fp32: the two levels each code byte holds (high nibble first), on `device`."""
+    table = _PAIRS.get(device)
+    if table is None:
+        byte = torch.arange(256)
+        table = _PAIRS[device] = torch.stack([_LEVELS[byte >> 4], _LEVELS[byte & 15]],
+                                             dim=1).to(device)
+    return table
+
+
+_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
 def dequantise(buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """The `numel` weights NF4 bytes `buf` hold (flat, `dtype`, on `buf`'s device), written into
-    `out` when given."""
+    `out` when given: `level[code] * s_hat` in fp32, rounded once to `dtype`.
+
+    Decoded a chunk of weights at a time (`_chunk`), so besides `out` and the block scales (fp32,
+    1/16 of a byte per weight) the decode holds only one chunk's int32 code indices and, for a
+    dtype other than fp32, its fp32 products (`decode_workspace_nbytes`)."""
     blocks, groups, _ = _parts(numel)
     codes = _views(buf, blocks, groups)[3]
-    idx = torch.stack([codes >> 4, codes & 15], dim=-1).view(blocks, BLOCK).long()
-    levels = _LEVELS.to(buf.device)
-    w = levels[idx] * dequantised_scales(buf, numel).unsqueeze(1)  # (blocks, 64)
     if out is None:
-        return w.reshape(-1).to(dtype)
-    out.view(blocks, BLOCK).copy_(w)
+        out = torch.empty(numel, dtype=dtype, device=buf.device)
+    scales = dequantised_scales(buf, numel)  # (blocks,)
+    table = _pairs(buf.device)
+    chunk = _chunk(numel)
+    for lo in range(0, numel, chunk):
+        n = min(chunk, numel - lo)
+        idx = codes[lo // 2 : (lo + n) // 2].int()  # (n/2,) one index per byte
+        dst = out.narrow(0, lo, n)
+        w = dst if dst.dtype == torch.float32 else torch.empty(n, device=buf.device)
+        torch.index_select(table, 0, idx, out=w.view(-1, 2))  # (n/2, 2) levels
+        del idx
+        w.view(-1, BLOCK).mul_(scales[lo // BLOCK : (lo + n) // BLOCK].unsqueeze(1))
+        if w is not dst:
+            dst.copy_(w)
     return out
+
+
+def decode_workspace_nbytes(numel: int, dtype: torch.dtype) -> int:
+    """At most the bytes `dequantise` holds at once for one tensor of `numel` weights decoded
+    into `dtype`: the output, the block scales and the temporaries that make them (three fp32
+    arrays of one value per block, padded to whole scale groups), and one chunk's int32 indices
+    (and fp32 products, unless `dtype` is fp32)."""
+    _, groups, _ = _parts(numel)
+    chunk = min(numel, _chunk(numel))
+    products = 0 if dtype == torch.float32 else 4 * chunk
+    return numel * dtype.itemsize + 3 * 4 * groups * SCALE_BLOCK + 2 * chunk + products
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -162,23 +221,154 @@ def quantise_in_place(model: nn.Module) -> None:
             p.copy_(round_trip(p.detach().float()).to(p.dtype))
 
 
+# -- a linear layer that decodes its own NF4 weight ------------------------------------------
+
+NF4_BYTES = "_nf4"
+"""Suffix of the buffer (and of the runtime's view name) that carries a weight's NF4 bytes:
+`q_proj.base_layer.weight` -> `q_proj.base_layer.weight_nf4`."""
+
+
+class _NF4LinearFn(torch.autograd.Function):
+    """y = layer(x) with the frozen weight decoded from its NF4 bytes just before the matmul
+    and dropped after it. The backward (the gradient of the input; the weight takes none)
+    decodes it again from the saved bytes: a graph keeps ~0.52 bytes per weight, views of the
+    segment's NF4 copy (rebuilt from the backward's copy: activations/saved.py), never the
+    decoded weight."""
+
+    @staticmethod
+    def forward(ctx, x, nf4, bias, layer):
+        out = layer.matmul(x, layer.decoded(nf4), bias)
+        ctx.save_for_backward(nf4)
+        ctx.layer, ctx.x_dtype = layer, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        (nf4,) = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = ctx.layer.input_grad(gout, ctx.layer.decoded(nf4), ctx.x_dtype)
+        return gx, None, None, None
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer (peft's base layer of a --finetune qlora target) that reads its
+    weight as NF4 bytes and decodes it per matmul, forward and backward: the device holds one
+    decoded weight at a time (`decode_workspace_nbytes`), never a segment's.
+
+    Replaces `source` (an `nn.Linear`, GPT-2's `Conv1D`, or a `PrecisionLinear` computing in
+    fp32 or bf16) and keeps its `weight` and `bias` Parameters, so names, checkpoints and the
+    runtime's views are unchanged. The runtime's `functional_call` swaps the bytes in as the
+    buffer `weight_nf4` and an fp32 stand-in without values as `weight`; without bytes (a model
+    whose weights are in RAM) the layer is `source` itself. The math is `source`'s on the
+    decoded weight: fp32 as `F.linear`, bf16 as tierlm.precision.linear's `Bf16Linear` (bf16
+    operands; the gradient of an fp32 input summed in fp32)."""
+
+    def __init__(self, source: nn.Module) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        from tierlm.precision.linear import PrecisionLinear
+
+        super().__init__()
+        self.weight = source.weight
+        self.register_parameter("bias", source.bias)
+        self.compute = source.compute.name if isinstance(source, PrecisionLinear) else "plain"
+        if self.compute not in ("plain", "fp32", "bf16"):
+            raise ValueError(f"--finetune qlora: the base layer computes in {self.compute}; "
+                             "use --precision bf16 or fp32")
+        self.transposed = isinstance(source, Conv1D) or getattr(source, "transposed", False) is True
+        self.stored_shape = tuple(source.weight.shape)  # (in, out) when transposed
+        out_dim, in_dim = self.stored_shape[::-1] if self.transposed else self.stored_shape
+        self.in_features, self.out_features = int(in_dim), int(out_dim)
+        self._source = (source,)  # not a submodule: its parameters are this layer's
+        self.register_buffer("weight" + NF4_BYTES, None, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the weight is decoded into."""
+        return torch.bfloat16 if self.compute == "bf16" else torch.float32
+
+    def decoded(self, nf4: torch.Tensor) -> torch.Tensor:
+        """The weight from its NF4 bytes, (out, in) (a transposed view for a Conv1D)."""
+        numel = self.in_features * self.out_features
+        w = _decode_weight(nf4, numel, self.dtype).view(self.stored_shape)
+        return w.t() if self.transposed else w
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.compute == "plain":
+            return F.linear(x, w, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            if self.compute == "fp32":
+                return F.linear(x.float(), w, None if bias is None else bias.float())
+            return F.linear(x.to(torch.bfloat16), w,
+                            None if bias is None else bias.to(torch.bfloat16))
+
+    def input_grad(self, gout: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype
+                   ) -> torch.Tensor:
+        """d loss / d x for an output gradient `gout`: what autograd of `matmul` computes."""
+        if self.compute != "bf16":
+            return (gout.reshape(-1, gout.shape[-1]).mm(w)
+                    .view(*gout.shape[:-1], w.shape[1]).to(x_dtype))
+        from tierlm.precision.linear import _mm_fp32_out
+
+        with torch.autocast(gout.device.type, enabled=False):
+            g = gout.to(torch.bfloat16)
+            if x_dtype == torch.bfloat16:  # as Bf16Linear: rounded to the input's bf16
+                return g @ w
+            g2 = g.reshape(-1, g.shape[-1])
+            return _mm_fp32_out(g2, w).reshape(*g.shape[:-1], w.shape[1]).to(x_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nf4 = self.weight_nf4
+        if nf4 is None:
+            return self._source[0](x)
+        if self.bias is not None and self.bias.requires_grad:
+            raise ValueError("--finetune qlora keeps the base's biases frozen (--lora.bias none)")
+        if self.compute == "plain" and torch.is_autocast_enabled(x.device.type):
+            raise ValueError("--finetune qlora under autocast needs the precision policy's "
+                             "layers (--precision bf16 applies them)")
+        return _NF4LinearFn.apply(x, nf4, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, nf4 -> {self.compute}"
+
+
+def _decode_weight(nf4: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """One layer's weight decoded for one matmul (a test wraps this to count them alive)."""
+    return dequantise(nf4, numel, dtype)
+
+
+def swap_nf4_layers(model: nn.Module, quantised: set[str]) -> int:
+    """Replace the layer owning each of `quantised` (`<module>.base_layer.weight`) by an
+    `NF4Linear` of it, in place; returns how many were replaced."""
+    swapped = 0
+    for name in sorted(quantised):
+        owner, _, leaf = name.rpartition(".base_layer.")
+        if leaf != "weight":
+            raise ValueError(f"not a LoRA base weight: {name}")
+        wrapper = model.get_submodule(owner)
+        if not isinstance(wrapper.base_layer, NF4Linear):
+            wrapper.base_layer = NF4Linear(wrapper.base_layer)
+            swapped += 1
+    return swapped
+
+
 # -- a segment's base as NF4 bytes ---------------------------------------------------------
 
 
 class NF4Format:
     """A frozen segment's weights as one byte buffer: NF4 for the `quantised` parameters, fp32
     for the rest, each entry 16-byte aligned. Stands where runtime/state.py's `compute_format`
-    stands: `nbytes`, `flat` (the decoded weights of one action) and `views`.
+    stands: `nbytes`, `flat` and `views`.
 
-    `kinds`: the dtype each slot computes in (tierlm.precision.streaming.slot_kinds); None or
-    all fp32: decoded into one flat fp32 buffer read through plain views. Otherwise (a bf16
-    run) decoded into a `ComputeFormat` buffer of those kinds (the NF4 weights straight into
-    bf16, the norms fp32), read through its views as a streamed bf16 compute copy is."""
+    Nothing is decoded per segment: an action's flat weights are the copy itself; its views
+    read the fp32 entries where they lie and hand each quantised weight's `NF4Linear` its bytes
+    (the layer decodes them per matmul). `kinds`: the dtype each slot computes in
+    (tierlm.precision.streaming.slot_kinds; None: all fp32): what a quantised weight decodes
+    into (bf16 or fp32), and the rounding `decode` applies to read the base's values."""
 
     def __init__(self, layout: FlatLayout, quantised: set[str],
                  kinds: list[str] | None = None) -> None:
-        from tierlm.precision.streaming import ComputeFormat
-
         self.layout = layout
         self.entries: list[tuple[int, int, int, bool]] = []  # (offset, numel, byte offset, nf4)
         nbytes = 0
@@ -189,10 +379,12 @@ class NF4Format:
             nbytes += -(-size // ALIGN) * ALIGN
         self.nbytes = nbytes
         self.kinds = ["nf4" if nf4 else "fp32" for *_, nf4 in self.entries]
-        mixed = kinds is not None and any(k != "fp32" for k in kinds)
-        self.decoded = ComputeFormat(layout, kinds) if mixed else None
-        # the buffer each action decodes into (outside the ledger)
-        self.decoded_nbytes = 4 * layout.numel if self.decoded is None else self.decoded.nbytes
+        self.compute_kinds = list(kinds) if kinds is not None else ["fp32"] * len(self.entries)
+        # the largest decode a matmul of this segment holds at once (outside the ledger)
+        self.decoded_nbytes = max(
+            (decode_workspace_nbytes(numel, _DTYPE[kind])
+             for (_, numel, _, nf4), kind in zip(self.entries, self.compute_kinds, strict=True)
+             if nf4), default=0)
 
     def encode_slot(self, k: int, values: torch.Tensor, wire: torch.Tensor) -> None:
         """Write slot `k`'s fp32 `values` (its numel) into the copy `wire` (uint8, host)."""
@@ -207,41 +399,44 @@ class NF4Format:
         for k, (offset, numel, _, _) in enumerate(self.entries):
             self.encode_slot(k, master.narrow(0, offset, numel), wire)
 
-    def _decode_into(self, copy: torch.Tensor, dst_of) -> None:
-        """Decode every entry of `copy` into `dst_of(k, offset, numel)` (a flat tensor of the
-        entry's decoded dtype): NF4 entries block by block, fp32 ones copied (rounded to the
-        destination's dtype)."""
-        for k, (offset, numel, at, nf4) in enumerate(self.entries):
-            dst = dst_of(k, offset, numel)
-            if nf4:
-                dequantise(copy[at : at + nf4_nbytes(numel)], numel, dst.dtype, out=dst)
-            else:
-                dst.copy_(copy[at : at + 4 * numel].view(torch.float32))
-
     def flat(self, copy: torch.Tensor) -> torch.Tensor:
-        """The segment's flat weights decoded from its copy `copy` (uint8, on the device) into
-        a buffer of this action's own."""
-        if self.decoded is None:
-            out = torch.empty(self.layout.numel, dtype=torch.float32, device=copy.device)
-            self._decode_into(copy, lambda k, offset, numel: out.narrow(0, offset, numel))
-            return out
-        fmt = self.decoded
-        buf = torch.empty(fmt.nbytes, dtype=torch.uint8, device=copy.device)
-        self._decode_into(copy, lambda k, offset, numel: fmt.slot_view(buf, k))
-        return fmt.flat(buf)
+        """The segment's flat weights for an action: its copy `copy` (uint8, on the device)."""
+        return copy
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return (self.layout.views(flat) if self.decoded is None else self.decoded.views(flat))
+        """Name -> tensor for one run of the segment on its copy `flat`: fp32 entries as fp32
+        views of it; a quantised weight as a stand-in without values (stride 0) and its NF4
+        bytes under `name + NF4_BYTES`, the buffer its `NF4Linear` reads."""
+        from tierlm.precision.streaming import _typed
+
+        out = {}
+        for slot, (_, numel, at, nf4) in zip(self.layout.slots, self.entries, strict=True):
+            if nf4:
+                out[slot.name] = _typed(flat, 0, torch.float32, ()).as_strided(
+                    slot.shape, (0,) * len(slot.shape))
+                out[slot.name + NF4_BYTES] = flat[at : at + nf4_nbytes(numel)]
+            else:
+                out[slot.name] = _typed(flat, at, torch.float32, slot.shape)
+        return out
 
     def decode(self, copy: torch.Tensor) -> dict[str, torch.Tensor]:
         """The values the matmuls read, by parameter name, widened to fp32 (CPU tensors of
-        their own)."""
+        their own): a quantised weight decoded as its layer decodes it, an fp32 entry of a bf16
+        layer (a bias) rounded to bf16 as the layer rounds it."""
         copy = copy.to("cpu")
-        if self.decoded is None:
-            return {n: v.clone() for n, v in self.layout.views(self.flat(copy)).items()}
-        buf = torch.empty(self.decoded.nbytes, dtype=torch.uint8)
-        self._decode_into(copy, lambda k, offset, numel: self.decoded.slot_view(buf, k))
-        return self.decoded.decode(buf)
+        out = {}
+        for slot, (_, numel, at, nf4), kind in zip(self.layout.slots, self.entries,
+                                                   self.compute_kinds, strict=True):
+            dtype = _DTYPE[kind]
+            if nf4:
+                values = dequantise(copy[at : at + nf4_nbytes(numel)], numel, dtype)
+            else:
+                values = copy[at : at + 4 * numel].view(torch.float32).to(dtype)
+            out[slot.name] = values.float().view(slot.shape).clone()
+        return out
+
+
+_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def bits_per_parameter(numel: int) -> float:
@@ -249,6 +444,7 @@ def bits_per_parameter(numel: int) -> float:
     return 8 * nf4_nbytes(numel) / numel
 
 
-__all__ = ["BLOCK", "SCALE_BLOCK", "NF4Format", "bits_per_parameter", "dequantise",
+__all__ = ["BLOCK", "DECODE_CHUNK", "NF4_BYTES", "SCALE_BLOCK", "NF4Format", "NF4Linear",
+           "bits_per_parameter", "decode_traffic_bytes", "decode_workspace_nbytes", "dequantise",
            "dequantised_scales", "nf4_levels", "nf4_nbytes", "quantise", "quantise_in_place",
-           "quantised_names", "round_trip"]
+           "quantised_names", "round_trip", "swap_nf4_layers"]

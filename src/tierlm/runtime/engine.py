@@ -167,7 +167,7 @@ class EngineOptions:
     base_format: str = "fp32"
     """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32 (its master),
     bf16 (--finetune lora under bf16: its compute copy alone), or nf4 (--finetune qlora:
-    decoded on the device by each action); tierlm.models.frozen."""
+    each base layer decodes its weight on the device per matmul); tierlm.models.frozen."""
     readahead: ReadAhead | None = None
     """Read disk-tier segments' master and slots into host staging during the backward, so the
     update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
@@ -251,8 +251,8 @@ class Engine(Stepper):
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
         self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
         tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
-        # an NF4 segment's action decodes its weights into a buffer of its own (outside the
-        # ledger)
+        # a QLoRA matmul decodes its NF4 weight into a buffer of its own, one weight at a time
+        # (outside the ledger): room for the largest
         decoded_bytes = max((self.compute_copies.decoded_nbytes(lay) for lay in layouts),
                             default=0) if frozen_copy else 0
         self.host_boundaries = options.boundary_tier == Tier.HOST
