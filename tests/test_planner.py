@@ -312,6 +312,9 @@ def test_precision_auto_takes_bf16_only_where_native():
     assert resolve_precision(emulate, torch.device("cpu"), None).mode == "fp8"
     # FSDP has no fp8: auto stops at bf16 there
     assert resolve_precision(auto, None, PROFILES["rtx4090"], backend="fsdp").mode == "bf16"
+    # so has context parallel's ring: auto on an fp8 card trains CP runs in bf16, saying why
+    cp = resolve_precision(auto, None, PROFILES["rtx4090"], context_parallel=2)
+    assert cp.mode == "bf16" and "--context-parallel has no fp8" in cp.describe()
     bf16 = resolve_precision(PrecisionConfig(mode="bf16"), torch.device("cpu"), None)
     assert bf16.mode == "bf16" and bf16.why is None
 

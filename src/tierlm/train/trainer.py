@@ -255,7 +255,8 @@ class Trainer:
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         choice = finetune_precision(cfg, resolve_precision(
             cfg.precision, self.device, None, backend=cfg.distributed.backend,
-            compiled=cfg.run.compile != "off"))
+            compiled=cfg.run.compile != "off",
+            context_parallel=cfg.distributed.context_parallel))
         if choice.why:  # a named precision is logged with the layer table
             log(choice.describe())
         # from here on the run is configured with what auto chose: config.yaml and the
