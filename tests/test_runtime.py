@@ -336,7 +336,7 @@ def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path):
         ended = _slow_writeback(eng, 0.2)
         forward, started = eng._forward, {}
 
-        def spy(a, mbs, w, forward=forward, started=started):
+        def spy(a, mbs, w, forward=forward, started=started, eng=eng):
             started.setdefault(eng.states[a.seg].seg.name, []).append(time.perf_counter())
             return forward(a, mbs, w)
 
