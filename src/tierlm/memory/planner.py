@@ -1162,7 +1162,8 @@ def plan(
 
 
 READAHEAD_EXTRA_SHARES = (0.0, 0.125, 0.25, 0.5, 1.0)
-WRITEBACK_SEGMENTS = (1, 4)  # and every disk-tier segment
+# write-backs pending at most (None: every disk-tier segment's) the planner tries
+WRITEBACK_SEGMENTS: tuple[int | None, ...] = (1, 4, None)
 
 
 def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
@@ -1190,7 +1191,7 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
         disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(placements)
                          if p.state_tier == Tier.DISK)
         n_disk = sum(p.state_tier == Tier.DISK for p in placements)
-        limits = sorted({n for n in WRITEBACK_SEGMENTS if n < n_disk} | {n_disk})
+        limits = sorted({n_disk if n is None else min(n, n_disk) for n in WRITEBACK_SEGMENTS})
         for share in (None, *READAHEAD_EXTRA_SHARES):
             extra = 0 if share is None else int(share * disk_state)
             ra = None if share is None else ReadAhead(extra_bytes=extra)
