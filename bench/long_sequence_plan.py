@@ -5,7 +5,9 @@ Each row plans one rank of a run whose rows of --seq-len tokens are shared by N 
 device holds the whole row), as `tierlm plan --context-parallel N` does: the device bytes split
 into the ledger's model state and boundary activations, the activation workspace outside it (one
 block's saved tensors per token, measured on fake tensors under the run's precision), where the
-boundary activations wait, and the predicted step. No training, no memory: seconds.
+boundary activations wait, the ring's K/V bytes per rank per step and the time they take at the
+profile's GPU-to-GPU rate against the attention they hide behind (the sweep's `net` lane), and
+the predicted step with its bottleneck. No training, no memory: seconds.
 
     PYTHONPATH=src python bench/long_sequence_plan.py --model-size 7b --hardware rtx4090 \\
         --host-memory 64 --disk 200 --seq-len 32768
@@ -20,7 +22,7 @@ import argparse
 
 from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import gib
-from tierlm.memory.planner import ModelShape, TrainShape, plan, usable_budgets
+from tierlm.memory.planner import ModelShape, TrainShape, plan, ring_kv_bytes, usable_budgets
 from tierlm.models import preset_config
 
 
@@ -34,31 +36,39 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--cp", default="1,2,4")
     p.add_argument("--precisions", default="bf16,fp8")
+    p.add_argument("--interconnect", type=float, default=None,
+                   help="GPU-to-GPU GB/s per direction (default: the profile's)")
     a = p.parse_args()
 
-    hw = PROFILES[a.hardware].with_overrides(host_memory_bytes=int(a.host_memory * GiB),
-                                             disk_budget_bytes=int(a.disk * GiB))
+    hw = PROFILES[a.hardware].with_overrides(
+        host_memory_bytes=int(a.host_memory * GiB), disk_budget_bytes=int(a.disk * GiB),
+        interconnect_Bps=None if a.interconnect is None else a.interconnect * 1e9)
     shape = ModelShape.from_config(preset_config(a.model_size, max_seq_len=a.seq_len))
     usable = usable_budgets(hw)["device"]
     print(f"{a.model_size}, {a.batch_size} x {a.seq_len} tokens per row, {hw.name}, host "
-          f"{a.host_memory:g} GiB and disk {a.disk:g} GiB per rank; device usable {gib(usable)}")
+          f"{a.host_memory:g} GiB and disk {a.disk:g} GiB per rank; device usable {gib(usable)}; "
+          f"GPU-to-GPU {hw.net_Bps / 1e9:.1f} GB/s per direction")
     for precision in a.precisions.split(","):
         print(f"  {precision}: one block saves {shape.saved_bytes_per_token(precision) / 1024:.1f}"
               " KiB per token")
     print("| CP | precision | tokens/rank | device state+boundaries | activation workspace "
-          "| device total | boundaries | activations | step s | row tokens/s | fits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| device total | boundaries | activations | ring K/V per step | net s | attention s "
+          "| compute s | step s | bottleneck | row tokens/s | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for precision in a.precisions.split(","):
         for cp in (int(c) for c in a.cp.split(",")):
             train = TrainShape(a.batch_size, a.seq_len // cp, 1, precision, context_parallel=cp)
             pl = plan(shape, train, hw)
             fits = "yes" if pl.fits else "no: " + "; ".join(pl.problems)
             acts = "keep resident graphs" if pl.keep_resident_activations else "recompute all"
+            kv = ring_kv_bytes(shape, train, pl.placements, pl.keep_resident_activations)
+            t = pl.times_s
             # every rank of the group works on the same rows: the group's rate is N x a rank's
             print(f"| {cp} | {precision} | {train.seq_len} | {gib(pl.device_peak_bytes)} | "
                   f"{gib(pl.workspace_bytes)} | {gib(pl.device_total_bytes)} | "
-                  f"{'host' if pl.boundary_on_host else 'device'} | {acts} | "
-                  f"{pl.step_s:.1f} | {cp * pl.tokens_per_s:,.0f} | {fits} |")
+                  f"{'host' if pl.boundary_on_host else 'device'} | {acts} | {gib(kv)} | "
+                  f"{t['net']:.1f} | {t['attention']:.1f} | {t['compute']:.1f} | "
+                  f"{pl.step_s:.1f} | {pl.bottleneck} | {cp * pl.tokens_per_s:,.0f} | {fits} |")
 
 
 if __name__ == "__main__":

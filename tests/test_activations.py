@@ -674,3 +674,45 @@ def test_dynamic_parks_the_inputs_it_recomputes_from_on_the_host():
     on_device = engine(budget, Tier.DEVICE)
     assert on_device.activation_policies.count("keep") <= chosen.count("keep")
     on_device.close()
+
+
+def test_dynamic_under_fp8_mixes_policies_with_the_same_math_and_statistics():
+    """`--precision fp8 --grad-checkpointing dynamic` (emulated fp8 on the CPU): its probe and
+    its steps run `selective` over fp8 layers, whose replay used to raise (the emulated matmul
+    scaled its cached output in place; the scalers recorded again, adding ops the forward had
+    not run). A budget that mixes keep, selective and full gives the losses, weights and fp8
+    statistics of keeping every graph; the probe's random inputs record nothing."""
+    from tierlm.config import PrecisionConfig
+    from tierlm.precision import PrecisionLinear, prepare_precision
+
+    base = tiny_model("llama_untied", layers=4)
+    steps = batches(2, 1)
+
+    def run(budget):
+        model = copy.deepcopy(base)
+        prepare_precision(model, PrecisionConfig(mode="fp8"), "fp8", CPU, log=lambda _m: None)
+        eng = dynamic_engine(model, budget)
+        losses = [eng.step(s, OPTIM.lr)["loss"] for s in steps]
+        counts = {s.name: s.count for m in model.modules()
+                  if isinstance(m, PrecisionLinear) and hasattr(m.compute, "scalers")
+                  for s in m.compute.scalers.all()}
+        return eng, losses, counts
+
+    probe, ref_losses, ref_counts = run(None)
+    assert probe.activation_policies == ["keep"] * 5
+    state = probe.report.device_bytes - probe.activation_reserve_bytes
+    keep_bytes = probe.activation_costs[1].keep_bytes
+    ref_w = probe.weights()
+    probe.close()
+    head = head_workspace_bytes(default_chunk_tokens(300), 300, B * T, D)
+    budget = state + head + int(1.6 * keep_bytes)
+    eng, losses, counts = run(budget)
+    assert "selective" in eng.activation_policies and "keep" in eng.activation_policies
+    assert losses == ref_losses
+    w = eng.weights()
+    assert all(torch.equal(w[k], ref_w[k]) for k in ref_w)
+    # the probe (random inputs) and the recomputes recorded nothing: each weight, once a step
+    assert counts == ref_counts
+    assert ref_counts["model.layers.0.self_attn.o_proj.weight"] == len(steps) * D * D
+    assert eng.ledger.step_peak_device_total_bytes <= budget
+    eng.close()

@@ -33,7 +33,9 @@ from tierlm.distributed.data_parallel import DataParallelStep
 from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.tiers import Link
+from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.planner import ModelShape, TrainShape, ring_kv_bytes
+from tierlm.memory.tiers import Link, Tier
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.train.reference import ReferenceStep
 
@@ -44,8 +46,8 @@ OPTIM = dataclasses.replace(OPTIM, eps=1e-3)  # see tests/test_distributed.py: r
 CPU = torch.device("cpu")
 
 
-def _reference(rows: int) -> dict:
-    model = tiny_model(MODEL, layers=LAYERS)
+def _reference(rows: int, name: str = MODEL) -> dict:
+    model = tiny_model(name, layers=LAYERS)
     ref = ReferenceStep(model, OPTIM, grad_clip=1.0, device=CPU)
     step_batches = batches(STEPS, M, b=rows, t=T)
     ref._loss(step_batches[0][0]).backward()
@@ -57,11 +59,11 @@ def _reference(rows: int) -> dict:
             "eval": ref.eval_loss(step_batches[0][0])}
 
 
-def _cp_run(world: World, cp: int, rows: int) -> dict:
+def _cp_run(world: World, cp: int, rows: int, name: str = MODEL) -> dict:
     """This rank's run: the row group's rows of the global batches, its zig-zag share of each."""
     layout = ContextLayout(world.rank, world.size, cp)
     step = ContextParallelStep(
-        ReferenceStep(tiny_model(MODEL, layers=LAYERS), OPTIM, grad_clip=1.0, device=CPU),
+        ReferenceStep(tiny_model(name, layers=LAYERS), OPTIM, grad_clip=1.0, device=CPU),
         layout, build_ring(layout),
     )
     global_batches = batches(STEPS, M, b=rows, t=T)
@@ -83,7 +85,7 @@ def _cp_run(world: World, cp: int, rows: int) -> dict:
             "eval": step.eval_loss(global_batches[0][0])}  # every row group: all rows
 
 
-def _engine_run(world: World, cp: int, rows: int, activations: str) -> dict:
+def _engine_run(world: World, cp: int, rows: int, activations: str, name: str = MODEL) -> dict:
     """The tiered runtime with host placement on this rank's share, data parallel over all
     ranks with the dense sync (the wiring of tierlm.distributed.setup)."""
     layout = ContextLayout(world.rank, world.size, cp)
@@ -91,7 +93,7 @@ def _engine_run(world: World, cp: int, rows: int, activations: str) -> dict:
     sync = DenseSync().build(comm)
     ring = build_ring(layout)
     engine = Engine(
-        tiny_model(MODEL, layers=LAYERS), OPTIM,
+        tiny_model(name, layers=LAYERS), OPTIM,
         EngineOptions(policy="host", grad_sync=sync, batch_size=rows // layout.dp, seq_len=T,
                       micro_batches=M, sequence_share=ZigzagShare(layout, ring),
                       activations=ActivationConfig(policy=activations)),
@@ -106,7 +108,8 @@ def _engine_run(world: World, cp: int, rows: int, activations: str) -> dict:
         outs.append(step.step([b.tensor_split(layout.dp)[layout.dp_rank] for b in micro], LR))
     result = {"losses": [o["loss"] for o in outs], "grad_norms": [o["grad_norm"] for o in outs],
               "weights": _numpy(step.weights()), "kv_send_bytes": ring.sent_bytes,
-              "net_send_bytes": engine.ledger.moved_bytes[Link.NET_SEND]}
+              "net_send_bytes": engine.ledger.moved_bytes[Link.NET_SEND],
+              "resident": [p.resident for p in engine.report.placements]}
     step.close()
     return result
 
@@ -126,46 +129,65 @@ def _assert_equal(run: dict, ref: dict) -> None:
             assert diff <= 1e-5, f"{key} {name}: max abs diff {diff}"
 
 
-@pytest.mark.parametrize(("world", "cp"), [(2, 2), (4, 4), (4, 2)],
-                         ids=["cp2", "cp4", "dp2xcp2"])
-def test_ring_equals_one_process_over_the_full_sequences(world, cp):
+def _kv_heads(c) -> int:
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads  # GPT-2: all
+
+
+@pytest.mark.parametrize(("world", "cp", "name"),
+                         [(2, 2, MODEL), (4, 4, MODEL), (4, 2, MODEL), (2, 2, "gpt2")],
+                         ids=["cp2", "cp4", "dp2xcp2", "cp2-gpt2"])
+def test_ring_equals_one_process_over_the_full_sequences(world, cp, name):
+    """GPT-2 too: its learned position embedding looks up each token's global position."""
     rows = 2 * (world // cp)  # 2 rows per row group: DP 2 x CP 2 is one process with 4 rows
-    ref = _reference(rows)
-    runs = run_ranks(lambda w: _cp_run(w, cp, rows), world=world)
+    ref = _reference(rows, name)
+    runs = run_ranks(lambda w: _cp_run(w, cp, rows, name), world=world)
     for run in runs:
         _assert_equal(run, ref)
     # the bytes: K/V around the ring in both sweeps (context.py), plus the gradient all-reduce
-    model = tiny_model(MODEL, layers=LAYERS)
+    model = tiny_model(name, layers=LAYERS)
     c = model.config
-    kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=c.num_key_value_heads,
+    kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=_kv_heads(c),
                          local_len=T // cp, head_dim=c.hidden_size // c.num_attention_heads,
                          element_bytes=4, layers=c.num_hidden_layers)
     n_params = sum(p.numel() for p in model.parameters())
+    resident = [SegmentPlacement(resident=True, state_tier=Tier.DEVICE)] * (LAYERS + 2)
+    planned = ring_kv_bytes(
+        ModelShape.from_config(c),
+        TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
+                   context_parallel=cp), resident, keep_resident=True)
     for run in runs:
-        assert run["kv_send_bytes"] == M * kv
+        assert run["kv_send_bytes"] == M * kv == planned
         assert run["net_send_bytes"] == M * kv + int(2 * (world - 1) / world * 4 * n_params)
         assert run["eval"] == pytest.approx(ref["eval"], rel=1e-5)
 
 
-@pytest.mark.parametrize(("world", "cp", "activations"),
-                         [(2, 2, "none"), (4, 4, "full")], ids=["cp2", "cp4-recompute"])
-def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activations):
+@pytest.mark.parametrize(("world", "cp", "activations", "name"),
+                         [(2, 2, "none", MODEL), (4, 4, "full", MODEL), (2, 2, "none", "gpt2")],
+                         ids=["cp2", "cp4-recompute", "cp2-gpt2"])
+def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activations, name):
     rows = 2 * (world // cp)
-    ref = _reference(rows)
-    runs = run_ranks(lambda w: _engine_run(w, cp, rows, activations), world=world)
-    c = tiny_model(MODEL, layers=LAYERS).config
-    kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=c.num_key_value_heads,
+    ref = _reference(rows, name)
+    runs = run_ranks(lambda w: _engine_run(w, cp, rows, activations, name), world=world)
+    c = tiny_model(name, layers=LAYERS).config
+    kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=_kv_heads(c),
                          local_len=T // cp, head_dim=c.hidden_size // c.num_attention_heads,
                          element_bytes=4, layers=c.num_hidden_layers)
     # streamed blocks (host placement) and full recompute run each block's forward again in
     # the backward: the ring passes the forward's K/V once more
     recompute_kv = ring_send_bytes(
-        cp=cp, batch=rows // (world // cp), kv_heads=c.num_key_value_heads, local_len=T // cp,
+        cp=cp, batch=rows // (world // cp), kv_heads=_kv_heads(c), local_len=T // cp,
         head_dim=c.hidden_size // c.num_attention_heads, element_bytes=4,
         layers=c.num_hidden_layers, backward=False)
+    # the planner counts the same bytes for this placement (its net lane's)
+    planned = ring_kv_bytes(
+        ModelShape.from_config(c),
+        TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
+                   context_parallel=cp),
+        [SegmentPlacement(resident=r, state_tier=Tier.HOST) for r in runs[0]["resident"]],
+        keep_resident=activations == "none")
     for run in runs:
         _assert_equal(run, ref)
-        assert run["kv_send_bytes"] == M * (kv + recompute_kv)
+        assert run["kv_send_bytes"] == M * (kv + recompute_kv) == planned
         assert run["net_send_bytes"] > run["kv_send_bytes"]  # plus the gradient all-reduce
 
 
@@ -195,9 +217,11 @@ def test_math_block_equals_the_fused_cpu_block(causal):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt2_is_refused_naming_the_flag():
-    ref = ReferenceStep(tiny_model("gpt2"), OPTIM, grad_clip=1.0, device=CPU)
-    with pytest.raises(ConfigError, match="--context-parallel"):
+def test_sliding_window_models_are_refused_naming_the_flag():
+    model = tiny_model("qwen2")
+    model.config.layer_types = ["sliding_attention"] * LAYERS
+    ref = ReferenceStep(model, OPTIM, grad_clip=1.0, device=CPU)
+    with pytest.raises(ConfigError, match="sliding-window.*--context-parallel"):
         ContextParallelStep(ref, ContextLayout(0, 2, 2), ring=None)
 
 
@@ -240,22 +264,32 @@ def test_plan_holds_one_rank_share_of_each_row(capsys):
     from tierlm.cli import main
     from tierlm.train.planning import hardware_for, make_plan, model_config_for
 
-    def plan(cp: int):
+    def plan(cp: int, **hw):
         cfg = from_dict({"model": {"size": "small"}, "data": {"seq_len": 4096},
                          "train": {"batch_size": 1},
                          "memory": {"offload_policy": "host", "hardware": "rtx4090"},
                          "distributed": {"nproc": cp, "context_parallel": cp}})
-        p, _, train = make_plan(cfg, model_config_for(cfg), hardware_for(cfg), "bf16")
+        p, _, train = make_plan(cfg, model_config_for(cfg), hardware_for(cfg).with_overrides(**hw),
+                                "bf16")
         return p, train
 
     (p1, _), (p2, t2) = plan(1), plan(2)
     assert (t2.seq_len, t2.context_parallel) == (2048, 2)
     assert p2.device_by_class["activation"] * 2 == p1.device_by_class["activation"]
+    # the ring's sends: a lane of their own, hidden behind attention unless the link is slow
+    assert p1.times_s["net"] == 0 and p2.times_s["net"] > 0
+    slow, _ = plan(2, interconnect_Bps=1e8)
+    assert slow.times_s["net"] > slow.times_s["attention"]
+    assert slow.bottleneck == "interconnect (ring K/V)"
+    t = slow.times_s
+    assert t["net_lane"] == pytest.approx(t["compute"] + t["net"] - t["attention"])
+    assert slow.step_s >= t["net_lane"] > p2.step_s
     assert main(["plan", "--model-size", "small", "--seq-len", "4096", "--batch-size", "1",
                  "--hardware", "rtx4090", "--precision", "bf16", "--nproc", "2",
                  "--context-parallel", "2", "--no-optimizer-table"]) == 0
     out = capsys.readouterr().out
     assert "2048 tokens per rank (context parallel 2: rows of 4096)" in out
+    assert "net lane" in out and "ring K/V" in out
     assert "--nproc 2 --context-parallel 2" in out
 
 

@@ -524,3 +524,142 @@ def test_deferred_write_back_leaves_the_window_but_not_the_drive():
     assert one["writeback_wait"] > 0
     for times in t.values():
         assert times["step"] >= times["disk"]
+
+
+# -- one byte model: the replay runs the engine's own rules (tierlm.runtime.schedule) -----------
+
+def _bf16(name: str):
+    """A tiny model whose blocks compute in bf16: streamed, they carry bf16 compute copies."""
+    from tierlm.config import PrecisionConfig
+    from tierlm.precision import prepare_precision
+
+    model = tiny_model(name, layers=2)
+    prepare_precision(model, PrecisionConfig(mode="bf16"), "bf16", CPU, log=lambda _m: None)
+    return model
+
+
+SHARED_CASES = [  # (model factory, micro-batches, order, placement spec)
+    (lambda: tiny_model("gpt2", layers=2), 2, "layer-outer", "disk"),
+    (lambda: tiny_model("llama_untied", layers=2), 3, "microbatch-outer", "mixed"),
+    (lambda: tiny_model("gpt2", layers=2), 2, "microbatch-outer", "resident-eh"),
+    (lambda: _bf16("llama_untied"), 2, "layer-outer", "disk-late-host-grads"),
+]
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=["gpt2 tied disk", "llama mixed",
+                                                    "gpt2 resident", "bf16 copies disk-late"])
+def test_the_replay_takes_the_engines_schedule(case, tmp_path):
+    """The planner's actions and stream plan are the engine's, action for action, and the
+    persistent state it counts is what the engine allocated."""
+    from tierlm.memory.planner import _actions, _stream_plan
+    from tierlm.memory.tiers import Link, TensorClass
+    from tierlm.runtime.state import load_bytes, persistent_bytes, start_load
+
+    factory, m, order, spec = case
+    model = factory()
+    shape = ModelShape.from_config(copy.deepcopy(model.config))
+    placements = _placements(spec, shape.names)
+    eng = Engine(model, OPTIM, EngineOptions(
+        policy="auto", placements=placements, microbatch_order=order, offload_dir=str(tmp_path),
+        batch_size=2, seq_len=16, micro_batches=m), device=CPU)
+    try:
+        actions = _actions(shape, TrainShape(2, 16, m, "fp32"), order)
+        assert actions == eng.schedule(m)
+        assert _stream_plan(shape, placements, actions) == eng.stream_plan(m)
+        # the bf16 case's streamed blocks hold compute copies (host RAM and files)
+        assert any(st.compute_format for st in eng.states) == (spec == "disk-late-host-grads")
+        held: dict = {}
+        for st in eng.states:
+            copy_bytes = None if st.compute_format is None else st.compute_format.nbytes
+            for tier, cls, nbytes in persistent_bytes(
+                    st.placement, st.numel, eng.optimizer.state_nbytes(st.layout), copy_bytes):
+                held[(tier, cls)] = held.get((tier, cls), 0) + nbytes
+        assert {k: v for k, v in eng.ledger.current_bytes.items() if v} == held
+        # each streamed segment's load stages and moves what `load_bytes` says
+        led = eng.ledger
+        moved = dict(led.total_moved_bytes)
+        expected = {Link.H2D: 0, Link.DISK_READ: 0}
+        for st in eng.states:
+            if st.placement.resident:
+                continue
+            staging = led.current_bytes[(Tier.HOST, TensorClass.STAGING)]
+            load = start_load(eng.store, st, eng.chunk_numel)
+            want = load_bytes(st.tier, st.numel, None if st.compute_format is None
+                              else st.compute_format.nbytes, eng.chunk_numel)
+            assert led.current_bytes[(Tier.HOST, TensorClass.STAGING)] - staging == \
+                want.staging_bytes
+            dst = eng.store.alloc(Tier.DEVICE, TensorClass.COMPUTE, st.device_nbytes(),
+                                  torch.uint8)
+            load.finish(dst)
+            eng.store.free(Tier.DEVICE, TensorClass.COMPUTE, dst)
+            expected[Link.H2D] += want.h2d_bytes
+            expected[Link.DISK_READ] += want.disk_read_bytes
+    finally:
+        eng.close()  # and the disk reads' counts are in
+    assert {k: led.total_moved_bytes[k] - moved.get(k, 0) for k in expected} == expected
+
+
+def test_a_changed_rule_changes_the_engine_and_the_plan_alike(tmp_path, monkeypatch):
+    """Park only every other block's input on the host: the engine runs the changed rule, the
+    replay predicts the changed bytes, and they still agree exactly."""
+    from tierlm.runtime import engine as engine_module
+    from tierlm.runtime import schedule
+
+    model = _untied("tiny", 32)
+    shape = ModelShape.from_config(copy.deepcopy(model.config))
+    placements = _placements("host", shape.names)
+    train = TrainShape(2, 32, 2, "fp32")
+    before = evaluate(shape, train, HW, placements, "layer-outer", False, usable_budgets(HW),
+                      True).moved_bytes
+    rule = schedule.parked_inputs
+
+    def every_other(policies, on_host):
+        return frozenset(s for s in rule(policies, on_host) if s % 2)
+
+    monkeypatch.setattr(schedule, "parked_inputs", every_other)
+    monkeypatch.setattr(engine_module, "parked_inputs", every_other)
+    predicted = evaluate(shape, train, HW, placements, "layer-outer", False, usable_budgets(HW),
+                         True)
+    assert predicted.moved_bytes["d2h"] < before["d2h"]
+    eng = Engine(model, OPTIM, EngineOptions(
+        policy="auto", placements=placements, microbatch_order="layer-outer",
+        keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=2, seq_len=32,
+        micro_batches=2, boundary_tier=Tier.HOST), device=CPU)
+    g = torch.Generator().manual_seed(0)
+    led = eng.ledger
+    for _ in range(2):  # the second step is steady
+        start = dict(led.total_moved_bytes)
+        eng.step([torch.randint(0, model.config.vocab_size, (2, 33), generator=g)
+                  for _ in range(2)], 1e-3)
+        eng.synchronize()
+    eng.close()
+    moved = {k.value: v - start.get(k, 0) for k, v in led.total_moved_bytes.items()}
+    assert {k: v for k, v in moved.items() if v} == {
+        k: v for k, v in predicted.moved_bytes.items() if v}
+    assert led.peak_tier_bytes[Tier.DEVICE] == predicted.device_peak_bytes
+
+
+def test_gradient_landings_of_a_step():
+    """A disk gradient sums in its file until the step's last contribution, which completes
+    the sum on the device and writes it once; a host one is added there; device state none."""
+    from tierlm.memory.tiers import Link
+    from tierlm.runtime.schedule import grad_landing
+
+    def step_moves(state: Tier, grad: Tier, m: int) -> dict:
+        total: dict = {}
+        written = False
+        for i in range(m):
+            path = grad_landing(state, grad, written=written, final=i == m - 1)
+            for link, n in path.moves(1):
+                total[link] = total.get(link, 0) + n
+            written = path.written
+        assert not written
+        return total
+
+    assert step_moves(Tier.DEVICE, Tier.DEVICE, 3) == {}
+    assert step_moves(Tier.HOST, Tier.HOST, 3) == {Link.D2H: 3}
+    assert step_moves(Tier.DISK, Tier.HOST, 3) == {Link.D2H: 3}
+    assert step_moves(Tier.DISK, Tier.DISK, 1) == {Link.D2H: 1, Link.DISK_WRITE: 1}
+    # written twice before the last: read back twice, the sum back to the device once
+    assert step_moves(Tier.DISK, Tier.DISK, 3) == {
+        Link.D2H: 4, Link.DISK_WRITE: 3, Link.DISK_READ: 2, Link.H2D: 1}

@@ -33,6 +33,7 @@ from tierlm.activations.saved import storages_of
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import PlacementError, gib
+from tierlm.precision.scaling import recording_paused
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,10 @@ def probe_costs(
     ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g).to(device)
     h = torch.randn(batch_size, seq_len, hidden_size, generator=g).to(device)
     ctx = context(ids, h)
-    measured = [_measure(segments[i], layouts[i], weights(segments[i]), ids if i == 0 else h,
-                         ctx, device, autocast)
-                for i in range(min(2, len(segments)))]
+    with recording_paused():  # random inputs: fp8 layers cast them without moving their scales
+        measured = [_measure(segments[i], layouts[i], weights(segments[i]),
+                             ids if i == 0 else h, ctx, device, autocast)
+                    for i in range(min(2, len(segments)))]
     return measured[:1] + measured[1:] * (len(segments) - 1)
 
 

@@ -34,6 +34,7 @@ from tierlm.activations.offload import Copier, CudaCopier, HostPool, OffloadScop
 from tierlm.activations.saved import FrozenWeights, SavedTensorScope, storage_key
 from tierlm.activations.selective import SelectiveRun
 from tierlm.memory.ledger import Ledger
+from tierlm.precision.scaling import recording_paused
 
 SegmentRun = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one segment: (flat weights, boundary input) -> output, under the step's autocast."""
@@ -193,7 +194,8 @@ class Full(ActivationPolicy):
     def backward(self, handle, run, w, x, gout, grad, scope):
         leaf, xin = _leaves(w, x)
         saved = SavedTensorScope(leaf, scope.shared, scope.frozen)  # what the re-run saves
-        with torch.enable_grad(), self.rng.replay(handle), saved.hooks():
+        # the forward recorded its fp8 statistics: the re-run records nothing again
+        with torch.enable_grad(), self.rng.replay(handle), saved.hooks(), recording_paused():
             out = run(leaf, xin)
         scope.ledger.hold_activation(scope.segment, "workspace", saved.bytes)
         leaf.grad = grad

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from tierlm.activations.saved import storage_bytes, storage_key
+from tierlm.precision.scaling import recording_paused
 
 aten = torch.ops.aten
 
@@ -137,7 +138,8 @@ class SelectiveRun:
     def _measured(self, recompute_ctx):
         live = _LiveOutputs(self.excluded(), self._held)
         try:
-            with recompute_ctx, live:
+            # fp8 statistics: the forward recorded them, the replay runs the forward's ops only
+            with recompute_ctx, live, recording_paused():
                 yield
         finally:
             self.workspace_bytes = live.live_bytes()

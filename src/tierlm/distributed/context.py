@@ -365,17 +365,19 @@ def ring_attention_forward(module, query, key, value, attention_mask, dropout: f
 
 
 def check_ring_model(model: torch.nn.Module) -> None:
-    """Refuse models the ring does not compute exactly: learned positions (GPT-2), sliding
-    windows (the ring's mask is plain causal)."""
+    """Refuse models the ring does not compute exactly: attention not routed through
+    transformers' attention interface, sliding windows (the ring's mask is plain causal).
+    GPT-2's learned positions need nothing more: its embedding looks up the global positions
+    the share gives, as RoPE reads them in the Llama family."""
     from tierlm.config import ConfigError
-    from tierlm.models.adapters import LLAMA_FAMILY
+    from tierlm.models.adapters import SUPPORTED
 
     cfg = model.config
-    if cfg.model_type not in LLAMA_FAMILY:
+    if cfg.model_type not in SUPPORTED:
         raise ConfigError(
-            f"--context-parallel: {cfg.model_type} is not supported (learned positions, or "
-            f"attention not routed through the ring); it runs the {', '.join(LLAMA_FAMILY)} "
-            "families: drop --context-parallel"
+            f"--context-parallel: {cfg.model_type} is not supported (attention not routed "
+            f"through the ring); it runs the {', '.join(SUPPORTED)} families: drop "
+            "--context-parallel"
         )
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or (
         cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None))

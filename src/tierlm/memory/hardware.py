@@ -36,9 +36,25 @@ class HardwareProfile:
     fp8_matmul_flops: float | None  # None: no fp8 units
     cpu_adam_params_per_s: float  # fused AdamW over fp32 state on the CPU
     device_is_cpu: bool = False
+    # device -> device rate per direction (the context-parallel ring's K/V); None: no direct
+    # path (GeForce cards: no NVLink, no P2P), so messages go through host memory (`net_Bps`)
+    interconnect_Bps: float | None = None
 
     def with_overrides(self, **kw) -> HardwareProfile:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+    @property
+    def net_Bps(self) -> float:
+        """What one rank sends to the next per second. Without a direct path NCCL stages each
+        message through pinned host memory (its SHM transport): a D2H copy, then an H2D one on
+        the receiving card, while every card of the ring sends and receives at once and the
+        step's own weight streaming shares those links, so half the host link's rate. NVIDIA
+        leaves P2P off on GeForce boards such as the RTX 4090 (see the "RTX 4090 P2P unlocked"
+        write-ups, blog.chlc.cc and allanchan339.github.io, which patch the driver to get it):
+        ~12 GB/s over PCIe 4.0 x16."""
+        if self.interconnect_Bps is not None:
+            return self.interconnect_Bps
+        return min(self.h2d_Bps, self.d2h_Bps) / 2
 
 
 # Defaults for the host side of a desktop: a PCIe 4.0 NVMe SSD (Samsung 990 Pro datasheet:
@@ -85,33 +101,37 @@ PROFILES: dict[str, HardwareProfile] = {
         fp8_matmul_flops=419 * T, **_PCIE5_X16, **_DESKTOP,
     ),
     # A100 40/80 GB: 312 TFLOPS dense BF16 (NVIDIA A100 datasheet); no fp8; PCIe 4.0 host link.
+    # NVLink 3 between SXM cards: 600 GB/s both directions, 300 per direction.
     "a100-40g": HardwareProfile(
         name="a100-40g", gpu_memory_bytes=40 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
-        **_PCIE4_X16, **_DESKTOP,
+        interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g", gpu_memory_bytes=80 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
-        **_PCIE4_X16, **_DESKTOP,
+        interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
     ),
-    # H100 SXM 80 GB: 989 TFLOPS dense BF16, 1979 dense FP8 (NVIDIA H100 datasheet); PCIe 5.0.
+    # H100 SXM 80 GB: 989 TFLOPS dense BF16, 1979 dense FP8 (NVIDIA H100 datasheet); PCIe 5.0;
+    # NVLink 4: 900 GB/s both directions, 450 per direction.
     "h100-80g": HardwareProfile(
         name="h100-80g", gpu_memory_bytes=80 * GB, matmul_flops=989 * T,
-        fp8_matmul_flops=1979 * T, **_PCIE5_X16, **_DESKTOP,
+        fp8_matmul_flops=1979 * T, interconnect_Bps=450 * GB, **_PCIE5_X16, **_DESKTOP,
     ),
-    # H200: 141 GB HBM3e; same tensor cores as H100 (NVIDIA H200 datasheet).
+    # H200: 141 GB HBM3e; same tensor cores and NVLink as H100 (NVIDIA H200 datasheet).
     "h200": HardwareProfile(
         name="h200", gpu_memory_bytes=141 * GB, matmul_flops=989 * T,
-        fp8_matmul_flops=1979 * T, **_PCIE5_X16, **_DESKTOP,
+        fp8_matmul_flops=1979 * T, interconnect_Bps=450 * GB, **_PCIE5_X16, **_DESKTOP,
     ),
     # This project's CPU-only development machine (2 vCPU, 24 GiB; PLATFORM_NOTES.md): fp32
     # matmul ~180 GFLOPS (1024^3 in 12 ms), memcpy ~25 GB/s, O_DIRECT read ~1.8 / write ~2.4
-    # GB/s, fused AdamW 1.6 G params/s. The "device" is the CPU: copies are memcpys.
+    # GB/s, fused AdamW 1.6 G params/s. The "device" is the CPU: copies are memcpys. Between
+    # ranks, gloo's isend/irecv over loopback TCP: 0.34-0.60 GB/s per rank each way for 4-64
+    # MiB messages on 2 ranks (tests running beside it), taken as 0.5 GB/s.
     "cpu": HardwareProfile(
         name="cpu", gpu_memory_bytes=8 * GiB, host_memory_bytes=16 * GiB,
         disk_budget_bytes=50 * GiB, h2d_Bps=25 * GB, d2h_Bps=25 * GB,
         disk_read_Bps=1.8 * GB, disk_write_Bps=2.4 * GB, host_copy_Bps=25 * GB,
         matmul_flops=0.18 * T, fp8_matmul_flops=None, cpu_adam_params_per_s=1.6e9,
-        device_is_cpu=True,
+        device_is_cpu=True, interconnect_Bps=0.5 * GB,
     ),
 }
 

@@ -7,8 +7,8 @@ It chooses, under the device/host/disk budgets less a safety margin:
   since their update is needed last by the next step's forward);
 - whether resident segments keep their forward graph (no recompute) or recompute too;
 - the micro-batch order;
-and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, with
-overlap as the runtime does it), naming the bottleneck.
+and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, the
+context-parallel ring's sends, with overlap as the runtime does it), naming the bottleneck.
 
 Memory is predicted by replaying the runtime's own schedule and cache policy over byte counts
 (`_simulate`), so the prediction follows the runtime's allocation pattern rather than a formula
@@ -98,6 +98,10 @@ class ModelShape:
     # the model's config, to measure what one block saves under bf16 and fp8 (None: half the
     # fp32 bytes)
     model_config: Any = field(default=None, compare=False, repr=False)
+    # K/V heads and their width, what the context-parallel ring passes (0: as many heads as
+    # the queries, hidden_size wide in all)
+    kv_heads: int = 0
+    head_dim: int = 0
 
     @property
     def n_params(self) -> int:
@@ -199,6 +203,7 @@ class ModelShape:
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
             matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
+            **_kv_shape(model.config),
         )
 
     def with_optimizer(self, config: Any, optim: Any) -> ModelShape:
@@ -231,6 +236,13 @@ class ModelShape:
             return 2 * mat + 4 * (n - mat)
         scales = 0 if self.matrix_counts is None else 4 * self.matrix_counts[s]
         return mat + scales + 4 * (n - mat)
+
+
+def _kv_shape(cfg: Any) -> dict[str, int]:
+    """A transformers config's K/V heads and head width (GPT-2 names them its own way)."""
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return {"kv_heads": getattr(cfg, "num_key_value_heads", None) or heads, "head_dim": head_dim}
 
 
 def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str, Any]:
@@ -521,19 +533,22 @@ def readahead_schedule(
 
 
 def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
-    """The engine's schedule of one step (Engine.schedule) for this shape."""
-    from tierlm.runtime.engine import Action
+    """The engine's schedule of one step (tierlm.runtime.schedule.step_schedule, which
+    Engine.schedule calls) for this shape: a frozen embedding has no backward."""
+    from tierlm.runtime.schedule import step_schedule
 
-    last = len(shape.names) - 1
-    m = train.micro_batches
-    groups = [tuple(range(m))] if order == "layer-outer" else [(i,) for i in range(m)]
-    actions = []
-    for mbs in groups:
-        actions += [Action("fwd", s, mbs) for s in range(last)]
-        actions.append(Action("head", last, mbs))
-        # a frozen embedding has no backward (Engine._runs_backward)
-        actions += [Action("bwd", s, mbs) for s in reversed(range(last)) if s or not shape.frozen]
-    return actions
+    return step_schedule(len(shape.names), train.micro_batches, order,
+                         first_trained=not shape.frozen)
+
+
+def _stream_plan(shape: ModelShape, placements: list[SegmentPlacement], actions: list
+                 ) -> list[list[int]]:
+    """Streamed segments each action reads (Engine.stream_plan, by the same rule), in order."""
+    from tierlm.runtime.schedule import streamed_reads
+
+    resident = [p.resident for p in placements]
+    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
+    return [streamed_reads(a, resident, tied_owners) for a in actions]
 
 
 def _simulate(
@@ -556,103 +571,90 @@ def _simulate(
     after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
     Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy;
     `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
-    backward actions the engine issues them after."""
+    backward actions the engine issues them after.
+
+    The rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an
+    action reads, where a gradient goes, which boundary inputs park; tierlm.runtime.state: the
+    persistent state and what a load stages and moves); this replay only orders them as
+    `Engine.step` does and counts their bytes."""
     from tierlm.runtime.cache import StreamCache
+    from tierlm.runtime.schedule import (
+        grad_from_head,
+        grad_landing,
+        parked_inputs,
+        runs_backward,
+        transient_grad,
+    )
+    from tierlm.runtime.state import load_bytes, persistent_bytes
 
     ledger = Ledger() if ledger is None else ledger
     store = _CountingStore(ledger)
-    n_segs = len(shape.names)
-    last = n_segs - 1
+    last = len(shape.names) - 1
     numels = shape.numels
     m = train.micro_batches
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
-    tied = shape.tied_numel
+    frozen = shape.frozen
+    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     # the head's contribution to tied weights is held in a buffer the size of the owner's
     # gradient, which the owner's backward then accumulates its own into (frozen: no gradient)
-    frozen = shape.frozen
-    owner_grad = numels[0] if tied and not frozen else 0
+    tied_trained = bool(tied_owners) and not frozen
+    owner_grad = numels[0] if tied_trained else 0
 
-    def staged(n: int) -> int:
-        return staging_numel(n, chunk_numel)
-
-    # bytes each segment's weights are held on the device in and cross in: the compute copy
-    # for host and disk state, else fp32
+    # the compute copy each segment is kept in off the device (None: its fp32 master), and
+    # what one load of it stages and moves
     wire = _compute_copies(shape, train.precision, placements)
-    h2d = [numels[s] * 4 if wire[s] is None else wire[s] for s in range(n_segs)]
-
-    def allocate_state(tier: Tier, s: int) -> None:
-        if shape.base_copy(s) is not None:  # a frozen base's own copy: off the device, `wire`
-            if tier == Tier.DEVICE:
-                ledger.allocate(tier, TensorClass.COMPUTE, shape.base_copy(s))
-            return
-        ledger.allocate(tier, TensorClass.MASTER, MASTER_B * numels[s])
-        if not frozen:
-            ledger.allocate(tier, TensorClass.OPTIM, shape.optim_state_bytes[s])
-            ledger.allocate(placements[s].gradient_tier, TensorClass.GRAD, GRAD_B * numels[s])
+    loads = [load_bytes(p.state_tier, numels[s], wire[s], chunk_numel)
+             for s, p in enumerate(placements)]
 
     if frozen:  # the adapters, their gradient and optimizer state, on the device throughout
         ledger.allocate(Tier.DEVICE, TensorClass.MASTER, MASTER_B * shape.trained_numel)
         ledger.allocate(Tier.DEVICE, TensorClass.GRAD, GRAD_B * shape.trained_numel)
         ledger.allocate(Tier.DEVICE, TensorClass.OPTIM, shape.trained_optim_bytes)
-
     for s, p in enumerate(placements):  # persistent state
-        if p.state_tier == Tier.DEVICE:
-            allocate_state(Tier.DEVICE, s)
-        elif p.state_tier == Tier.HOST:
-            allocate_state(Tier.HOST, s)
-            if wire[s] is not None:
-                ledger.allocate(Tier.HOST, TensorClass.COMPUTE, wire[s])
-            if p.resident:
-                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
-        else:
-            allocate_state(Tier.DISK, s)
-            if wire[s] is not None:  # its compute file
-                ledger.allocate(Tier.DISK, TensorClass.COMPUTE, wire[s])
-            if p.resident:
-                ledger.allocate(Tier.DEVICE, TensorClass.COMPUTE, h2d[s])
+        base = shape.base_copy(s)
+        for tier, cls, nbytes in persistent_bytes(
+                p, numels[s], 0 if frozen else shape.optim_state_bytes[s],
+                wire[s] if base is None else base, frozen=frozen, base_copy=base is not None):
+            ledger.allocate(tier, cls, nbytes)
 
-    class Load:
+    class Load:  # tierlm.runtime.state.start_load's loader, on byte counts
         def __init__(self, s: int) -> None:
-            self.s = s
+            self.load = loads[s]
             self.staging = None
-            if placements[s].state_tier == Tier.DISK and wire[s] is not None:  # compute file
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, h2d[s], torch.uint8)
-                ledger.record_move(Link.DISK_READ, h2d[s])
-            elif placements[s].state_tier == Tier.DISK:  # the fp32 master, chunk by chunk
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
-                ledger.record_move(Link.DISK_READ, numels[s] * 4)
+            if self.load.staging_bytes:
+                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING,
+                                           self.load.staging_bytes, torch.uint8)
+            if self.load.disk_read_bytes:
+                ledger.record_move(Link.DISK_READ, self.load.disk_read_bytes)
 
         def finish(self, dst) -> None:
-            ledger.record_move(Link.H2D, h2d[self.s])
+            ledger.record_move(Link.H2D, self.load.h2d_bytes)
             if self.staging is not None:
                 store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
-    streamed = {i: h2d[i] for i in range(n_segs) if not placements[i].resident}
+    streamed = {i: loads[i].h2d_bytes for i, p in enumerate(placements) if not p.resident}
     top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
     cache = StreamCache(store, streamed.__getitem__, sum(top), Load)  # type: ignore[arg-type]
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
     ahead_held: list[_Bytes] = []
     keep = [p.resident and keep_resident for p in placements]
-
-    def needs(a) -> list[int]:  # a: tierlm.runtime.engine.Action
-        segs = [a.seg] + ([0] if a.kind == "head" and tied else [])
-        if a.kind == "bwd" and keep[a.seg]:
-            segs = []
-        return [s for s in segs if not placements[s].resident]
-
-    cache.begin([needs(a) for a in actions])
-    # resident segments with host/disk state are refreshed after each update: one copy per step
+    needs = _stream_plan(shape, placements, actions)
+    cache.begin(needs)
+    # resident segments with host/disk state are refreshed after each update: one load per step
     for s, p in enumerate(placements):
         if p.resident and p.state_tier != Tier.DEVICE and not frozen:
-            ledger.record_move(Link.H2D, h2d[s])
-            if p.state_tier == Tier.DISK:
-                ledger.record_move(Link.DISK_READ, h2d[s])
+            ledger.record_move(Link.H2D, loads[s].h2d_bytes)
+            if loads[s].disk_read_bytes:
+                ledger.record_move(Link.DISK_READ, loads[s].disk_read_bytes)
 
+    # the boundary inputs that wait on the host: the engine's rule on the policies `keep` gives
+    # (resident graphs kept, the rest recomputed)
+    park = parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host)
     acts: dict[tuple[int, int], _Bytes] = {}
     parked: dict[tuple[int, int], _Bytes] = {}  # boundary inputs waiting on the host
     gouts: dict[tuple[int, int], _Bytes] = {}
-    grad_written = [False] * n_segs
+    grad_written = [False] * len(numels)
 
     def hold(d, key) -> None:
         d[key] = store.alloc(Tier.DEVICE, TensorClass.ACTIVATION, hidden)
@@ -663,26 +665,19 @@ def _simulate(
             store.free(Tier.DEVICE, TensorClass.ACTIVATION, t)
 
     def grad_target(s: int):
-        if placements[s].state_tier == Tier.DEVICE or frozen:  # frozen: the adapters' buffer
+        if not transient_grad(placements[s].state_tier, frozen):
             return None
         return store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s])
 
     def land(s: int, g, final: bool) -> None:
-        tier = placements[s].state_tier
-        if tier == Tier.DEVICE:
-            return
-        ledger.record_move(Link.D2H, numels[s] * 4)
-        if placements[s].gradient_tier == Tier.DISK:  # chunk by chunk; the last contribution
-            # sums on the device
-            st = store.alloc(Tier.HOST, TensorClass.STAGING, staged(numels[s]))
-            if grad_written[s]:
-                ledger.record_move(Link.DISK_READ, numels[s] * 4)
-                if final:  # the sum goes back to the device, then out to the file
-                    ledger.record_move(Link.H2D, numels[s] * 4)
-                    ledger.record_move(Link.D2H, numels[s] * 4)
-            ledger.record_move(Link.DISK_WRITE, numels[s] * 4)
-            store.free(Tier.HOST, TensorClass.STAGING, st)
-            grad_written[s] = not final
+        path = grad_landing(placements[s].state_tier, placements[s].gradient_tier,
+                            written=grad_written[s], final=final)
+        for _ in path.passes:  # chunk by chunk through host staging
+            store.free(Tier.HOST, TensorClass.STAGING, store.alloc(
+                Tier.HOST, TensorClass.STAGING, staging_numel(numels[s], chunk_numel)))
+        for link, nbytes in path.moves(GRAD_B * numels[s]):
+            ledger.record_move(link, nbytes)
+        grad_written[s] = path.written
         store.free(Tier.DEVICE, TensorClass.GRAD, g)
 
     borrowed: dict[int, _Bytes] = {}
@@ -691,23 +686,24 @@ def _simulate(
         s = a.seg
         final = a.mbs[-1] == m - 1
         if a.kind == "fwd":
-            if not placements[s].resident:
-                cache.acquire(k, s)
+            for r in needs[k]:
+                cache.acquire(k, r)
             for i in a.mbs:
                 hold(acts, (i, s + 1))
-                if boundary_host and s + 1 < last:  # the head's input is used at once
+                if s + 1 in park:
                     parked[(i, s + 1)] = store.alloc(Tier.HOST, TensorClass.ACTIVATION, hidden)
                     ledger.record_move(Link.D2H, hidden * 4)
             for i in a.mbs:
                 if (i, s) in parked:
                     drop(acts, (i, s))
         elif a.kind == "head":
-            if not placements[s].resident:
+            if s in needs[k]:
                 cache.acquire(k, s)
             g = grad_target(s)
             for i in a.mbs:
-                if tied and not placements[0].resident:
-                    cache.acquire(k, 0)
+                for r in needs[k]:  # the borrowed (tied) weights
+                    if r != s:
+                        cache.acquire(k, r)
                 if owner_grad:
                     borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, owner_grad)
                 hold(gouts, (i, s))
@@ -716,10 +712,10 @@ def _simulate(
                 land(s, g, final)
         else:
             # the owner of tied weights off the device starts from the head's buffer
-            from_head = s == 0 and tied and placements[0].state_tier != Tier.DEVICE
+            from_head = grad_from_head(s, tied_trained, placements[s].state_tier)
             g = None if from_head else grad_target(s)
-            if not keep[s] and not placements[s].resident:
-                cache.acquire(k, s)
+            for r in needs[k]:
+                cache.acquire(k, r)
             for i in a.mbs:
                 if (i, s) in parked:  # brought back for the backward
                     hold(acts, (i, s))
@@ -727,7 +723,7 @@ def _simulate(
                     store.free(Tier.HOST, TensorClass.ACTIVATION, parked.pop((i, s)))
                 drop(gouts, (i, s + 1))
                 if s > 0:
-                    if s > 1 or not frozen:  # a frozen embedding takes no gradient
+                    if runs_backward(s - 1, first_trained=not frozen):
                         hold(gouts, (i, s))
                     drop(acts, (i, s))
                 if s == 0 and i in borrowed:
@@ -882,6 +878,8 @@ def _times(
         # attention scores and the head stay bf16
         fp8_rate = hw.fp8_matmul_flops * MATMUL_EFFICIENCY
         compute = block_flops / fp8_rate + (flops - block_flops) / rate
+    net, net_lane = _net_lane(shape, train, hw, placements, keep_resident, compute,
+                              attention_s=tokens * attn / rate)
     forward = compute * 2 * (block_params + head_params) / (flops / tokens)
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
@@ -898,9 +896,9 @@ def _times(
     update = update_cpu + update_disk
     if hw.device_is_cpu:
         # no separate copy engines or GPU: copies and compute share the cores
-        sweep = compute + h2d + d2h + sweep_disk
+        sweep = compute + h2d + d2h + sweep_disk + (net_lane - compute)
     else:
-        sweep = max(compute, h2d, d2h, sweep_disk)
+        sweep = max(compute, h2d, d2h, sweep_disk, net_lane)
     # the read-ahead starts with the last group's backward; what it has not read by the
     # sweep's end delays the update
     readahead = sum(shape.update_state_bytes(s) for s in read_ahead) / hw.disk_read_Bps
@@ -935,10 +933,40 @@ def _times(
         "update_ready": update - writeback_s,  # what the forward waits for: CPU, reads, copies
         "writeback_wait": stall - ungated,  # stall added by waiting for the write-back's limit
         "readahead": readahead,
+        "net": net,
+        "net_lane": net_lane,
+        "attention": tokens * attn / rate,
         "update_window": window,
         "update_stall": step - sweep,
         "step": step,
     }
+
+
+def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements, keep_resident: bool) -> int:
+    """What one context-parallel rank sends through the ring per step (the formula of
+    tierlm.distributed.context): every block's K/V in the forward, again in the backward with
+    dK/dV sent home, and the forward's once more for each block that recomputes (streamed, or
+    resident without its graph). K/V travel in the compute precision, dK/dV in fp32."""
+    if train.context_parallel == 1:
+        return 0
+    from tierlm.distributed.context import ring_send_bytes
+
+    recomputed = sum(not (p.resident and keep_resident) for p in placements[1:-1])
+    kw = dict(cp=train.context_parallel, batch=train.batch_size, local_len=train.seq_len,
+              kv_heads=shape.kv_heads or 1, head_dim=shape.head_dim or shape.hidden_size,
+              element_bytes=4 if train.precision == "fp32" else 2)
+    return train.micro_batches * (ring_send_bytes(**kw, layers=shape.n_layers)
+                                  + ring_send_bytes(**kw, layers=recomputed, backward=False))
+
+
+def _net_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
+              keep_resident: bool, compute: float, *, attention_s: float) -> tuple[float, float]:
+    """(seconds the ring's K/V take to send, the sweep's `net` lane). Each ring step posts the
+    next K/V block before computing attention against the current one, so the sends hide
+    behind attention only: the lane is the compute with the attention stretched to the sends'
+    time where they take longer."""
+    net = ring_kv_bytes(shape, train, placements, keep_resident) / hw.net_Bps
+    return net, compute + max(0.0, net - attention_s)
 
 
 def _bottleneck(t: dict[str, float]) -> str:
@@ -951,6 +979,8 @@ def _bottleneck(t: dict[str, float]) -> str:
     parts = {
         "compute": t["compute"],
         "PCIe (H2D/D2H)": max(t["h2d"], t["d2h"]),
+        # the ring's lane includes the compute: named only where the sends outlast attention
+        "interconnect (ring K/V)": t["net_lane"] if t["net_lane"] > t["compute"] else 0.0,
         "disk": max(t["sweep_disk"] + share * ready_disk + t["writeback_wait"],
                     t["disk"] if t["disk"] >= t["step"] else 0.0),
         "CPU optimizer update": share * t["cpu_update"],
@@ -1223,13 +1253,14 @@ def _overshoot(p: Plan) -> float:
 
 
 def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool) -> int:
-    """Host bytes of the boundary activations parked there at the forward's end: every block's
-    input for the micro-batches in flight (the head's is used at once)."""
-    if not on_host:
-        return 0
-    in_flight = train.micro_batches if order == "layer-outer" else 1
-    return in_flight * (len(shape.names) - 2) * train.batch_size * train.seq_len * \
-        shape.hidden_size * 4
+    """Host bytes of the boundary activations parked there at the forward's end: the inputs
+    the engine parks when every block recomputes (tierlm.runtime.schedule.parked_inputs: every
+    block's; the head's is used at once), for the micro-batches in flight."""
+    from tierlm.runtime.schedule import micro_batches_in_flight, parked_inputs
+
+    parked = parked_inputs(["full"] * (len(shape.names) - 1), on_host)
+    return micro_batches_in_flight(train.micro_batches, order) * len(parked) * \
+        train.batch_size * train.seq_len * shape.hidden_size * 4
 
 
 def _host_then_disk(
@@ -1361,6 +1392,11 @@ def describe(
                  f"{t['update_disk']:.2f}{behind}, runs behind the next step's first forward "
                  f"({t['update_window']:.2f} s); one disk serves sweep and update: "
                  f"{t['disk']:.2f} s)")
+    if cp > 1:
+        kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
+        lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max: ring K/V "
+                     f"{gib(kv)} sent per rank per step at {hw.net_Bps / 1e9:.1f} GB/s = "
+                     f"{t['net']:.2f} s, overlapping attention {t['attention']:.2f} s")
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
                  f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
                  f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "

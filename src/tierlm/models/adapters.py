@@ -180,10 +180,12 @@ class ModelAdapter:
             prefix = self._prefix(blk)
 
             def block(v, h, ctx, blk=blk, prefix=prefix):
+                ring = {} if ctx.ring is None else {"cp_ring": ctx.ring}  # to the attention
                 return _call(
                     blk, prefix, v, h,
                     attention_mask=ctx.masks["full_attention"],
                     position_ids=ctx.position_ids,
+                    **ring,
                 )
 
             segs.append(Segment(name=f"block.{i}", params=self._own(blk), forward=block))

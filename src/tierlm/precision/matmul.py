@@ -74,7 +74,9 @@ class Emulated:
     cast = staticmethod(to_fp8_grid)
 
     def __call__(self, a8, b8, a_inv, b_inv, out_dtype):
-        return (a8 @ b8).mul_(a_inv * b_inv).to(out_dtype)
+        # not in place: selective checkpointing caches the matmul's output for the backward's
+        # re-run, and a cached tensor must not change after it is stored
+        return torch.mul(a8 @ b8, a_inv * b_inv).to(out_dtype)
 
 
 def scaled_mm_works(device: torch.device) -> bool:

@@ -70,6 +70,18 @@ from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.readahead import ReadAhead, readahead_starts
+from tierlm.runtime.schedule import (
+    Action,
+    boundary_activation_bytes,
+    grad_from_head,
+    grad_landing,
+    micro_batches_in_flight,
+    parked_inputs,
+    runs_backward,
+    step_schedule,
+    streamed_reads,
+    transient_grad,
+)
 from tierlm.runtime.state import (
     CopiesRead,
     DiskTensor,
@@ -169,16 +181,6 @@ class EngineOptions:
     update writes everything back before it ends."""
 
 
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "fwd" | "head" | "bwd"
-    seg: int
-    mbs: tuple[int, ...]
-
-    def label(self, names: list[str]) -> str:
-        return f"{self.kind} {names[self.seg]} mb{','.join(map(str, self.mbs))}"
-
-
 @dataclass
 class _MicroBatch:
     ids: torch.Tensor  # (B, T)
@@ -251,7 +253,7 @@ class Engine(Stepper):
             (4 + 4) * lay.numel + self.optimizer.state_nbytes(lay)
             for lay in trained_layouts if lay.numel) if self.frozen_base else 0
         hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
-        in_flight = options.micro_batches if options.microbatch_order == "layer-outer" else 1
+        in_flight = micro_batches_in_flight(options.micro_batches, options.microbatch_order)
         # the owner's gradient holding the head's contribution to tied weights, one per
         # micro-batch in flight (`_owner_grad_target`)
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
@@ -407,11 +409,6 @@ class Engine(Stepper):
         """The states the optimizer updates, in segment order."""
         return [t for t in self.trained if t is not None]
 
-    def _runs_backward(self, s: int) -> bool:
-        """Whether segment `s` has a backward: every segment but an untrained first one (a
-        LoRA run's embedding: nothing before it takes a gradient)."""
-        return s > 0 or self.trained[0] is not None
-
     def _trained_flat(self, s: int, w: torch.Tensor) -> torch.Tensor:
         """The flat the activation policy differentiates for segment `s`, whose weights on the
         device are `w`: `w` itself when the segment's weights are trained; for a frozen base,
@@ -442,49 +439,29 @@ class Engine(Stepper):
 
     # -- schedule ----
 
-    @staticmethod
-    def boundary_activation_bytes(
-        n_segs: int, hidden_bytes: int, m: int, order: str, *, on_host: bool = False
-    ) -> int:
-        """Peak device bytes of boundary activations and their gradients the step holds: the
-        input of every segment after `embed` for the micro-batches in flight, plus two
-        gradients; with the inputs parked on the host, one segment's inputs and outputs (or, in
-        the backward, its output gradients, one input brought back and one new gradient)."""
-        in_flight = m if order == "layer-outer" else 1
-        if on_host:
-            return (in_flight + max(in_flight, 2)) * hidden_bytes
-        return in_flight * (n_segs - 1 + 2) * hidden_bytes
+    # The schedule and its rules are tierlm.runtime.schedule's pure functions, which the
+    # planner's replay calls too; these methods apply them to this engine's segments.
+    boundary_activation_bytes = staticmethod(boundary_activation_bytes)
+
+    def _runs_backward(self, s: int) -> bool:
+        """Whether segment `s` has a backward (an untrained embedding has none)."""
+        return runs_backward(s, first_trained=self.trained[0] is not None)
 
     def schedule(self, m: int) -> list[Action]:
-        last = len(self.states) - 1
-        groups = (
-            [tuple(range(m))]
-            if self.opts.microbatch_order == "layer-outer"
-            else [(i,) for i in range(m)]
-        )
-        actions = []
-        for mbs in groups:
-            actions += [Action("fwd", s, mbs) for s in range(last)]
-            actions.append(Action("head", last, mbs))
-            actions += [Action("bwd", s, mbs) for s in reversed(range(last))
-                        if self._runs_backward(s)]
-        return actions
+        """The actions of an m-micro-batch step, in order."""
+        return step_schedule(len(self.states), m, self.opts.microbatch_order,
+                             first_trained=self.trained[0] is not None)
 
     def stream_plan(self, m: int) -> list[list[int]]:
         """Streamed segments each action of an m-micro-batch step reads, in order: the access
         sequence the stream cache is given (monitoring replays it to know the planned fetches)."""
         return [self._needs(a) for a in self.schedule(m)]
 
-    def _reads(self, a: Action) -> list[int]:
-        """Segments whose device copy action `a` reads (the head also reads tied weights)."""
-        segs = [a.seg]
-        if a.kind == "head":
-            segs += [owner for owner, _, _ in self.borrowed.values()]
-        return segs
-
     def _needs(self, a: Action) -> list[int]:
-        """Streamed segments whose device copy action `a` reads."""
-        return [s for s in self._reads(a) if not self.states[s].placement.resident]
+        """Streamed segments whose device copy action `a` reads (the head also reads tied
+        weights)."""
+        return streamed_reads(a, [st.placement.resident for st in self.states],
+                              [owner for owner, _, _ in self.borrowed.values()])
 
     def readahead_plan(self, actions: list[Action]) -> dict[int, list[int]]:
         """Action index -> disk-tier segments whose update state is read after that action
@@ -575,8 +552,7 @@ class Engine(Stepper):
                 "device"
             )
         # the boundary inputs parked on the host: those of segments that recompute from them
-        self.parked_inputs = {s for s, name in enumerate(names)
-                              if self.host_boundaries and name == "full"}
+        self.parked_inputs = parked_inputs(names, self.host_boundaries)
         self.activation_policies = list(names)
         self.policies = [self._make_policy(name) for name in names]
 
@@ -843,11 +819,10 @@ class Engine(Stepper):
     # -- gradients ----
 
     def _grad_from_head(self, st: SegmentState) -> bool:
-        """The owner of tied weights whose state is off the device needs no gradient buffer of
-        its own for a backward action: the buffer the head's contribution and its own first
-        micro-batch's are summed in takes that place, and the later micro-batches join it
-        (so the device holds one gradient per micro-batch in flight, not one more)."""
-        return st.index == 0 and self.tied_trained and st.tier != Tier.DEVICE
+        """The owner of tied weights off the device starts from the head's buffer
+        (tierlm.runtime.schedule.grad_from_head), so the device holds one gradient per
+        micro-batch in flight, not one more."""
+        return grad_from_head(st.index, self.tied_trained, st.tier)
 
     def _owner_grad_target(self) -> torch.Tensor | None:
         """For the head's tied weights (`_borrowed_leaf`, just made by `_views`): a zeroed
@@ -870,19 +845,21 @@ class Engine(Stepper):
         st = self.trained[s]
         if st is None:
             return self._no_params
-        if st.tier == Tier.DEVICE:
+        if not transient_grad(st.tier, st.frozen):
             return st.grad
         return self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel)
 
     def _land_grad(self, st: SegmentState, grad: torch.Tensor, *, final: bool) -> None:
         """Send this action's gradient towards the optimizer's tier; on the step's last
         contribution, record the segment's norm."""
-        if st.tier == Tier.DEVICE:
+        path = grad_landing(st.tier, st.placement.gradient_tier, written=st.grad_written,
+                            final=final)
+        if not transient_grad(st.tier, st.frozen):  # accumulated in place on the device
             if final:
                 self._grad_complete(st, grad)
             return
         what = f"grad {st.seg.name}"
-        if st.placement.gradient_tier == Tier.HOST:  # host state, or disk state's held gradient
+        if path.to_host:  # host state, or disk state's held gradient
             self._d2h_add(st.grad, grad, what)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
@@ -890,17 +867,15 @@ class Engine(Stepper):
             return
         # Disk: chunk by chunk through host staging. The gradient file holds the sum of this
         # step's earlier contributions (grad_written); the step's last contribution completes
-        # the sum in the device buffer, where the sync and the norms read it whole.
-        if final:
-            if st.grad_written:
-                self._grad_file_chunks(st, grad, add=True, back=True)
-            self._grad_complete(st, grad)
-            self._finish_syncs()  # the device buffer is written out and freed next
-            self._grad_file_chunks(st, grad, add=False, back=False)
-        else:
-            self._grad_file_chunks(st, grad, add=st.grad_written, back=False)
+        # the sum in the device buffer, where the sync and the norms read it whole, before the
+        # pass that writes it out.
+        for p in path.passes:
+            if final and not p.back:
+                self._grad_complete(st, grad)
+                self._finish_syncs()  # the device buffer is written out and freed next
+            self._grad_file_chunks(st, grad, add=p.add, back=p.back)
         self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
-        st.grad_written = not final
+        st.grad_written = path.written
 
     def _grad_file_chunks(
         self, st: SegmentState, grad: torch.Tensor, *, add: bool, back: bool

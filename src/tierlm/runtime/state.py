@@ -10,7 +10,7 @@ import torch
 
 from tierlm.memory.disk import ALIGN_BYTES
 from tierlm.memory.layout import FlatLayout
-from tierlm.memory.placement import STAGING_SETS, SegmentPlacement, chunk_ranges
+from tierlm.memory.placement import STAGING_SETS, SegmentPlacement, chunk_ranges, staging_numel
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import Segment
@@ -184,6 +184,53 @@ def init_state(
     elif st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
         st.device_weights.copy_(st.master)
+
+
+def persistent_bytes(
+    placement: SegmentPlacement, numel: int, slot_bytes: int, copy_bytes: int | None, *,
+    frozen: bool = False, base_copy: bool = False,
+) -> list[tuple[Tier, TensorClass, int]]:
+    """(tier, class, bytes) a segment's state holds for the whole run, as `init_state` and the
+    compute copies' `attach` allocate it: the fp32 master on its tier, the optimizer's slots
+    (`slot_bytes`) and the gradient (on its gradient tier) unless the weights are frozen; for
+    state off the device its compute copy (`copy_bytes`; None: the master serves) in host RAM or
+    in its file, and a resident segment's device copy. A frozen base held in its own copy
+    (`base_copy`: NF4 or bf16, tierlm.models.frozen) has that copy as all its state."""
+    tier = placement.state_tier
+    if base_copy:
+        out = [(tier, TensorClass.COMPUTE, copy_bytes)]
+    else:
+        out = [(tier, TensorClass.MASTER, 4 * numel)]
+        if not frozen:
+            out += [(tier, TensorClass.OPTIM, slot_bytes),
+                    (placement.gradient_tier, TensorClass.GRAD, 4 * numel)]
+        if tier != Tier.DEVICE and copy_bytes is not None:
+            out.append((tier, TensorClass.COMPUTE, copy_bytes))
+    if tier != Tier.DEVICE and placement.resident:
+        out.append((Tier.DEVICE, TensorClass.COMPUTE,
+                    4 * numel if copy_bytes is None else copy_bytes))
+    return out
+
+
+@dataclass(frozen=True)
+class LoadBytes:
+    """What one load of a streamed segment's device copy (`start_load`) stages and moves."""
+
+    staging_bytes: int  # host staging held until the copy is on the device
+    disk_read_bytes: int
+    h2d_bytes: int
+
+
+def load_bytes(tier: Tier, numel: int, copy_bytes: int | None, chunk_numel: int) -> LoadBytes:
+    """The bytes of `start_load`'s loader for a segment of `numel` parameters on `tier` whose
+    compute copy is `copy_bytes` (None: it streams its fp32 master): a disk-tier compute file
+    is staged whole (`ComputeFileLoad`), a disk-tier master in chunks (`DiskLoad`), host state
+    crosses straight from RAM."""
+    if tier == Tier.DISK and copy_bytes is not None:
+        return LoadBytes(copy_bytes, copy_bytes, copy_bytes)
+    if tier == Tier.DISK:
+        return LoadBytes(4 * staging_numel(numel, chunk_numel), 4 * numel, 4 * numel)
+    return LoadBytes(0, 0, 4 * numel if copy_bytes is None else copy_bytes)
 
 
 class HostLoad:
