@@ -339,6 +339,7 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
         shape, train_shape(cfg, precision), hw, engine.report.placements,
         engine.opts.microbatch_order, engine.opts.keep_resident_activations,
         usable_budgets(hw), engine.host_boundaries, readahead=engine.opts.readahead,
+        writeback=engine.opts.writeback,
     )
 
 

@@ -221,6 +221,7 @@ def build_stepper(
         options.keep_resident_activations = plan.keep_resident_activations
         options.boundary_tier = Tier.HOST if plan.boundary_on_host else Tier.DEVICE
         options.readahead = plan.readahead
+        options.writeback = plan.writeback
         if cfg.activations.policy == "none" and not cfg.activations.overrides:
             options.activations = None  # keep or recompute resident segments as planned
         options.device_budget_bytes = options.host_budget_bytes = None
