@@ -8,15 +8,18 @@ with 128 GiB / 400 GiB) and prints, per case, the predicted step over its comput
 - `without the disk options`: the planner with neither disk-tier gradients held in host RAM nor
   the update's read-ahead (the same time model otherwise: the plan the engine could run before
   they existed).
+- `write-back inside the update`: the planner with both options but the disk-tier update's
+  master/slot write-back inside the update (session 28's engine: every forward waits for it).
 - `as planned`: the planner as it is, with what it chose: the micro-batch order, how many
   disk-tier segments hold their gradient on the host, how much master and slot state the
-  backward reads ahead.
+  backward reads ahead, how many segments' write-backs may be pending behind the step.
 - `free disk`: disk rates x 1000; what remains is compute, PCIe and the CPU update.
 - `one disk`: the plan's disk seconds (sweep and update share the drive) over the compute: a
   step is never shorter than that.
-- `update / window`: the update's seconds (CPU, and the disk work left to it: reads not done
-  ahead, the write-back) against the window it hides behind, the first micro-batch group's
-  forward of the next step (every segment's forward waits for its update).
+- `update / window`: the update's seconds (CPU, and the disk work the forward waits for: reads
+  not done ahead, compute copies, written-back state inside the update), the write-back that
+  drains behind the step, against the window the update hides behind, the first micro-batch
+  group's forward of the next step (every segment's forward waits for its update).
 - bytes per link moved by the plan beside the least that plan could move: the refresh of every
   off-device segment's compute copy and the parked boundary inputs H2D; each gradient once
   (4 B per off-device parameter) and the parked inputs D2H; master and moments of the
@@ -42,6 +45,16 @@ CASES = [  # (model, precision, host memory)
     ("7b", "fp8", 64), ("7b", "bf16", 64), ("7b", "fp8", 96),
     ("13b", "fp8", 128), ("13b", "bf16", 128),
 ]
+
+
+@contextlib.contextmanager
+def write_back_inside() -> Iterator[None]:
+    original = planner.WRITEBACK_SEGMENTS
+    planner.WRITEBACK_SEGMENTS = ()
+    try:
+        yield
+    finally:
+        planner.WRITEBACK_SEGMENTS = original
 
 
 @contextlib.contextmanager
@@ -81,6 +94,8 @@ def row(model: str, precision: str, host: int) -> list[str]:
                              disk_write_Bps=hw.disk_write_Bps * 1000)
     with without_disk_options():
         before = plan(shape, train, hw)
+    with write_back_inside():
+        inside = plan(shape, train, hw)
     now = plan(shape, train, hw)
     free = plan(shape, train, fast)
     t = now.times_s
@@ -90,13 +105,16 @@ def row(model: str, precision: str, host: int) -> list[str]:
     return [
         f"{model} {precision} {host} GiB", f"{t['compute']:.1f}",
         f"{before.step_over_bound:.2f}",
+        f"{inside.step_s:.1f} s = {inside.step_over_bound:.2f}",
         f"{now.step_s:.1f} s = {now.step_over_bound:.2f}",
         f"{now.order}; {sum(pl.host_grad for pl in disk_segs)}/{len(disk_segs)}; "
-        f"{ahead / GiB:.1f} GiB",
+        f"{ahead / GiB:.1f} GiB; "
+        f"{'inside' if now.writeback is None else now.writeback.segments}",
         f"{free.step_over_bound:.2f}",
         f"{t['disk']:.1f} s = {t['disk'] / t['compute']:.2f}",
-        f"{t['update']:.1f} s ({t['cpu_update']:.1f} + {t['update_disk']:.1f}) / "
-        f"{t['update_window']:.1f} s",
+        f"{t['update_ready']:.1f} s ({t['cpu_update']:.1f} + "
+        f"{t['update_ready'] - t['cpu_update']:.1f}) + {t['writeback']:.1f} behind / "
+        f"{t['update_window']:.1f} s (stall {t['update_stall']:.1f})",
         " / ".join(f"{now.moved_bytes.get(k, 0) / GiB:.0f} ({least[k] / GiB:.0f})"
                    for k in ("h2d", "d2h", "disk_read", "disk_write")),
     ]
@@ -106,9 +124,10 @@ def main() -> None:
     print("rtx4090 profile (planner constants unchanged), 8 x 4 x 2048 tokens per step; ratios "
           "are predicted step / compute lower bound")
     print()
-    head = ["case", "compute s", "without the disk options", "as planned",
-            "order; disk segments with host gradients; read ahead", "free disk", "one disk",
-            "update (CPU + disk) / window",
+    head = ["case", "compute s", "without the disk options", "write-back inside the update",
+            "as planned",
+            "order; disk segments with host gradients; read ahead; write-backs pending",
+            "free disk", "one disk", "update (CPU + disk) + write-back / window",
             "GiB moved H2D / D2H / disk read / disk write (least for that plan)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")

@@ -6,9 +6,13 @@ block streamed from host RAM (embed and head resident), everything streamed, and
 state on disk in both micro-batch orders, layer-outer with its boundary activations parked in
 host RAM (`--boundary-activations host`), and the same two with the planner's disk-tier options
 (issue J): gradients held in host RAM (no gradient file), and the update's master and slots
-read ahead during the backward; the other rows run `--order`. Steps of the
+read ahead during the backward, that last row also with the master/slot write-back inside the
+update (before issue J's deferred write-back: the rows without a note run it behind the step,
+one segment pending); the other rows run `--order`. Steps of the
 reference and the runtime are interleaved so machine noise hits both alike; the table reports
-median step times and the ratio runtime/reference in tokens/s.
+median step times and the ratio runtime/reference in tokens/s. `--pipelined` times the runtime's
+steps without waiting for the update behind each (as training runs; the default waits, so each
+step's time holds its whole update); `--rows REGEX` runs the rows whose label matches.
 
     python bench/runtime_overhead.py --model-size small --batch-size 8 --seq-len 256 --steps 6
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import statistics
 import tempfile
 import time
@@ -30,6 +35,7 @@ from tierlm.models import build_model, preset_config
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.writeback import WriteBack
 from tierlm.train.reference import ReferenceStep
 
 FULL = ActivationConfig(policy="full")
@@ -53,6 +59,15 @@ ROWS = [
     ("state on disk, layer-outer, boundaries on host, gradients on host + read-ahead",
      dict(policy="disk", microbatch_order="layer-outer", boundary_tier=Tier.HOST,
           placements=HOST_GRADS, readahead=AHEAD, activations=FULL)),
+    ("state on disk, layer-outer, boundaries on host, gradients on host + read-ahead, "
+     "write-back inside the update",
+     dict(policy="disk", microbatch_order="layer-outer", boundary_tier=Tier.HOST,
+          placements=HOST_GRADS, readahead=AHEAD, activations=FULL, writeback=None)),
+    ("state on disk, layer-outer, boundaries on host, gradients on host + read-ahead, "
+     "every write-back behind the step",
+     dict(policy="disk", microbatch_order="layer-outer", boundary_tier=Tier.HOST,
+          placements=HOST_GRADS, readahead=AHEAD, activations=FULL,
+          writeback=WriteBack(segments=1000))),
 ]
 
 
@@ -72,6 +87,9 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rows", default="", help="regex: run only the rows whose label matches")
+    p.add_argument("--pipelined", action="store_true",
+                   help="do not wait for each step's update before timing the next step")
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,6 +113,8 @@ def main() -> None:
     n_segs = len(ModelAdapter(base).segments)
     with tempfile.TemporaryDirectory() as off:
         for label, kw in ROWS:
+            if not re.search(args.rows, label):
+                continue
             if "placements" in kw:
                 kw = {**kw, "placements": [kw["placements"]] * n_segs}
             eng = Engine(
@@ -107,10 +127,12 @@ def main() -> None:
             ref_t, eng_t = [], []
             for i, b in enumerate(batches):
                 rt = timed(lambda b=b: ref.step(b, 1e-4))
-                et = timed(lambda b=b, e=eng: (e.step(b, 1e-4), e.synchronize()))
+                et = timed(lambda b=b, e=eng: (e.step(b, 1e-4),
+                                               None if args.pipelined else e.synchronize()))
                 if i >= args.warmup:
                     ref_t.append(rt)
                     eng_t.append(et)
+            eng.synchronize()
             moved = {link: n / 2**20 for link, n in eng.ledger.moved_bytes.items()}
             rows.append((label, statistics.median(ref_t), statistics.median(eng_t),
                          *(moved.get(k, 0.0) for k in ("h2d", "d2h", "disk_read", "disk_write"))))

@@ -15,6 +15,7 @@ from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
 
 @pytest.mark.parametrize(
@@ -109,7 +110,8 @@ def _ahead_after_a_backward(shape, hidden_bytes: int) -> ReadAhead:
 
 
 # (name, model factory, seq, micro-batches, order, placement spec, keep resident graphs[,
-# boundary inputs on the host, read-ahead (shape, one boundary input's bytes) -> ReadAhead])
+# boundary inputs on the host, read-ahead (shape, one boundary input's bytes) -> ReadAhead,
+# the write-back (default: one segment behind the step)])
 CASES = [
     ("tiny host mb-outer", lambda: _untied("tiny", 64), 64, 2, "microbatch-outer", "host", True),
     ("tiny disk layer-outer", lambda: _untied("tiny", 32), 32, 3, "layer-outer", "disk", True),
@@ -128,6 +130,14 @@ CASES = [
     # a long sequence: boundaries parked on the host, every block recomputed
     ("tiny long parked", lambda: _untied("tiny", 2048), 2048, 1, "microbatch-outer", "host",
      False, True),
+    # the write-back inside the update, and every segment's behind the step
+    ("tiny disk inside", lambda: _untied("tiny", 32), 32, 1, "microbatch-outer", "disk", True,
+     False, None, None),
+    ("tiny disk all behind", lambda: _untied("tiny", 32), 32, 2, "layer-outer", "disk", True,
+     False, None, WriteBack(segments=8)),
+    ("gpt2 read-ahead two behind", lambda: tiny_model("gpt2", layers=3), 16, 1,
+     "microbatch-outer", "disk-host-grads", False, True,
+     lambda shape, hidden: ReadAhead(extra_bytes=2**30), WriteBack(segments=2)),
 ]
 
 
@@ -155,7 +165,7 @@ def _placements(spec: str, names: list[str]) -> list[SegmentPlacement]:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_predicted_peaks_match_the_ledger(case, tmp_path):
     name, factory, seq, m, order, spec, keep, *more = case
-    boundary_host, ahead = (*more, None) if len(more) == 1 else (more or (False, None))
+    boundary_host, ahead, writeback = (*more, *(False, None, DEFAULT_WRITEBACK)[len(more):])
     model = factory()
     shape = ModelShape.from_config(copy.deepcopy(model.config))
     placements = _placements(spec, shape.names)
@@ -164,7 +174,7 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
     readahead = ahead(shape, hidden_bytes) if ahead else None
     train = TrainShape(batch, seq, m, "fp32")
     predicted = evaluate(shape, train, HW, placements, order, keep, usable_budgets(HW),
-                         boundary_host, readahead=readahead)
+                         boundary_host, readahead=readahead, writeback=writeback)
     assert bool(predicted.readahead_segments) == (readahead is not None)
     eng = Engine(
         model, OPTIM,
@@ -172,7 +182,7 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
                       keep_resident_activations=keep, offload_dir=str(tmp_path),
                       batch_size=batch, seq_len=seq, micro_batches=m,
                       boundary_tier=Tier.HOST if boundary_host else Tier.DEVICE,
-                      readahead=readahead),
+                      readahead=readahead, writeback=writeback),
         device=CPU,
     )
     g = torch.Generator().manual_seed(0)
@@ -220,9 +230,11 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
     # With state on disk the host peak is staging, and its worst case is a race the prediction
     # bounds: the next step's forward reads segment a from disk while the update worker stages
     # segment b (master, both moments, the gradient unless it is held on the host; read ahead
-    # or not). They overlap or not by thread timing, so the measured peak lies between the
-    # persistent host bytes plus the staging that is certain (the sweep's, the read-ahead's
-    # included, or one update of the largest disk segment) and the predicted worst pair.
+    # or not), and earlier segments' write-backs may still hold their master and slots (up to
+    # the write-back's limit, into the next sweep). They overlap or not by thread timing, so
+    # the measured peak lies between the persistent host bytes plus the staging that is certain
+    # (the sweep's, the read-ahead's included, or one update of the largest disk segment) and
+    # the predicted worst case.
     persistent = sum(v for c, v in predicted.host_by_class.items()
                      if c not in ("staging", "activation"))
     one_update = max((12 if pl.host_grad else 16) * n
@@ -312,6 +324,9 @@ def test_precision_auto_takes_bf16_only_where_native():
     assert resolve_precision(emulate, torch.device("cpu"), None).mode == "fp8"
     # FSDP has no fp8: auto stops at bf16 there
     assert resolve_precision(auto, None, PROFILES["rtx4090"], backend="fsdp").mode == "bf16"
+    # so has context parallel's ring: auto on an fp8 card trains CP runs in bf16, saying why
+    cp = resolve_precision(auto, None, PROFILES["rtx4090"], context_parallel=2)
+    assert cp.mode == "bf16" and "--context-parallel has no fp8" in cp.describe()
     bf16 = resolve_precision(PrecisionConfig(mode="bf16"), torch.device("cpu"), None)
     assert bf16.mode == "bf16" and bf16.why is None
 
@@ -486,6 +501,33 @@ def test_dynamic_under_auto_spends_what_the_plan_leaves(tmp_path):
     t.stepper.close()
     assert peak <= t.plan.budgets["device"] < budget
     assert peak == t.plan.device_total_bytes
+
+
+def test_deferred_write_back_leaves_the_window_but_not_the_drive():
+    """The time model: behind the step, the master/slot write-back no longer stalls the next
+    forward (only the CPU update and the compute copies it waits for do), the drive's total is
+    unchanged and still bounds the step, and a write-back limit of one segment waits for the
+    drive (the stall it adds is named)."""
+    from tierlm.memory.hardware import resolve
+    from tierlm.memory.planner import _times
+
+    shape = ModelShape.from_config(preset_config("1b", max_seq_len=2048))
+    train = TrainShape(4, 2048, 8, "bf16")
+    hw = resolve("rtx4090")
+    placements = [SegmentPlacement(False, Tier.DISK)] * len(shape.names)
+    p = evaluate(shape, train, hw, placements, "layer-outer", False, usable_budgets(hw), True,
+                 writeback=None)
+    t = {wb: _times(shape, train, hw, placements, False, p.moved_bytes, writeback=wb)
+         for wb in (None, WriteBack(segments=1), WriteBack(segments=len(placements)))}
+    inside, one, every = t.values()
+    assert inside["writeback"] == inside["writeback_wait"] == 0
+    assert inside["disk"] == one["disk"] == every["disk"]
+    assert every["writeback"] > 0 and every["writeback_wait"] == 0
+    assert every["update_ready"] == pytest.approx(inside["update"] - every["writeback"])
+    assert every["update_stall"] < one["update_stall"] <= inside["update_stall"]
+    assert one["writeback_wait"] > 0
+    for times in t.values():
+        assert times["step"] >= times["disk"]
 
 
 # -- one byte model: the replay runs the engine's own rules (tierlm.runtime.schedule) -----------

@@ -2,6 +2,8 @@
 budgets (invariant 2), and moves the bytes the schedule says."""
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.state import as_tensor
+from tierlm.runtime.writeback import WriteBack
 
 CPU = torch.device("cpu")
 STEPS, B, T = 5, 2, 16
@@ -245,15 +249,19 @@ def test_sampling_logits_stream_the_segments(policy, tmp_path):
     eng.close()
 
 
+@pytest.mark.parametrize("writeback", [None, WriteBack(segments=2)], ids=["inside", "behind2"])
 @pytest.mark.parametrize(("m", "clip"), [(1, 0.0), (4, 0.05)], ids=["m1-noclip", "m4-clip"])
 @pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
 @pytest.mark.parametrize("mode", ["host-grads", "readahead", "both"])
-def test_disk_tier_options_match_reference(references, mode, order, m, clip, tmp_path):
+def test_disk_tier_options_match_reference(references, mode, order, m, clip, writeback,
+                                           tmp_path):
     """Disk-tier state with its gradient held in host RAM, with the update's master and slots
     read ahead during the backward (a budget covering the embedding and the first block, so
     the later segments update the usual way), and both: the reference's losses and weights,
     no gradient file where the gradient is held on the host, and the read-ahead's reads of the
-    slot files issued in the sweep, none by the update of a segment read ahead."""
+    slot files issued in the sweep, none by the update of a segment read ahead. The write-back
+    inside the update, or behind the step (two segments pending; the default, one, runs in
+    test_matches_reference)."""
     base, steps, lrs, ref_recs, ref_weights = references[("llama_tied_gqa", m, clip)]
     model = copy.deepcopy(base)
     numels = segment_numels(model)
@@ -263,7 +271,7 @@ def test_disk_tier_options_match_reference(references, mode, order, m, clip, tmp
     readahead = None if mode == "host-grads" else ReadAhead(extra_bytes=first_two)
     eng = make_engine(model, tmp_path, policy="disk", placements=placements,
                       microbatch_order=order, grad_clip=clip, micro_batches=m,
-                      readahead=readahead)
+                      readahead=readahead, writeback=writeback)
     phase, slot_reads = ["sweep"], []
     read_file, finish_step = eng.store.read_file, eng._finish_step
 
@@ -292,3 +300,106 @@ def test_disk_tier_options_match_reference(references, mode, order, m, clip, tmp
     ahead = {"embed", "block.0"} if readahead else set()
     assert {s for p, s in slot_reads if p == "sweep"} == ahead
     assert {s for p, s in slot_reads if p == "update"} == set(numels) - ahead
+
+
+def _slow_writeback(eng, delay_s: float, fail: str | None = None) -> dict:
+    """Delay every write the write-back thread makes by `delay_s` (or fail those of files ending
+    in `fail`); returns {segment name: [time each of its write-backs ended]}."""
+    write_file, ended = eng.store.write_file, {}
+
+    def slow(name, src, cls, offset=None):
+        if threading.current_thread().name.startswith("tierlm-writeback"):
+            if fail and name.endswith(fail):
+                raise OSError(f"injected: {name}")
+            time.sleep(delay_s)
+            out = write_file(name, src, cls, offset)
+            out.result()
+            ended.setdefault(name.split("/")[0], []).append(time.perf_counter())
+            return out
+        return write_file(name, src, cls, offset)
+
+    eng.store.write_file = slow
+    return ended
+
+
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path):
+    """With the write-back behind the step, a segment's next forward runs while its master and
+    slots are still being written (here: every write-back write delayed), and the weights are
+    bit for bit those of the write-back inside the update."""
+    base = tiny_model("llama_tied_gqa", layers=2)
+    steps = batches(2, 2)
+    runs = {}
+    for wb in (None, WriteBack(segments=1)):
+        eng = make_engine(copy.deepcopy(base), tmp_path / str(wb), policy="disk",
+                          microbatch_order=order, micro_batches=2, writeback=wb)
+        ended = _slow_writeback(eng, 0.2)
+        forward, started = eng._forward, {}
+
+        def spy(a, mbs, w, forward=forward, started=started, eng=eng):
+            started.setdefault(eng.states[a.seg].seg.name, []).append(time.perf_counter())
+            return forward(a, mbs, w)
+
+        eng._forward = spy
+        for b in steps:
+            eng.step(b, 1e-3)
+        runs[wb] = eng.weights()
+        eng.close()
+    # each segment's first forward of the second step against the end of its first write-back
+    early = [name for name, ends in ended.items() if name in started
+             and started[name][len(started[name]) // 2] < ends[0]]
+    assert early  # the second step's forward of these began before the first write-back ended
+    assert runs[None].keys() == runs[WriteBack(segments=1)].keys()
+    for k, v in runs[None].items():
+        assert torch.equal(v, runs[WriteBack(segments=1)][k]), k
+
+
+def test_a_failed_write_back_raises_in_the_training_thread(tmp_path):
+    eng = make_engine(tiny_model("llama_tied_gqa", layers=2), tmp_path, policy="disk")
+    _slow_writeback(eng, 0.0, fail="exp_avg.bin")
+    eng.step(batches(1, 1)[0], 1e-3)
+    with pytest.raises(OSError, match="injected"):
+        eng.synchronize()
+
+
+@pytest.mark.parametrize("readahead", [None, ReadAhead(extra_bytes=2**30)], ids=["plain", "ahead"])
+def test_state_taken_right_after_a_step_is_written_and_resumes_exactly(readahead, tmp_path):
+    """A checkpoint's shards taken right after a step, its write-backs still in flight (all
+    segments pending, each write delayed), hold the updated state: equal to a host-state run's,
+    and a disk-state run loaded from them continues bit for bit."""
+    base = tiny_model("llama_tied_gqa", layers=2)
+    steps, m = batches(4, 2), 2
+    straight = make_engine(copy.deepcopy(base), tmp_path / "host", policy="host",
+                           micro_batches=m)
+    half = {}
+    for k, b in enumerate(steps):
+        straight.step(b, 1e-3)
+        if k == 1:
+            half = {**straight.weights(), **straight.optimizer_state()}
+    want = {**straight.weights(), **straight.optimizer_state()}
+    straight.close()
+
+    def disk_engine(path):
+        return make_engine(copy.deepcopy(base), path, policy="disk", micro_batches=m,
+                           readahead=readahead, writeback=WriteBack(segments=8))
+
+    first = disk_engine(tmp_path / "first")
+    _slow_writeback(first, 0.05)
+    for b in steps[:2]:
+        first.step(b, 1e-3)
+    weights, optim = {}, {}
+    for _, w, o in first.state_shards():  # right after the step
+        weights.update({k: as_tensor(v).clone() for k, v in w.items()})
+        optim.update({k: as_tensor(v).clone() for k, v in o.items()})
+    first.close()
+    for k, v in half.items():
+        got = weights[k] if k in weights else optim[k]
+        assert torch.equal(got.reshape(v.shape), v), k
+    resumed = disk_engine(tmp_path / "resumed")
+    resumed.load(weights, optim)
+    for b in steps[2:]:
+        resumed.step(b, 1e-3)
+    got = {**resumed.weights(), **resumed.optimizer_state()}
+    resumed.close()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

@@ -42,6 +42,7 @@ from tierlm.memory.placement import (
     update_staging_bytes,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
 if TYPE_CHECKING:
     from tierlm.runtime.readahead import ReadAhead
@@ -446,6 +447,8 @@ class Plan:
     # the update's master and slots of disk-tier segments read during the backward (None: off)
     readahead: ReadAhead | None = None
     readahead_segments: list[int] = field(default_factory=list)  # which ones, in update order
+    # disk-tier master and slots written back behind the step (None: inside the update)
+    writeback: WriteBack | None = DEFAULT_WRITEBACK
 
     @property
     def device_total_bytes(self) -> int:
@@ -810,15 +813,69 @@ def activation_workspace_bytes(shape: ModelShape, train: TrainShape, keep: list[
 # -- time model ----------------------------------------------------------------------------------
 
 
+def writeback_bytes(
+    shape: ModelShape, placements, copies: list[int | None], writeback: WriteBack | None,
+    chunk_numel: int = STAGING_CHUNK_NUMEL,
+) -> dict[int, int]:
+    """Disk-tier segment -> bytes of its update written back behind the step (and held in host
+    staging until written): those updated in one chunk (Engine._update_whole: a compute copy's
+    segment, an optimizer of whole segments, or one no larger than a chunk), their master and
+    slots where the forward reads a compute copy, else the slots. Empty without a deferred
+    write-back."""
+    if writeback is None or shape.frozen:
+        return {}
+    return {s: shape.update_state_bytes(s) - (0 if copies[s] is not None else
+                                              MASTER_B * shape.numels[s])
+            for s, p in enumerate(placements)
+            if p.state_tier == Tier.DISK and (copies[s] is not None or shape.optim_whole
+                                              or shape.numels[s] <= chunk_numel)}
+
+
+def _update_chain(
+    shape: ModelShape, hw: HardwareProfile, placements, copies: list[int | None],
+    read_ahead: frozenset[int], deferred: dict[int, int], limit: int | None,
+    starts: list[float], late: float,
+) -> float:
+    """How long the first forward waits for the updates: the updates run one after another in
+    forward order from `late` on (each its disk reads, CPU work and the writes the forward
+    needs: its compute copy, or its fp32 master), the deferred write-backs one after another
+    behind them, the update of a `deferred` segment first waiting until fewer than `limit`
+    write-backs are pending; segment s's forward starts at `starts[s]` (seconds into the
+    window) and waits for its update. The write-back shares the drive in pieces, so the
+    update's own requests are taken as running at the drive's full rate (the step's disk total
+    bounds both)."""
+    cpu_s = 0.0 if shape.frozen else shape.optim_cpu_cost / hw.cpu_adam_params_per_s
+    t, stall, written = late, 0.0, []
+    for s, p in enumerate(placements):
+        if p.state_tier == Tier.DEVICE:
+            continue
+        read = write = 0
+        if p.state_tier == Tier.DISK:
+            read, write = shape.update_disk_bytes(s, copies[s], host_grad=p.host_grad,
+                                                  read_ahead=s in read_ahead)
+            write -= deferred.get(s, 0)
+            if s in deferred and limit is not None and len(written) >= limit:
+                t = max(t, written[-limit])
+        t += read / hw.disk_read_Bps + shape.numels[s] * cpu_s + write / hw.disk_write_Bps
+        if s in deferred:
+            written.append(max(t, written[-1] if written else 0.0)
+                           + deferred[s] / hw.disk_write_Bps)
+        stall = max(stall, t - starts[s])
+    return stall
+
+
 def _times(
     shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements, keep_resident: bool,
     moved: dict[str, int], *, read_ahead: frozenset[int] = frozenset(), groups: int = 1,
+    writeback: WriteBack | None = None, chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> dict[str, float]:
     """Seconds per step by resource. `read_ahead`: disk-tier segments whose master and slots the
     last group's backward reads (they count in the sweep's disk, not the update's); `groups`:
     micro-batch groups per step (M for microbatch-outer, 1 for layer-outer): the update of step
     i hides behind the first group's forward of step i+1 (every segment's forward waits for its
-    update), and the read-ahead runs during the last group's backward."""
+    update: `_update_chain`), and the read-ahead runs during the last group's backward;
+    `writeback`: the disk-tier master and slots written back behind the step (they must fit the
+    step on the one drive, not the window)."""
     tokens = train.tokens_per_step
     block_params = sum(shape.numels[1:-1])
     head_params = shape.numels[-1] + shape.tied_numel
@@ -875,10 +932,22 @@ def _times(
     # sweep's end delays the update
     readahead = sum(shape.update_state_bytes(s) for s in read_ahead) / hw.disk_read_Bps
     late = max(0.0, readahead - (compute - forward) / groups)
-    # the update of step i runs behind the first group's forward of step i+1; what does not
-    # fit stalls it
-    stall = max(0.0, late + update - forward / groups)
-    # one disk serves the sweep and the update
+    # the update of step i runs behind the first group's forward of step i+1, each segment's
+    # forward starting at its share of the forward's FLOPs (embed: none); what does not fit
+    # stalls it
+    window = forward / groups
+    fwd = [0] + list(shape.numels[1:-1]) + [head_params]
+    starts = [window * sum(fwd[:s]) / max(1, sum(fwd)) for s in range(len(fwd))]
+    copies = _compute_copies(shape, train.precision, placements)
+    deferred = writeback_bytes(shape, placements, copies, writeback, chunk_numel)
+    limit = None if writeback is None else writeback.segments
+    stall = _update_chain(shape, hw, placements, copies, read_ahead, deferred, limit, starts,
+                          late)
+    # what the write-back's limit adds to the stall (it waits for the drive)
+    ungated = _update_chain(shape, hw, placements, copies, read_ahead, deferred, None, starts,
+                            late)
+    writeback_s = sum(deferred.values()) / hw.disk_write_Bps
+    # one disk serves the sweep, the update and its write-back
     step = max(sweep + stall, sweep_disk + update_disk)
     return {
         "compute": compute,
@@ -890,13 +959,16 @@ def _times(
         "disk": sweep_disk + update_disk,
         "cpu_update": update_cpu,
         "update": update,
+        "writeback": writeback_s,  # part of update_disk, drained behind the step
+        "update_ready": update - writeback_s,  # what the forward waits for: CPU, reads, copies
+        "writeback_wait": stall - ungated,  # stall added by waiting for the write-back's limit
         "readahead": readahead,
         "net": net,
         "grad_sync": sync,
         "grad_sync_exposed": sync_exposed,
         "net_lane": net_lane,
         "attention": tokens * attn / rate,
-        "update_window": forward / groups,
+        "update_window": window,
         "update_stall": step - sweep,
         "step": step,
     }
@@ -1016,8 +1088,10 @@ def _decode_s(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placeme
 def _bottleneck(t: dict[str, float]) -> str:
     """The resource whose time sets the step: the sweep's longest lane, plus the share of the
     update stall each of the update's parts causes."""
-    stall = t["update_stall"]
-    share = stall / t["update"] if t["update"] > 0 else 0.0
+    stall = t["update_stall"] - t["writeback_wait"]  # the rest waits for the drive
+    ready = t["update_ready"]  # the CPU work and the disk work the forward waits for
+    share = stall / ready if ready > 0 else 0.0
+    ready_disk = ready - t["cpu_update"]
     # the net lane includes the compute: named where the sends outlast what hides them, after
     # whichever of its two parts adds more
     net = t["net_lane"] if t["net_lane"] > t["compute"] else 0.0
@@ -1027,7 +1101,7 @@ def _bottleneck(t: dict[str, float]) -> str:
         "PCIe (H2D/D2H)": max(t["h2d"], t["d2h"]),
         "interconnect (ring K/V)": net if ring_over >= t["grad_sync_exposed"] else 0.0,
         "interconnect (gradient all-reduce)": net if ring_over < t["grad_sync_exposed"] else 0.0,
-        "disk": max(t["sweep_disk"] + share * t["update_disk"],
+        "disk": max(t["sweep_disk"] + share * ready_disk + t["writeback_wait"],
                     t["disk"] if t["disk"] >= t["step"] else 0.0),
         "CPU optimizer update": share * t["cpu_update"],
     }
@@ -1044,18 +1118,20 @@ def _priority(names: list[str]) -> list[int]:
 
 
 def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
-             chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None) -> Plan:
+             chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
+             writeback: WriteBack | None = DEFAULT_WRITEBACK) -> Plan:
     """Predict memory and time for one given placement (the planner's inner step; also used to
     predict runs whose placement the user chose; `chunk_numel`: the engine's
-    staging_chunk_numel; `readahead`: its update read-ahead)."""
+    staging_chunk_numel; `readahead`: its update read-ahead; `writeback`: its deferred
+    write-back)."""
     return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host,
-                     chunk_numel=chunk_numel, readahead=readahead)
+                     chunk_numel=chunk_numel, readahead=readahead, writeback=writeback)
 
 
 def _update_overlap_bytes(
     shape: ModelShape, placements: list[SegmentPlacement], copies: list[int | None],
     chunk_numel: int = STAGING_CHUNK_NUMEL, *, read_ahead: frozenset[int] = frozenset(),
-    parked_per_block: int = 0,
+    parked_per_block: int = 0, pending_bytes: int = 0,
 ) -> int:
     """Host staging while the background update overlaps the next forward. Updates run in
     forward order; the forward of segment a waits for a's update, then reads a's weights
@@ -1063,8 +1139,9 @@ def _update_overlap_bytes(
     master, gradient and the optimizer's slots staged). The read-ahead's buffers of b and of
     every segment after it are still held (each is freed once its update has written it back),
     and the forward has parked the boundary inputs of the blocks up to a + 1 on the host
-    (`parked_per_block`: one block's, for the micro-batches of the first group). So the peak is
-    the worst such pair."""
+    (`parked_per_block`: one block's, for the micro-batches of the first group); with a
+    deferred write-back, `pending_bytes` of earlier segments' master and slots may still wait
+    to be written. So the peak is the worst such pair."""
     order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
     last = len(placements) - 1
 
@@ -1078,7 +1155,7 @@ def _update_overlap_bytes(
         if placements[i].state_tier != Tier.DISK:
             return 0
         held = sum(shape.update_state_bytes(j) for j in read_ahead if j >= i)
-        return held + shape.update_staging(i, copies[i], chunk_numel,
+        return pending_bytes + held + shape.update_staging(i, copies[i], chunk_numel,
                                            host_grad=placements[i].host_grad,
                                            read_ahead=i in read_ahead)
 
@@ -1091,24 +1168,32 @@ def _update_overlap_bytes(
 
 
 def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
-              chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None) -> Plan:
-    ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
-                                     chunk_numel=chunk_numel, readahead=readahead)
-    read_ahead = [s for segs in readahead_schedule(
-        shape, train, placements, order, boundary_host, readahead).values() for s in segs]
+              chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
+              writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None) -> Plan:
+    """`replay`: this placement's `_replay` when the caller has it (the write-back options
+    change neither the sweep's bytes nor its ledger)."""
+    ledger, workspace, read_ahead = replay or _replay(
+        shape, train, placements, order, keep, boundary_host, chunk_numel, readahead)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
     first_group = train.micro_batches if order == "layer-outer" else 1
-    host_peak = max(ledger.peak_tier_bytes[Tier.HOST],
+    copies = _compute_copies(shape, train.precision, placements)
+    # The write-back's staging outlives the update: up to `segments` of them may wait while
+    # the next sweep runs (on top of its ledger peak), one fewer while an update stages.
+    pending = sorted(writeback_bytes(shape, placements, copies, writeback, chunk_numel).values(),
+                     reverse=True)
+    limit = 0 if writeback is None else writeback.segments
+    host_peak = max(ledger.peak_tier_bytes[Tier.HOST] + sum(pending[:limit]),
                     host_persistent + _update_overlap_bytes(
-                        shape, placements,
-                        _compute_copies(shape, train.precision, placements), chunk_numel,
+                        shape, placements, copies, chunk_numel,
                         read_ahead=frozenset(read_ahead),
                         parked_per_block=parked_bytes(shape, train, order, boundary_host)
-                        // max(1, len(shape.names) - 2)))
+                        // max(1, len(shape.names) - 2),
+                        pending_bytes=sum(pending[:max(0, limit - 1)])))
     moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
     times = _times(shape, train, hw, placements, keep, moved, read_ahead=frozenset(read_ahead),
-                   groups=train.micro_batches // first_group)
+                   groups=train.micro_batches // first_group, writeback=writeback,
+                   chunk_numel=chunk_numel)
 
     def by_class(tier: Tier) -> dict[str, int]:
         return {c.value: ledger.peak_class_bytes[(tier, c)] for c in TensorClass
@@ -1123,11 +1208,20 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         times_s=times, bottleneck=_bottleneck(times),
         tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
         names=shape.names, numels=shape.numels, boundary_on_host=boundary_host,
-        readahead=readahead, readahead_segments=read_ahead,
+        readahead=readahead, readahead_segments=read_ahead, writeback=writeback,
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
     return plan
+
+
+def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
+    """The sweep's replay (ledger, workspace) and the segments it reads ahead."""
+    ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
+                                     chunk_numel=chunk_numel, readahead=readahead)
+    read_ahead = [s for segs in readahead_schedule(
+        shape, train, placements, order, boundary_host, readahead).values() for s in segs]
+    return ledger, workspace, read_ahead
 
 
 def _problems(plan: Plan, budgets: dict[str, int]) -> list[str]:
@@ -1186,7 +1280,9 @@ def plan(
     for order, keep, host in variants:
         placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
                                      train.precision, parked_bytes(shape, train, order, host))
-        candidate = _evaluate(shape, train, hw, placements, order, keep, budgets, host)
+        # the write-back inside the update: _disk_options tries deferring it
+        candidate = _evaluate(shape, train, hw, placements, order, keep, budgets, host,
+                              writeback=None)
         # grow the device share greedily while it fits and is not slower
         for upgrade in ("resident", "state"):
             for i in _priority(shape.names):
@@ -1200,7 +1296,7 @@ def plan(
                     continue
                 trial = _host_then_disk(shape, trial, budgets, train.precision,
                                         parked_bytes(shape, train, order, host))
-                p = _evaluate(shape, train, hw, trial, order, keep, budgets, host)
+                p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, writeback=None)
                 if p.fits and p.step_s <= candidate.step_s * 1.0001:
                     candidate = p
         candidate = _disk_options(shape, train, hw, candidate, budgets)
@@ -1216,15 +1312,19 @@ def plan(
 
 
 READAHEAD_EXTRA_SHARES = (0.0, 0.125, 0.25, 0.5, 1.0)
+# write-backs pending at most (None: every disk-tier segment's) the planner tries
+WRITEBACK_SEGMENTS: tuple[int | None, ...] = (1, 4, None)
 
 
 def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
                   budgets: dict[str, int]) -> Plan:
-    """The candidate with the two disk-tier options tried on its device choices: disk-tier
-    gradients held in host RAM (fewer segments' state fits there), and the update's
-    read-ahead during the backward with a host budget of a share of the disk-tier update
-    state beyond what the backward frees (that share is reserved, so fewer segments' state
-    fits on the host). The fastest that fits, or the candidate."""
+    """The candidate with the three disk-tier options tried on its device choices: disk-tier
+    gradients held in host RAM (fewer segments' state fits there); the update's read-ahead
+    during the backward with a host budget of a share of the disk-tier update state beyond
+    what the backward frees; and the write-back deferred behind the step, up to some
+    segments' master and slots pending in host staging (the read-ahead's share and the
+    write-back's segments are reserved, so fewer segments' state fits on the host). The
+    fastest that fits, or the candidate."""
     from tierlm.runtime.readahead import ReadAhead
 
     if shape.frozen or not any(p.state_tier == Tier.DISK for p in candidate.placements):
@@ -1232,21 +1332,37 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
     order, keep, host = (candidate.order, candidate.keep_resident_activations,
                          candidate.boundary_on_host)
     parked = parked_bytes(shape, train, order, host)
+    largest = max(shape.update_state_bytes(s) for s in range(len(shape.numels)))
+    replays: dict = {}  # the sweep does not depend on the write-back: replayed once
     best = candidate
     for host_grads in (False, True):
         placements = _host_then_disk(shape, candidate.placements, budgets, train.precision,
                                      parked, host_grads)
         disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(placements)
                          if p.state_tier == Tier.DISK)
+        n_disk = sum(p.state_tier == Tier.DISK for p in placements)
+        limits = sorted({n_disk if n is None else min(n, n_disk) for n in WRITEBACK_SEGMENTS})
         for share in (None, *READAHEAD_EXTRA_SHARES):
             extra = 0 if share is None else int(share * disk_state)
-            trial = placements if not extra else _host_then_disk(
-                shape, candidate.placements, budgets, train.precision, parked + extra,
-                host_grads)
             ra = None if share is None else ReadAhead(extra_bytes=extra)
-            p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, readahead=ra)
-            if p.fits and p.step_s < best.step_s * 0.9999:
-                best = p
+            for segments in (None, *limits):
+                wb = None if segments is None else WriteBack(segments=segments)
+                # the read-ahead's share reserved; then, where the pending write-backs do not
+                # fit beside it, theirs too
+                for reserve in dict.fromkeys((extra, extra + (segments or 0) * largest)):
+                    trial = placements if not reserve else _host_then_disk(
+                        shape, candidate.placements, budgets, train.precision,
+                        parked + reserve, host_grads)
+                    key = (tuple(trial), share)
+                    if key not in replays:
+                        replays[key] = _replay(shape, train, trial, order, keep, host,
+                                               STAGING_CHUNK_NUMEL, ra)
+                    p = _evaluate(shape, train, hw, trial, order, keep, budgets, host,
+                                  readahead=ra, writeback=wb, replay=replays[key])
+                    if p.fits and p.step_s < best.step_s * 0.9999:
+                        best = p
+                    if p.fits:
+                        break
     return best
 
 
@@ -1375,13 +1491,15 @@ def describe(
                  f"{counts['disk']} of {len(p.placements)} segments; compute weights resident: "
                  f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
     host_grads = sum(pl.host_grad for pl in p.placements)
-    if host_grads or p.readahead is not None:
+    if counts["disk"]:
         ra = ("off" if p.readahead is None else
               f"{len(p.readahead_segments)} segments' master and slots "
               f"({gib(sum(shape.update_state_bytes(s) for s in p.readahead_segments))}) read "
               f"during the backward, up to {gib(p.readahead.extra_bytes)} beyond what it frees")
+        wb = ("inside the update" if p.writeback is None else
+              f"behind the step, up to {p.writeback.segments} segments pending")
         lines.append(f"disk tier: gradients of {host_grads} of {counts['disk']} segments held in "
-                     f"host RAM; update read-ahead: {ra}")
+                     f"host RAM; update read-ahead: {ra}; master and slots written back {wb}")
     lines.append(f"activations: resident segments "
                  f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
                  "streamed segments recompute from their boundary input; boundary activations "
@@ -1389,13 +1507,16 @@ def describe(
     t = p.times_s
     lines.append("")
     decode = f" incl. NF4 decode {t['decode']:.2f}" if t.get("decode") else ""
+    behind = (f", of which the write-back {t['writeback']:.2f} drains behind the step"
+              if t["writeback"] else "")
     lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}"
                  f"{decode}, "
                  f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
                  f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
-                 f"{t['update_disk']:.2f}, runs behind the next step's first forward; one disk "
-                 f"serves sweep and update: {t['disk']:.2f} s)")
+                 f"{t['update_disk']:.2f}{behind}, runs behind the next step's first forward "
+                 f"({t['update_window']:.2f} s); one disk serves sweep and update: "
+                 f"{t['disk']:.2f} s)")
     if cp > 1 or train.nproc > 1:
         kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
         ring = (f"ring K/V {gib(kv)} sent per rank per step = {t['net']:.2f} s, overlapping "

@@ -14,7 +14,9 @@ state. Host and disk updates run on a background worker in forward order, overla
 step's forward: segment i's forward waits only for segment i's update. A disk-tier segment may
 hold its gradient in host RAM (its placement's `grad_tier`), and the last group's backward may
 read its master and slots ahead of the update (`EngineOptions.readahead`,
-tierlm.runtime.readahead), so the update is left the write-back.
+tierlm.runtime.readahead), and a disk-tier update ends once what the next forward reads is on
+disk, its master and slots written back behind the step by one more thread
+(`EngineOptions.writeback`, tierlm.runtime.writeback).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ from tierlm.runtime.state import (
     write_back_copies,
 )
 from tierlm.runtime.stepper import Stepper
+from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack, Writer, deferred_copies
 
 
 def _empty_parameter(p: torch.nn.Parameter) -> None:
@@ -171,6 +174,11 @@ class EngineOptions:
     readahead: ReadAhead | None = None
     """Read disk-tier segments' master and slots into host staging during the backward, so the
     update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
+    writeback: WriteBack | None = DEFAULT_WRITEBACK
+    """Write a disk-tier segment's master and slots back behind the step, its update ending
+    once its compute copy (or, computing from fp32, its master) is on disk; at most
+    `segments` write-backs pending (tierlm.runtime.writeback; the planner sets it). None: the
+    update writes everything back before it ends."""
 
 
 @dataclass
@@ -376,6 +384,7 @@ class Engine(Stepper):
         self._borrowed_grad: dict[int, torch.Tensor] = {}
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
+        self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
         self._updates: dict[int, Future] = {}
         # segment -> its master and slots being read ahead of its update (the read-ahead)
         self._readahead: dict[int, CopiesRead] = {}
@@ -483,9 +492,11 @@ class Engine(Stepper):
         return self
 
     def synchronize(self) -> None:
-        """Wait for every pending optimizer update (before eval, checkpoints, export)."""
+        """Wait for every pending optimizer update and write-back (before eval, checkpoints,
+        export)."""
         for s in list(self._updates):
             self._wait_update(s)
+        self._writer.drain()
 
     def _weights(self, k: int, s: int) -> torch.Tensor:
         self._wait_update(s)
@@ -658,6 +669,7 @@ class Engine(Stepper):
                 self.cache.prefetch(k + 1)
                 for s in readahead.get(k, ()):
                     st = self.states[s]
+                    self._writer.wait(s)  # the last update's write-back of them has landed
                     self._readahead[s] = CopiesRead(self.store, st, st.state_copies)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
@@ -975,12 +987,18 @@ class Engine(Stepper):
     def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
         """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
         slots, a gradient held on the host) are staged in chunks, the next chunk read while this
-        one updates; the gradient is spent, only master and slots go back to their files."""
+        one updates; the gradient is spent, only master and slots go back to their files.
+        An update of one chunk (a compute copy's segment, or a small one) defers their
+        write-back (`_update_whole`)."""
+        self._writer.wait(st.index)  # the last step's write-back of its files has landed
         ahead = self._readahead.pop(st.index, None)
         held = {} if ahead is None else dict(ahead.buffers())
         if st.grad is not None:
             held["grad"] = st.grad
         ranges = self._update_ranges(st)
+        if self.opts.writeback is not None and len(ranges) == 1:
+            self._update_whole(st, step, held)
+            return
         ends = {lo: lo + n for lo, n in ranges}
 
         def chunk(lo: int, bufs: dict[str, torch.Tensor]) -> None:
@@ -996,6 +1014,25 @@ class Engine(Stepper):
             write_back_copies(self.store, st, ahead.bufs)  # and frees the staging
         if st.grad is not None:
             st.grad.zero_()
+
+    def _update_whole(self, st: SegmentState, step: Callable[[int, dict], None],
+                      held: dict[str, torch.Tensor]) -> None:
+        """A disk-tier update in one chunk with its write-back deferred: the copies not in RAM
+        are read whole, the optimizer runs (and writes the compute file), the fp32 master is
+        written now where the forward reads it, and the rest goes to the writer, which frees
+        the staging once written (tierlm.runtime.writeback)."""
+        self._writer.make_room()
+        missing = tuple(c for c in (*st.state_copies, "grad") if c not in held)
+        bufs = {**read_copies(self.store, st, missing), **held}
+        step(0, bufs)
+        if st.grad is not None:  # held on the host: the next step accumulates into it
+            st.grad.zero_()
+        elif "grad" in bufs:  # staged from its file: spent
+            self.store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
+        later = deferred_copies(st.state_copies, st.compute_format is not None)
+        write_back_copies(self.store, st, {c: bufs[c] for c in st.state_copies
+                                           if c not in later})
+        self._writer.submit(st, {c: bufs[c] for c in later})
 
     # -- evaluation and state ----
 
@@ -1191,6 +1228,7 @@ class Engine(Stepper):
     def close(self) -> None:
         self.synchronize()
         self._worker.shutdown(wait=True)
+        self._writer.close()
         self.store.close()
 
 

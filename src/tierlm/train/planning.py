@@ -65,12 +65,13 @@ class PrecisionChoice:
 
 def resolve_precision(
     p: PrecisionConfig, device: torch.device | None, hw: HardwareProfile | None, *,
-    backend: str = "engine", compiled: bool = False,
+    backend: str = "engine", compiled: bool = False, context_parallel: int = 1,
 ) -> PrecisionChoice:
     """`auto`: fp8 where the device has fp8 units (CUDA sm_89+; a profile with
     `fp8_matmul_flops`) or the user asked for emulation (`--fp8-emulate`), else bf16 where the
-    device computes it natively, else fp32; at most bf16 under `--backend fsdp` (no fp8 there)
-    and under `--compile segments` (`compiled`; fp8 is not compiled yet, tierlm.runtime.compile).
+    device computes it natively, else fp32; at most bf16 under `--backend fsdp` (no fp8 there),
+    under `--compile segments` (`compiled`; fp8 is not compiled yet, tierlm.runtime.compile) and
+    under `--context-parallel` above 1 (its ring has no fp8 path, tierlm.distributed.context).
     Judged against `device` at train time, against the profile `hw` when planning. A flag the
     resolved precision would ignore (`--fp8-history` under bf16, ...) is an error."""
     if p.mode != "auto":
@@ -82,6 +83,8 @@ def resolve_precision(
         mode, why = "bf16", f"{why}; bf16 at most: --backend fsdp has no fp8"
     if mode == "fp8" and compiled and not p.fp8_emulate:
         mode, why = "bf16", f"{why}; bf16 at most: --compile segments has no fp8 yet"
+    if mode == "fp8" and context_parallel > 1 and not p.fp8_emulate:
+        mode, why = "bf16", f"{why}; bf16 at most: --context-parallel has no fp8 yet"
     check_precision_flags(p, mode, auto_why=why)
     return PrecisionChoice(mode, why)
 
@@ -197,7 +200,8 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
 
     hw = hardware_for(cfg)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend,
-                               compiled=cfg.run.compile != "off")
+                               compiled=cfg.run.compile != "off",
+                               context_parallel=cfg.distributed.context_parallel)
     full_precision = choice.mode
     choice = finetune_precision(cfg, choice)
     precision = choice.mode
@@ -344,6 +348,7 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
         shape, train_shape(cfg, precision), hw, engine.report.placements,
         engine.opts.microbatch_order, engine.opts.keep_resident_activations,
         usable_budgets(hw), engine.host_boundaries, readahead=engine.opts.readahead,
+        writeback=engine.opts.writeback,
     )
 
 

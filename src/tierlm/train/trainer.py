@@ -221,6 +221,7 @@ def build_stepper(
         options.keep_resident_activations = plan.keep_resident_activations
         options.boundary_tier = Tier.HOST if plan.boundary_on_host else Tier.DEVICE
         options.readahead = plan.readahead
+        options.writeback = plan.writeback
         if cfg.activations.policy == "none" and not cfg.activations.overrides:
             options.activations = None  # keep or recompute resident segments as planned
         options.device_budget_bytes = options.host_budget_bytes = None
@@ -255,7 +256,8 @@ class Trainer:
         cap_gpu_memory(cfg, self.device)  # --gpu-memory: a large card models a smaller one
         choice = finetune_precision(cfg, resolve_precision(
             cfg.precision, self.device, None, backend=cfg.distributed.backend,
-            compiled=cfg.run.compile != "off"))
+            compiled=cfg.run.compile != "off",
+            context_parallel=cfg.distributed.context_parallel))
         if choice.why:  # a named precision is logged with the layer table
             log(choice.describe())
         # from here on the run is configured with what auto chose: config.yaml and the
