@@ -7,7 +7,10 @@ into the ledger's model state and boundary activations, the activation workspace
 block's saved tensors per token, measured on fake tensors under the run's precision), where the
 boundary activations wait, the ring's K/V bytes per rank per step and the time they take at the
 profile's GPU-to-GPU rate against the attention they hide behind (the sweep's `net` lane), and
-the predicted step with its bottleneck. No training, no memory: seconds.
+the predicted step with its bottleneck. The N ranks of the group also all-reduce their gradients
+(dense fp32, `--nproc N`): the bytes each sends, the seconds they take and the part the step
+waits for (all but the embedding's hide behind the backward where the link is free) join the same
+lane. No training, no memory: seconds.
 
     PYTHONPATH=src python bench/long_sequence_plan.py --model-size 7b --hardware rtx4090 \\
         --host-memory 64 --disk 200 --seq-len 32768
@@ -22,7 +25,14 @@ import argparse
 
 from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import gib
-from tierlm.memory.planner import ModelShape, TrainShape, plan, ring_kv_bytes, usable_budgets
+from tierlm.memory.planner import (
+    ModelShape,
+    TrainShape,
+    grad_sync_bytes,
+    plan,
+    ring_kv_bytes,
+    usable_budgets,
+)
 from tierlm.models import preset_config
 
 
@@ -53,11 +63,13 @@ def main() -> None:
               " KiB per token")
     print("| CP | precision | tokens/rank | device state+boundaries | activation workspace "
           "| device total | boundaries | activations | ring K/V per step | net s | attention s "
+          "| grad all-reduce per step | all-reduce s | waited s | net lane s "
           "| compute s | step s | bottleneck | row tokens/s | fits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 20 + "|")
     for precision in a.precisions.split(","):
         for cp in (int(c) for c in a.cp.split(",")):
-            train = TrainShape(a.batch_size, a.seq_len // cp, 1, precision, context_parallel=cp)
+            train = TrainShape(a.batch_size, a.seq_len // cp, 1, precision, context_parallel=cp,
+                               nproc=cp)
             pl = plan(shape, train, hw)
             fits = "yes" if pl.fits else "no: " + "; ".join(pl.problems)
             acts = "keep resident graphs" if pl.keep_resident_activations else "recompute all"
@@ -67,7 +79,9 @@ def main() -> None:
             print(f"| {cp} | {precision} | {train.seq_len} | {gib(pl.device_peak_bytes)} | "
                   f"{gib(pl.workspace_bytes)} | {gib(pl.device_total_bytes)} | "
                   f"{'host' if pl.boundary_on_host else 'device'} | {acts} | {gib(kv)} | "
-                  f"{t['net']:.1f} | {t['attention']:.1f} | {t['compute']:.1f} | "
+                  f"{t['net']:.1f} | {t['attention']:.1f} | "
+                  f"{gib(grad_sync_bytes(shape, train))} | {t['grad_sync']:.2f} | "
+                  f"{t['grad_sync_exposed']:.2f} | {t['net_lane']:.1f} | {t['compute']:.1f} | "
                   f"{pl.step_s:.1f} | {pl.bottleneck} | {cp * pl.tokens_per_s:,.0f} | {fits} |")
 
 

@@ -17,7 +17,7 @@ from runtime_helpers import OPTIM, batches, tiny_model
 from test_distributed import run_ranks
 
 from tierlm.config import ActivationConfig, ConfigError, from_dict
-from tierlm.distributed.comm import Comm
+from tierlm.distributed.comm import Comm, all_reduce_send_bytes
 from tierlm.distributed.context import (
     ContextLayout,
     ZigzagShare,
@@ -34,7 +34,7 @@ from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, ring_kv_bytes
+from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes, ring_kv_bytes
 from tierlm.memory.tiers import Link, Tier
 from tierlm.runtime import Engine, EngineOptions
 from tierlm.train.reference import ReferenceStep
@@ -151,13 +151,16 @@ def test_ring_equals_one_process_over_the_full_sequences(world, cp, name):
                          element_bytes=4, layers=c.num_hidden_layers)
     n_params = sum(p.numel() for p in model.parameters())
     resident = [SegmentPlacement(resident=True, state_tier=Tier.DEVICE)] * (LAYERS + 2)
-    planned = ring_kv_bytes(
-        ModelShape.from_config(c),
-        TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
-                   context_parallel=cp), resident, keep_resident=True)
+    shape = ModelShape.from_config(c)
+    train = TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
+                       context_parallel=cp, nproc=world)
+    planned = ring_kv_bytes(shape, train, resident, keep_resident=True)
+    # the gradient all-reduce over all dp x cp ranks, as the planner counts it
+    all_reduce = int(2 * (world - 1) / world * 4 * n_params)
+    assert grad_sync_bytes(shape, train) == all_reduce
     for run in runs:
         assert run["kv_send_bytes"] == M * kv == planned
-        assert run["net_send_bytes"] == M * kv + int(2 * (world - 1) / world * 4 * n_params)
+        assert run["net_send_bytes"] == M * kv + all_reduce
         assert run["eval"] == pytest.approx(ref["eval"], rel=1e-5)
 
 
@@ -179,16 +182,20 @@ def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activa
         head_dim=c.hidden_size // c.num_attention_heads, element_bytes=4,
         layers=c.num_hidden_layers, backward=False)
     # the planner counts the same bytes for this placement (its net lane's)
+    shape = ModelShape.from_config(c, optim=OPTIM)
+    train = TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
+                       context_parallel=cp, nproc=world, grad_sync=DenseSync())
     planned = ring_kv_bytes(
-        ModelShape.from_config(c),
-        TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
-                   context_parallel=cp),
+        shape, train,
         [SegmentPlacement(resident=r, state_tier=Tier.HOST) for r in runs[0]["resident"]],
         keep_resident=activations == "none")
+    # plus the gradient all-reduce, per segment over every rank, as the planner counts it, and
+    # the logged loss's mean (one float64)
+    others = grad_sync_bytes(shape, train) + all_reduce_send_bytes(8, world)
     for run in runs:
         _assert_equal(run, ref)
         assert run["kv_send_bytes"] == M * (kv + recompute_kv) == planned
-        assert run["net_send_bytes"] > run["kv_send_bytes"]  # plus the gradient all-reduce
+        assert run["net_send_bytes"] == run["kv_send_bytes"] + others
 
 
 def test_zigzag_shares_cover_the_sequence_once_and_balance_causal_work():
@@ -282,7 +289,10 @@ def test_plan_holds_one_rank_share_of_each_row(capsys):
     assert slow.times_s["net"] > slow.times_s["attention"]
     assert slow.bottleneck == "interconnect (ring K/V)"
     t = slow.times_s
-    assert t["net_lane"] == pytest.approx(t["compute"] + t["net"] - t["attention"])
+    # the CP group's gradient all-reduce shares the link: what the backward cannot hide
+    assert 0 < t["grad_sync_exposed"] < t["net"] - t["attention"]
+    assert t["net_lane"] == pytest.approx(
+        t["compute"] + t["net"] - t["attention"] + t["grad_sync_exposed"])
     assert slow.step_s >= t["net_lane"] > p2.step_s
     assert main(["plan", "--model-size", "small", "--seq-len", "4096", "--batch-size", "1",
                  "--hardware", "rtx4090", "--precision", "bf16", "--nproc", "2",

@@ -28,6 +28,7 @@ from tierlm.distributed.sync import DelayedSync, DenseSync, TopKSync
 from tierlm.distributed.world import World
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
+from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes
 from tierlm.memory.tiers import Link
 from tierlm.runtime import Engine, EngineOptions
 
@@ -163,6 +164,12 @@ def _dense_sent() -> int:
     return 4 * sum(p.numel() for p in tiny_model(MODEL).parameters())
 
 
+def _planned_sent(sync) -> float:
+    """The planner's count of what one of 2 ranks sends per step to sync (on average)."""
+    shape = ModelShape.from_config(tiny_model(MODEL).config, optim=OPTIM)
+    return grad_sync_bytes(shape, TrainShape(B_GLOBAL // 2, T, M, nproc=2, grad_sync=sync))
+
+
 # -- data: each rank its slice of the global batch ----
 
 def test_a_verdict_from_one_rank_reaches_every_rank():
@@ -203,6 +210,7 @@ def test_dense_two_ranks_equal_one_process_with_twice_the_batch(reference, tmp_p
         assert_close_run(r0["losses"], ref_losses, _as_torch(r0["weights"]), ref_weights,
                          rel=1e-6, atol=1e-6)
         assert r0["sent"] == [_dense_sent() + LOSS_MEAN_SENT] * STEPS
+        assert r0["sent"] == [_planned_sent(DenseSync()) + LOSS_MEAN_SENT] * STEPS
 
 
 # -- masked (fine-tuning) batches ----
@@ -268,6 +276,9 @@ def test_topk_ratio_one_is_dense_and_005_sends_a_tenth(reference):
     # where a parameter's 5% is rounded up to whole entries
     ratio = [(s - LOSS_MEAN_SENT) / _dense_sent() for s in r0["topk_005"]["sent"]]
     assert all(0.1 <= x < 0.1002 for x in ratio), ratio
+    planned = _planned_sent(TopKSync(ratio=0.05, overrides=())) + LOSS_MEAN_SENT
+    assert r0["topk_005"]["sent"] == [planned] * 2
+    assert r0["dense"]["sent"] == [_planned_sent(TopKSync(ratio=1.0)) + LOSS_MEAN_SENT] * 2
 
 
 def _residual_exchange(world: World) -> dict:
@@ -371,6 +382,8 @@ def test_delayed_ranks_agree_exactly_at_multiples_of_k():
         assert (a == b) == (step % 2 == 0), f"step {step}"
     # bytes only when weights are averaged: the fp32 weights, all-reduced like a dense sync
     assert ranks[0]["sent"] == [LOSS_MEAN_SENT, _dense_sent() + LOSS_MEAN_SENT] * 2
+    per_step = sum(s - LOSS_MEAN_SENT for s in ranks[0]["sent"]) / STEPS
+    assert _planned_sent(DelayedSync(every=2)) == per_step
 
 
 def _moments_digest(engine) -> dict[str, str]:
@@ -421,6 +434,9 @@ def test_delayed_can_average_the_adamw_moments_with_the_weights(tmp_path):
     local, average = (r0[f"{m}-none"]["sent"][1] for m in ("local", "average"))
     assert local == _dense_sent() + LOSS_MEAN_SENT
     assert average - local == 2 * _dense_sent() // 2
+    for m in ("local", "average"):  # every second step; the planner's mean per step
+        sent = sum(s - LOSS_MEAN_SENT for s in r0[f"{m}-none"]["sent"]) / 4
+        assert _planned_sent(DelayedSync(every=2, moments=m)) == sent, m
 
 
 # -- checkpoints: rank-local state (residuals, per-rank weights and moments) round-trips ----

@@ -669,3 +669,56 @@ def test_gradient_landings_of_a_step():
     # written twice before the last: read back twice, the sum back to the device once
     assert step_moves(Tier.DISK, Tier.DISK, 3) == {
         Link.D2H: 4, Link.DISK_WRITE: 3, Link.DISK_READ: 2, Link.H2D: 1}
+
+
+def test_gradient_sync_is_counted_in_the_net_lane_and_named_when_it_binds(capsys):
+    """--nproc N: every rank all-reduces its gradient (a ring all-reduce sends 2 (N-1)/N of it)
+    while the last micro-batch's backward runs, all but the embedding's, which the update
+    waits for; delayed sync sends the weights every k steps, after the step."""
+    from tierlm.config import LoraConfig
+    from tierlm.distributed.sync import DelayedSync, DenseSync
+    from tierlm.memory.planner import grad_sync_bytes
+
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    n = shape.n_params
+    slow = PROFILES["rtx4090"].with_overrides(interconnect_Bps=1e8)  # the sync binds
+
+    def at(nproc: int, sync=None):
+        train = TrainShape(4, 256, 2, "bf16", nproc=nproc, grad_sync=sync)
+        return train, plan(shape, train, slow, orders=("microbatch-outer",))
+
+    one_train, one = at(1)
+    assert grad_sync_bytes(shape, one_train) == 0 and one.times_s["grad_sync"] == 0
+    for nproc in (2, 4):
+        train, p = at(nproc)
+        sent = grad_sync_bytes(shape, train)
+        assert sent == pytest.approx(2 * (nproc - 1) / nproc * 4 * n, abs=len(shape.names))
+        t = p.times_s
+        assert t["grad_sync"] == pytest.approx(sent / slow.net_Bps)
+        embed = 2 * (nproc - 1) / nproc * 4 * shape.numels[0] / slow.net_Bps
+        assert embed < t["grad_sync_exposed"] < t["grad_sync"]
+        assert t["net_lane"] == pytest.approx(t["compute"] + t["grad_sync_exposed"])
+        assert p.bottleneck == "interconnect (gradient all-reduce)"
+        assert p.step_s >= one.step_s + t["grad_sync_exposed"] - 1e-9
+    # on a fast link the backward hides all but the embedding's, which the update waits for
+    fast = slow.with_overrides(interconnect_Bps=1e13)
+    train = TrainShape(4, 256, 2, "bf16", nproc=2)
+    t = plan(shape, train, fast, orders=("microbatch-outer",)).times_s
+    assert t["grad_sync_exposed"] == pytest.approx(4 * shape.numels[0] / fast.net_Bps)
+    assert t["grad_sync"] == pytest.approx(4 * n / fast.net_Bps)
+    # bf16 on the wire halves it; delayed sync every 4 steps sends a quarter, all of it waited
+    dense = grad_sync_bytes(shape, at(2)[0])
+    assert grad_sync_bytes(shape, at(2, DenseSync(dtype="bf16"))[0]) == dense / 2
+    train, p = at(2, DelayedSync(every=4))
+    assert grad_sync_bytes(shape, train) == dense / 4
+    assert p.times_s["grad_sync_exposed"] == p.times_s["grad_sync"] > 0
+    # a frozen base: only the adapters are synced
+    lora = ModelShape.from_config(preset_config("tiny"), optim=OPTIM, lora=LoraConfig())
+    assert grad_sync_bytes(lora, at(2)[0]) == 4 * lora.trained_numel > 0
+    # `tierlm plan` passes --nproc (dp x cp) through and prints the bytes and the lane
+    assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--nproc", "4",
+                 "--context-parallel", "2", "--no-optimizer-table"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"net lane [\d.]+ s in the sweep's max, at 12\.5 GB/s: ring K/V .*; "
+                     r"gradient sync \(dense fp32 over 4 ranks\)", out), out
+    assert "--nproc 4 --context-parallel 2" in out

@@ -30,6 +30,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def all_reduce_send_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `nbytes` over `world` ranks."""
+    return int(2 * (world - 1) / world * nbytes)
+
+
+def all_gather_send_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in an all-gather where each of `world` ranks contributes `nbytes`."""
+    return (world - 1) * nbytes
+
+
 class Comm:
     def __init__(self, size: int, ledger: Ledger) -> None:
         self.size = size
@@ -40,13 +50,13 @@ class Comm:
         self.ledger.record_move(Link.NET_RECV, int(received_bytes))
 
     def all_reduce_sum(self, t: torch.Tensor, *, async_op: bool = False):
-        w = self.size
-        self._count(2 * (w - 1) / w * _nbytes(t), 2 * (w - 1) / w * _nbytes(t))
+        n = all_reduce_send_bytes(_nbytes(t), self.size)
+        self._count(n, n)
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor, *, async_op: bool = False):
         """`out` (W * mine.numel(), rank-major) receives every rank's `mine`."""
-        n = (self.size - 1) * _nbytes(mine)
+        n = all_gather_send_bytes(_nbytes(mine), self.size)
         self._count(n, n)
         return _all_gather_single(out, mine, async_op=async_op)
 

@@ -18,14 +18,14 @@ Every byte on the wire goes through `Comm`, which counts it in the ledger.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
 from tierlm.config import ConfigError, DistributedConfig
-from tierlm.distributed.comm import Comm
+from tierlm.distributed.comm import Comm, all_gather_send_bytes, all_reduce_send_bytes
 from tierlm.memory.layout import ParamSlot
 
 # Parameters kept dense under top-k by default (the config's default): embeddings (a batch
@@ -81,15 +81,38 @@ NO_SYNC = NoSync()
 
 
 # -- configs: the type picks the implementation ----
+#
+# Each config also says what its strategy puts on the wire, for the planner: `send_bytes(
+# segments, world, slot_numels)`, the bytes one rank sends per step on average (the same
+# per-collective counts `Comm` records), where `segments` lists each segment's parameters as
+# (name, numel) in the engine's order and `slot_numels` the entries of every optimizer state
+# slot of every segment; `overlaps_backward` says whether they move while the backward runs
+# (started per segment as its gradient completes) or after the step.
+
+Segments = Sequence[Sequence[tuple[str, int]]]
+
+
+def _numel(segment: Sequence[tuple[str, int]]) -> int:
+    return sum(n for _, n in segment)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DenseSync:
     """All-reduce every segment's gradient and average it over ranks."""
 
     dtype: Literal["fp32", "bf16"] = "fp32"
+    overlaps_backward: ClassVar[bool] = True
 
     def build(self, comm: Comm) -> DenseAllReduce:
         return DenseAllReduce(comm, torch.bfloat16 if self.dtype == "bf16" else torch.float32)
+
+    def summary(self) -> str:
+        return f"dense {self.dtype}"
+
+    def send_bytes(self, segments: Segments, world: int, slot_numels: Sequence[int] = ()) -> float:
+        """Every segment's gradient, one all-reduce each, in the wire dtype."""
+        element = 2 if self.dtype == "bf16" else 4
+        return sum(all_reduce_send_bytes(element * _numel(seg), world) for seg in segments)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,11 +132,40 @@ class TopKSync:
     error_feedback: bool = True
     feedback: Literal["residual", "ef21"] = "residual"
     warmup_steps: int = 0
+    overlaps_backward: ClassVar[bool] = True
 
     def build(self, comm: Comm):
         from tierlm.distributed.topk import TopK
 
         return TopK(comm, self)
+
+    def summary(self) -> str:
+        return f"top-k {self.ratio:g}" + (" with dense overrides" if self.overrides else "")
+
+    def ratio_for(self, name: str) -> float:
+        """The ratio parameter `name` is sent at after the warm-up: the first override whose
+        pattern it contains, else `ratio`."""
+        return next((r for p, r in self.overrides if re.search(p, name)), self.ratio)
+
+    def send_bytes(self, segments: Segments, world: int, slot_numels: Sequence[int] = ()) -> float:
+        """After the warm-up, per segment: the parameters sent whole, all-reduced as one fp32
+        buffer; the k entries of each other one, all-gathered as fp32 values and int32 indices
+        (int64 in a segment of 2**31 entries or more). ef21 sends as many."""
+        from tierlm.distributed.topk import entries_sent
+
+        total = 0
+        for seg in segments:
+            dense = sparse = 0
+            for name, numel in seg:
+                k = entries_sent(self.ratio_for(name), numel)
+                dense, sparse = (dense + numel, sparse) if k >= numel else (dense, sparse + k)
+            index_bytes = 4 if _numel(seg) < 2**31 else 8
+            if dense:
+                total += all_reduce_send_bytes(4 * dense, world)
+            if sparse:
+                total += all_gather_send_bytes(index_bytes * sparse, world) + \
+                    all_gather_send_bytes(4 * sparse, world)
+        return total
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,11 +177,25 @@ class DelayedSync:
     every: int
     final_step: int | None = None
     moments: Literal["local", "average"] = "local"
+    overlaps_backward: ClassVar[bool] = False  # the averaging waits for the step's updates
 
     def build(self, comm: Comm):
         from tierlm.distributed.delayed import Delayed
 
         return Delayed(comm, self)
+
+    def summary(self) -> str:
+        return f"delayed, every {self.every} steps" + (
+            ", moments averaged" if self.moments == "average" else "")
+
+    def send_bytes(self, segments: Segments, world: int, slot_numels: Sequence[int] = ()) -> float:
+        """Once every `every` steps: each segment's fp32 master all-reduced, and with
+        moments="average" each optimizer state slot in bf16 (the extra average at
+        `final_step` left out of the mean)."""
+        sync = sum(all_reduce_send_bytes(4 * _numel(seg), world) for seg in segments)
+        if self.moments == "average":
+            sync += sum(all_reduce_send_bytes(2 * n, world) for n in slot_numels)
+        return sync / self.every
 
 
 SyncConfig = DenseSync | TopKSync | DelayedSync

@@ -25,7 +25,6 @@ buffers that hold it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,6 +33,12 @@ import torch
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.sync import NoSync, Pending, TopKSync
 from tierlm.memory.layout import ParamSlot
+
+
+def entries_sent(ratio: float, numel: int) -> int:
+    """k, the entries of a `numel`-entry parameter sent at `ratio`: at least one; k >= numel
+    means the parameter goes dense."""
+    return max(1, round(ratio * numel))
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,6 @@ class TopK(NoSync):
     def __init__(self, comm: Comm, cfg: TopKSync) -> None:
         self.comm = comm
         self.cfg = cfg
-        self.patterns = [(re.compile(p), r) for p, r in cfg.overrides]
         self.steps = 0  # completed steps (the warm-up position)
         # kind -> segment -> flat buffer: "residual" (what was not sent), or for ef21
         # "estimate" (this rank's running gradient estimate) and "shared" (their mean)
@@ -62,7 +66,7 @@ class TopK(NoSync):
     # -- which parameters go dense, and how many entries the others send ----
 
     def ratio_of(self, name: str) -> float:
-        target = next((r for p, r in self.patterns if p.search(name)), self.cfg.ratio)
+        target = self.cfg.ratio_for(name)
         n = self.cfg.warmup_steps
         if self.steps < n:  # geometric from 1.0 at step 0 to the target at step n
             return target ** (self.steps / n)
@@ -74,7 +78,7 @@ class TopK(NoSync):
         if key not in self._plans:
             dense, sparse = [], []
             for s in slots:
-                k = max(1, round(self.ratio_of(s.name) * s.numel))
+                k = entries_sent(self.ratio_of(s.name), s.numel)
                 if k >= s.numel:
                     if dense and dense[-1][0] + dense[-1][1] == s.offset:  # merge neighbours
                         dense[-1] = (dense[-1][0], dense[-1][1] + s.numel)

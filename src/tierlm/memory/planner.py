@@ -104,6 +104,11 @@ class ModelShape:
     # the queries, hidden_size wide in all)
     kv_heads: int = 0
     head_dim: int = 0
+    # per segment, its parameters as (name, numel) in the engine's order (what top-k sync picks
+    # its ratios by), and the entries of each of its optimizer state slots (what delayed sync
+    # averages); None: unknown (one unnamed parameter per segment, no slots)
+    param_numels: list[tuple[tuple[str, int], ...]] | None = field(default=None, repr=False)
+    optim_slot_numels: list[tuple[int, ...]] | None = field(default=None, repr=False)
 
     @property
     def n_params(self) -> int:
@@ -207,6 +212,7 @@ class ModelShape:
             matrix_numels=[sum(p.numel() for _, p, _ in sg.params if p.ndim == 2)
                            for sg in segs],
             matrix_counts=[sum(p.ndim == 2 for _, p, _ in sg.params) for sg in segs],
+            param_numels=[tuple((n, p.numel()) for n, p, _ in sg.params) for sg in segs],
             **_kv_shape(model.config),
         )
 
@@ -258,6 +264,8 @@ def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str
     return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
             "optim_name": optimizer.name, "optim_whole": optimizer.align == 0,
             "optim_cpu_cost": optimizer.cpu_cost,
+            "optim_slot_numels": [tuple(s.numel(lay) for s in optimizer.slots)
+                                  for lay in layouts],
             "trained_optim_bytes": optimizer.state_nbytes(trained) if trained else 0}
 
 
@@ -400,6 +408,10 @@ class TrainShape:
     precision: str = "fp32"  # compute precision: fp32 or bf16 (autocast)
     context_parallel: int = 1  # ranks sharing each row: its queries attend to N x seq_len keys
     compiled: bool = False  # --compile segments: the blocks run compiled
+    # ranks holding one copy of the weights, which sync their gradients (data parallel x
+    # context parallel: --nproc), and how (a tierlm.distributed.sync config; None: dense fp32)
+    nproc: int = 1
+    grad_sync: Any = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -892,9 +904,12 @@ def _times(
         compute = block_flops / fp8_rate + (flops - block_flops) / rate
     decode = _decode_s(shape, train, hw, placements, keep_resident)
     compute += decode
+    forward = compute * 2 * (block_params + head_params) / (flops / tokens)
     net, net_lane = _net_lane(shape, train, hw, placements, keep_resident, compute,
                               attention_s=tokens * attn / rate)
-    forward = compute * 2 * (block_params + head_params) / (flops / tokens)
+    sync, sync_exposed = _grad_sync_lane(shape, train, hw, compute, backward_s=compute - forward,
+                                         groups=groups, ring_s=net)
+    net_lane += sync_exposed
     h2d = moved.get(Link.H2D.value, 0) / (hw.h2d_Bps * COPY_EFFICIENCY)
     d2h = moved.get(Link.D2H.value, 0) / (hw.d2h_Bps * COPY_EFFICIENCY)
     update_read, update_write = _disk_update_bytes(
@@ -949,6 +964,8 @@ def _times(
         "writeback_wait": stall - ungated,  # stall added by waiting for the write-back's limit
         "readahead": readahead,
         "net": net,
+        "grad_sync": sync,
+        "grad_sync_exposed": sync_exposed,
         "net_lane": net_lane,
         "attention": tokens * attn / rate,
         "update_window": window,
@@ -982,6 +999,49 @@ def _net_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placeme
     time where they take longer."""
     net = ring_kv_bytes(shape, train, placements, keep_resident) / hw.net_Bps
     return net, compute + max(0.0, net - attention_s)
+
+
+def _sync_segments(shape: ModelShape) -> tuple[list, list[int]]:
+    """What the gradient sync exchanges: per segment its parameters as (name, numel), and the
+    entries of every optimizer state slot; a frozen base's ranks exchange the adapters only."""
+    if shape.frozen:
+        return [(("adapters", shape.trained_numel),)], []
+    segments = shape.param_numels or [(("", n),) for n in shape.numels]
+    return list(segments), [n for seg in shape.optim_slot_numels or () for n in seg]
+
+
+def grad_sync_bytes(shape: ModelShape, train: TrainShape) -> float:
+    """What one rank sends per step, on average, to keep its weights equal to the other
+    `train.nproc - 1` ranks' (data parallel x context parallel): the sync strategy's own count
+    (tierlm.distributed.sync: the bytes `Comm` records in the ledger as net_send)."""
+    if train.nproc == 1:
+        return 0.0
+    from tierlm.distributed.sync import DenseSync
+
+    segments, slots = _sync_segments(shape)
+    return (train.grad_sync or DenseSync()).send_bytes(segments, train.nproc, slots)
+
+
+def _grad_sync_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, compute: float,
+                    *, backward_s: float, groups: int, ring_s: float) -> tuple[float, float]:
+    """(seconds the gradient sync's sends take per step, the part of them the step waits for).
+    Dense and top-k start a segment's exchange as soon as its gradient is complete, during the
+    last micro-batch group's backward: they hide behind that backward, sharing the link with
+    the ring's K/V of that time (the ring's sends spread over the sweep as the compute is),
+    except the exchange of the segment whose gradient completes last (the embedding's), which
+    the update waits for. Delayed sync averages after the step: all of it is waited for."""
+    sync_s = grad_sync_bytes(shape, train) / hw.net_Bps
+    if not sync_s:
+        return 0.0, 0.0
+    from tierlm.distributed.sync import DenseSync
+
+    sync = train.grad_sync or DenseSync()
+    if not sync.overlaps_backward:
+        return sync_s, sync_s
+    last_s = sync.send_bytes(_sync_segments(shape)[0][:1], train.nproc) / hw.net_Bps
+    window = backward_s / groups
+    free = max(0.0, window - ring_s * window / compute)
+    return sync_s, last_s + max(0.0, sync_s - last_s - free)
 
 
 def compiled_block_factor(train: TrainShape, hw: HardwareProfile) -> float:
@@ -1032,11 +1092,15 @@ def _bottleneck(t: dict[str, float]) -> str:
     ready = t["update_ready"]  # the CPU work and the disk work the forward waits for
     share = stall / ready if ready > 0 else 0.0
     ready_disk = ready - t["cpu_update"]
+    # the net lane includes the compute: named where the sends outlast what hides them, after
+    # whichever of its two parts adds more
+    net = t["net_lane"] if t["net_lane"] > t["compute"] else 0.0
+    ring_over = t["net_lane"] - t["compute"] - t["grad_sync_exposed"]
     parts = {
         "compute": t["compute"],
         "PCIe (H2D/D2H)": max(t["h2d"], t["d2h"]),
-        # the ring's lane includes the compute: named only where the sends outlast attention
-        "interconnect (ring K/V)": t["net_lane"] if t["net_lane"] > t["compute"] else 0.0,
+        "interconnect (ring K/V)": net if ring_over >= t["grad_sync_exposed"] else 0.0,
+        "interconnect (gradient all-reduce)": net if ring_over < t["grad_sync_exposed"] else 0.0,
         "disk": max(t["sweep_disk"] + share * ready_disk + t["writeback_wait"],
                     t["disk"] if t["disk"] >= t["step"] else 0.0),
         "CPU optimizer update": share * t["cpu_update"],
@@ -1453,11 +1517,17 @@ def describe(
                  f"{t['update_disk']:.2f}{behind}, runs behind the next step's first forward "
                  f"({t['update_window']:.2f} s); one disk serves sweep and update: "
                  f"{t['disk']:.2f} s)")
-    if cp > 1:
+    if cp > 1 or train.nproc > 1:
         kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
-        lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max: ring K/V "
-                     f"{gib(kv)} sent per rank per step at {hw.net_Bps / 1e9:.1f} GB/s = "
-                     f"{t['net']:.2f} s, overlapping attention {t['attention']:.2f} s")
+        ring = (f"ring K/V {gib(kv)} sent per rank per step = {t['net']:.2f} s, overlapping "
+                f"attention {t['attention']:.2f} s" if cp > 1 else "")
+        how = "dense fp32" if train.grad_sync is None else train.grad_sync.summary()
+        grads = (f"gradient sync ({how} over {train.nproc} ranks) "
+                 f"{gib(grad_sync_bytes(shape, train))} per rank per step = "
+                 f"{t['grad_sync']:.2f} s, {t['grad_sync_exposed']:.2f} s of it waited for"
+                 if train.nproc > 1 else "")
+        lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max, at "
+                     f"{hw.net_Bps / 1e9:.1f} GB/s: " + "; ".join(x for x in (ring, grads) if x))
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
                  f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
                  f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "

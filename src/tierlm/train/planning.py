@@ -131,8 +131,13 @@ def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> 
 
 
 def train_shape(cfg: Config, precision: str) -> TrainShape:
-    """One rank's step: under context parallel its 1/N share of every row."""
-    cp = cfg.distributed.context_parallel
+    """One rank's step: under context parallel its 1/N share of every row; with --nproc
+    ranks (dp x cp, at least the CP group) the gradient sync --grad-sync chose."""
+    from tierlm.distributed.sync import sync_config
+
+    d = cfg.distributed
+    cp = d.context_parallel
+    nproc = max(d.nproc, cp)
     return TrainShape(
         batch_size=cfg.train.batch_size,
         seq_len=cfg.data.seq_len // cp,
@@ -140,6 +145,8 @@ def train_shape(cfg: Config, precision: str) -> TrainShape:
         precision=precision,
         context_parallel=cp,
         compiled=cfg.run.compile == "segments",
+        nproc=nproc,
+        grad_sync=sync_config(d, cfg.train.max_steps) if nproc > 1 else None,
     )
 
 
@@ -303,9 +310,11 @@ def _input_flags(cfg: Config, precision: str) -> list[str]:
             "--hardware", m.hardware]
     if cfg.run.compile != "off":
         out += ["--compile", cfg.run.compile]
-    if cfg.distributed.context_parallel > 1:
-        out += ["--nproc", str(max(cfg.distributed.nproc, cfg.distributed.context_parallel)),
-                "--context-parallel", str(cfg.distributed.context_parallel)]
+    d = cfg.distributed
+    if max(d.nproc, d.context_parallel) > 1:
+        out += ["--nproc", str(max(d.nproc, d.context_parallel))]
+    if d.context_parallel > 1:
+        out += ["--context-parallel", str(d.context_parallel)]
     for flag, value in (("--gpu-memory", m.gpu_memory), ("--host-memory", m.host_memory),
                         ("--disk-budget", m.disk_budget), ("--device-budget", m.device_budget),
                         ("--host-budget", m.host_budget)):
