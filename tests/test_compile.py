@@ -372,6 +372,22 @@ def test_precision_auto_stops_at_bf16_when_compiled(capsys):
     assert "precision: auto -> bf16" in capsys.readouterr().out
 
 
+def test_compile_with_context_parallel_is_refused_before_launch_and_by_plan(capsys, tmp_path):
+    """The refusal comes from the command itself, not from every torchrun rank under a launcher
+    traceback; `tierlm plan` refuses it too rather than print train flags that fail."""
+    from tierlm.cli import main
+
+    argv = ["--model-size", "tiny", "--compile", "segments", "--nproc", "2",
+            "--context-parallel", "2"]
+    assert main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    assert main(["plan", *argv, "--hardware", "rtx4090", "--no-optimizer-table"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["tierlm: error: not supported yet: --compile segments with "
+                   "--context-parallel 2 (the ring attention's collectives inside the block "
+                   "are not verified compiled; or --compile off)"] * 2
+    assert not (tmp_path / "run").exists()
+
+
 def test_allocator_settings_are_cuda_only():
     assert configure_cuda_allocator(CPU, lambda msg: None) is False
 

@@ -429,6 +429,19 @@ def test_planner_counts_the_nf4_base(spec, precision, tmp_path):
     eng.close()
 
 
+def test_plan_refuses_qlora_over_ranks_as_train_does(capsys):
+    """`tierlm plan --context-parallel 2` plans a run of 2 ranks, which LoRA/QLoRA do not
+    have: refused with the flags to drop, not a plan ending in train flags that fail."""
+    from tierlm.cli import main
+
+    assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--finetune",
+                 "qlora", "--context-parallel", "2", "--no-optimizer-table"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--finetune qlora with --nproc > 1" in captured.err
+    assert "drop --nproc, --context-parallel and --backend fsdp" in captured.err
+
+
 def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
     from tierlm.cli import main
 

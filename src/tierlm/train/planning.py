@@ -14,6 +14,7 @@ from tierlm.config import (
     PrecisionConfig,
     base_format_of,
     check_precision_flags,
+    check_supported,
     lora_of,
     mode_only_flags,
     parse_bytes,
@@ -184,6 +185,19 @@ def model_config_for(cfg: Config) -> Any:
     return preset_config(cfg.model.size, max_seq_len=cfg.data.seq_len)
 
 
+def check_trainable(cfg: Config, precision: str) -> None:
+    """Refuse, as `tierlm train` would, a plan whose run is not built: the plan ends with the
+    flags to train it (`--nproc` = dp x `--context-parallel`)."""
+    from dataclasses import replace
+
+    from tierlm.runtime.compile import check_compile
+
+    dist = cfg.distributed
+    run = replace(cfg, distributed=replace(dist, nproc=max(dist.nproc, dist.context_parallel)))
+    check_supported(run)
+    check_compile(run, precision)
+
+
 def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = True) -> int:
     """`tierlm plan`: 0 when a plan fits, 3 when nothing does (the output says what would).
     `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
@@ -198,6 +212,7 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
     full_precision = choice.mode
     choice = finetune_precision(cfg, choice)
     precision = choice.mode
+    check_trainable(cfg, precision)
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
     wear = DiskWear(write_bytes_per_step=p.moved_bytes.get(Link.DISK_WRITE.value, 0),
                     step_s=p.step_s, endurance_tbw=cfg.memory.disk_endurance_tbw)
