@@ -442,6 +442,25 @@ def test_plan_refuses_qlora_over_ranks_as_train_does(capsys):
     assert "drop --nproc, --context-parallel and --backend fsdp" in captured.err
 
 
+def test_plan_counts_the_adapters_state_not_the_full_models(capsys):
+    """Under --finetune qlora the state line and the optimizer table show the frozen base and
+    the adapters' optimizer state, not full fine-tuning's 8 B per model parameter."""
+    from tierlm.cli import main
+
+    assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--finetune",
+                 "qlora"]) == 0
+    out = capsys.readouterr().out
+    state = next(line for line in out.splitlines() if line.startswith("model state by class"))
+    assert state.startswith("model state by class: frozen base ")
+    assert "AdamW state" in state and "(8.00 B/param)" in state
+    rows = out.split("each optimizer (--opt) in this plan:")[1].strip().splitlines()[1:]
+    adamw = next(r.split() for r in rows if r.split()[0] == "AdamW")
+    lion = next(r.split() for r in rows if r.split()[0] == "Lion")
+    assert adamw[3] == "8.00" and lion[3] == "4.00"  # B per trained parameter
+    # the adapters of tiny's 2 blocks: rank 16 on 7 projections, well under a MiB of state
+    assert adamw[2] == "KiB"
+
+
 def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
     from tierlm.cli import main
 

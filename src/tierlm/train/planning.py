@@ -289,7 +289,8 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
     from tierlm.memory.placement import gib
     from tierlm.optim import OPTIMIZERS
 
-    n = sum(shape.numels)
+    # --finetune lora/qlora: the optimizer holds state for the adapters only
+    n = shape.trained_numel if shape.frozen else sum(shape.numels)
     rows = ["", "each optimizer (--opt) in this plan:",
             "  optimizer     state     B/param  state on disk   disk r+w/step  tokens/s  fits"]
     for name in OPTIMIZERS:
@@ -298,7 +299,7 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
         else:
             s = shape.with_optimizer(model_config, replace(cfg.optim, name=name))
             p = make_plan(cfg, model_config, hw, precision, shape=s)[0]
-        state = sum(s.optim_state_bytes)
+        state = s.trained_optim_bytes if s.frozen else sum(s.optim_state_bytes)
         on_disk = p.disk_bytes
         moved = p.moved_bytes.get("disk_read", 0) + p.moved_bytes.get("disk_write", 0)
         fits = "yes" if p.fits else "no: " + "; ".join(p.problems)
