@@ -163,6 +163,23 @@ def test_resumed_run_summarises_perplexity_from_where_it_resumed(tmp_path):
                           f"{result.eval_ppl[3]:.2f} at step 3")
 
 
+def test_prediction_lines_do_not_call_an_empty_tier_a_misprediction():
+    """A tier the plan leaves empty and the run too read "(0.00x)"; a ratio needs a
+    prediction."""
+    from tierlm.train.planning import prediction_lines
+
+    MiB = 2**20
+    rec = {"predicted_device_peak_bytes": 4 * MiB, "measured_device_peak_bytes": 3 * MiB,
+           "predicted_host_peak_bytes": 0, "measured_host_peak_bytes": 0}
+    assert prediction_lines(rec) == [
+        "peak device bytes: predicted 4.0 MiB, measured 3.0 MiB (0.75x)",
+        "peak host bytes: predicted 0.0 MiB, measured 0.0 MiB (as planned)"]
+    rec["measured_host_peak_bytes"] = MiB
+    assert prediction_lines(rec)[1].endswith("measured 1.0 MiB (none planned)")
+    del rec["measured_host_peak_bytes"]  # the reference trainer has no ledger
+    assert len(prediction_lines(rec)) == 1
+
+
 def test_default_precision_is_auto_and_runs_fp32_on_cpu(tmp_path):
     import yaml
 

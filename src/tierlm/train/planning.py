@@ -376,3 +376,19 @@ def prediction_record(p: Plan, engine: Any | None, step: int) -> dict[str, Any]:
     if torch.cuda.is_available():
         rec["measured_cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     return rec
+
+
+def prediction_lines(rec: dict[str, Any]) -> list[str]:
+    """The run's closing lines of `prediction_record`: predicted vs measured peak per tier."""
+    lines = []
+    for tier in ("device", "host"):
+        measured = rec.get(f"measured_{tier}_peak_bytes")
+        predicted = rec[f"predicted_{tier}_peak_bytes"]
+        if measured is None:
+            continue
+        # a tier the plan leaves empty: a ratio to nothing would read as a misprediction
+        ratio = (f"{measured / predicted:.2f}x" if predicted
+                 else "as planned" if not measured else "none planned")
+        lines.append(f"peak {tier} bytes: predicted {predicted / 2**20:.1f} MiB, measured "
+                     f"{measured / 2**20:.1f} MiB ({ratio})")
+    return lines
