@@ -27,6 +27,7 @@ from tierlm.runtime.compile import (
     block_modules,
     check_compile,
     compiled_graphs,
+    inductor_cache_dir,
 )
 from tierlm.train.reference import ReferenceStep
 
@@ -46,6 +47,23 @@ def compiler():
     kernels' build folder is (a cold cache costs minutes on two cores, a warm one seconds);
     an explicit TORCHINDUCTOR_CACHE_DIR wins. The cache is keyed by the graphs' content."""
     return SegmentCompile(Path(tempfile.gettempdir()) / f"tierlm-test-inductor-{os.getuid()}")
+
+
+def test_inductor_cache_under_tierlm_unless_the_user_chose_one(monkeypatch, tmp_path):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's temporary default: that
+    is not the user's choice, so the kernels go under tierlm's cache dir; a directory the user
+    set wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    ours, mine = tmp_path / "ours", tmp_path / "mine"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert inductor_cache_dir(ours) == ours
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert inductor_cache_dir(ours) == ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
+    assert inductor_cache_dir(ours) == mine
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine)
 
 
 def _engine(model, tmp_path, compiled, policy, acts="none", optim=OPTIM, autocast=None):
@@ -352,6 +370,22 @@ def test_precision_auto_stops_at_bf16_when_compiled(capsys):
     assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--compile",
                  "segments", "--no-optimizer-table"]) == 0
     assert "precision: auto -> bf16" in capsys.readouterr().out
+
+
+def test_compile_with_context_parallel_is_refused_before_launch_and_by_plan(capsys, tmp_path):
+    """The refusal comes from the command itself, not from every torchrun rank under a launcher
+    traceback; `tierlm plan` refuses it too rather than print train flags that fail."""
+    from tierlm.cli import main
+
+    argv = ["--model-size", "tiny", "--compile", "segments", "--nproc", "2",
+            "--context-parallel", "2"]
+    assert main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    assert main(["plan", *argv, "--hardware", "rtx4090", "--no-optimizer-table"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["tierlm: error: not supported yet: --compile segments with "
+                   "--context-parallel 2 (the ring attention's collectives inside the block "
+                   "are not verified compiled; or --compile off)"] * 2
+    assert not (tmp_path / "run").exists()
 
 
 def test_allocator_settings_are_cuda_only():

@@ -106,6 +106,18 @@ def test_tiered_lora_matches_the_peft_reference(reference, name, policy, order, 
                for k in before)
 
 
+def test_wrapping_raises_no_deprecation_warning_from_peft():
+    """peft reads transformers' deprecated `is_gradient_checkpointing`; every LoRA run printed
+    that FutureWarning, which says nothing the user can act on."""
+    import warnings
+
+    model = tiny_model("llama_tied_gqa")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, LORA, seed=0)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
 def test_unbuilt_combinations_are_refused():
     check_supported(from_dict({"train": {"finetune": "qlora"}}))  # built: tests/test_qlora.py
     for method in ("lora", "qlora"):

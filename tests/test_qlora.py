@@ -429,6 +429,38 @@ def test_planner_counts_the_nf4_base(spec, precision, tmp_path):
     eng.close()
 
 
+def test_plan_refuses_qlora_over_ranks_as_train_does(capsys):
+    """`tierlm plan --context-parallel 2` plans a run of 2 ranks, which LoRA/QLoRA do not
+    have: refused with the flags to drop, not a plan ending in train flags that fail."""
+    from tierlm.cli import main
+
+    assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--finetune",
+                 "qlora", "--context-parallel", "2", "--no-optimizer-table"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--finetune qlora with --nproc > 1" in captured.err
+    assert "drop --nproc, --context-parallel and --backend fsdp" in captured.err
+
+
+def test_plan_counts_the_adapters_state_not_the_full_models(capsys):
+    """Under --finetune qlora the state line and the optimizer table show the frozen base and
+    the adapters' optimizer state, not full fine-tuning's 8 B per model parameter."""
+    from tierlm.cli import main
+
+    assert main(["plan", "--model-size", "tiny", "--hardware", "rtx4090", "--finetune",
+                 "qlora"]) == 0
+    out = capsys.readouterr().out
+    state = next(line for line in out.splitlines() if line.startswith("model state by class"))
+    assert state.startswith("model state by class: frozen base ")
+    assert "AdamW state" in state and "(8.00 B/param)" in state
+    rows = out.split("each optimizer (--opt) in this plan:")[1].strip().splitlines()[1:]
+    adamw = next(r.split() for r in rows if r.split()[0] == "AdamW")
+    lion = next(r.split() for r in rows if r.split()[0] == "Lion")
+    assert adamw[3] == "8.00" and lion[3] == "4.00"  # B per trained parameter
+    # the adapters of tiny's 2 blocks: rank 16 on 7 projections, well under a MiB of state
+    assert adamw[2] == "KiB"
+
+
 def test_plan_prints_full_lora_and_qlora_side_by_side(capsys):
     from tierlm.cli import main
 

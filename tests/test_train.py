@@ -147,6 +147,39 @@ def test_cli_train_end_to_end_then_export(tmp_path, capsys):
         assert torch.equal(a(x).logits, b(x).logits)
 
 
+def test_resumed_run_summarises_perplexity_from_where_it_resumed(tmp_path):
+    """The closing perplexity line of a resumed run starts at the last evaluation of the run it
+    continues, not at its own final step ("1017.55 at step 5 -> 1017.55 at step 5")."""
+    from tierlm.train.run import run_training
+
+    run_training(tiny_cfg(tmp_path, max_steps=2, sample_tokens=0), log=quiet)
+    evals = {r["step"]: r["eval_ppl"] for r in read_metrics(tmp_path / "metrics.jsonl")
+             if "eval_ppl" in r}
+    cfg = tiny_cfg(tmp_path, max_steps=3, sample_tokens=0)
+    cfg.run.resume = str(tmp_path)
+    logged: list[str] = []
+    result = run_training(cfg, log=logged.append)
+    assert logged[-1] == (f"held-out perplexity: {evals[2]:.2f} at step 2 -> "
+                          f"{result.eval_ppl[3]:.2f} at step 3")
+
+
+def test_prediction_lines_do_not_call_an_empty_tier_a_misprediction():
+    """A tier the plan leaves empty and the run too read "(0.00x)"; a ratio needs a
+    prediction."""
+    from tierlm.train.planning import prediction_lines
+
+    MiB = 2**20
+    rec = {"predicted_device_peak_bytes": 4 * MiB, "measured_device_peak_bytes": 3 * MiB,
+           "predicted_host_peak_bytes": 0, "measured_host_peak_bytes": 0}
+    assert prediction_lines(rec) == [
+        "peak device bytes: predicted 4.0 MiB, measured 3.0 MiB (0.75x)",
+        "peak host bytes: predicted 0.0 MiB, measured 0.0 MiB (as planned)"]
+    rec["measured_host_peak_bytes"] = MiB
+    assert prediction_lines(rec)[1].endswith("measured 1.0 MiB (none planned)")
+    del rec["measured_host_peak_bytes"]  # the reference trainer has no ledger
+    assert len(prediction_lines(rec)) == 1
+
+
 def test_default_precision_is_auto_and_runs_fp32_on_cpu(tmp_path):
     import yaml
 

@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             return 0
         check_supported(cfg)
+        from tierlm.runtime.compile import check_compile
+
+        # before torchrun: refused here, not by every rank with a launcher traceback
+        check_compile(cfg, cfg.precision.mode)
         from tierlm.distributed.world import launch_if_asked
 
         launch_if_asked(cfg.distributed.nproc, sys.argv[1:] if argv is None else argv)

@@ -894,7 +894,8 @@ def check_supported(cfg: Config) -> None:
         cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
     ):
         raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --nproc > 1 or --backend "
-                              "fsdp", "LoRA runs in one process; drop --nproc/--backend")
+                              "fsdp", "LoRA runs in one process; drop --nproc, "
+                              "--context-parallel and --backend fsdp")
     if cfg.distributed.backend == "fsdp" and cfg.activations.policy != "none":
         raise NotSupportedYet(
             f"--grad-checkpointing {cfg.activations.policy} with --backend fsdp",

@@ -146,6 +146,8 @@ class NullMetrics:
 class NullMonitor:
     """The monitor on ranks other than 0: no live view, no files, no alerts."""
 
+    last_eval: dict[str, Any] | None = None
+
     def start(self, total_steps: int, start_step: int, stream: Any = None) -> NullMonitor:
         return self
 

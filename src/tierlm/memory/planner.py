@@ -1457,11 +1457,21 @@ def describe(
     lines.append(f"model: {n / 1e9:.2f}B params ({shape.n_layers} blocks; embed "
                  f"{emb / 1e6:.0f}M, blocks {sum(shape.numels[1:-1]) / 1e9:.2f}B, head "
                  f"{shape.numels[-1] / 1e6:.0f}M{', tied' if shape.tied_numel else ''})")
-    optim = sum(shape.optim_state_bytes)
-    lines.append(f"model state by class: compute/master {gib(MASTER_B * n)}, gradients "
-                 f"{gib(GRAD_B * n)}, {shape.optim_name} state {gib(optim)} "
-                 f"({optim / n:.2f} B/param)  (all of it in one place needs "
-                 f"{gib((MASTER_B + GRAD_B) * n + optim)} + activations)")
+    if shape.frozen:  # --finetune lora/qlora: a frozen base and the trained adapters
+        base = sum(MASTER_B * shape.numels[s] if shape.base_copy(s) is None
+                   else shape.base_copy(s) for s in range(len(shape.numels)))
+        t, optim = shape.trained_numel, shape.trained_optim_bytes
+        lines.append(f"model state by class: frozen base {gib(base)}; adapters "
+                     f"{t / 1e6:.1f}M params: master {gib(MASTER_B * t)}, gradients "
+                     f"{gib(GRAD_B * t)}, {shape.optim_name} state {gib(optim)} "
+                     f"({optim / max(t, 1):.2f} B/param)  (all of it in one place needs "
+                     f"{gib(base + (MASTER_B + GRAD_B) * t + optim)} + activations)")
+    else:
+        optim = sum(shape.optim_state_bytes)
+        lines.append(f"model state by class: compute/master {gib(MASTER_B * n)}, gradients "
+                     f"{gib(GRAD_B * n)}, {shape.optim_name} state {gib(optim)} "
+                     f"({optim / n:.2f} B/param)  (all of it in one place needs "
+                     f"{gib((MASTER_B + GRAD_B) * n + optim)} + activations)")
     lines.append(f"hardware: {hw.name}; budgets after a {SAFETY_MARGIN:.0%} margin: device "
                  f"{gib(p.budgets['device'])}, host {gib(p.budgets['host'])}, disk "
                  f"{gib(p.budgets['disk'])}")

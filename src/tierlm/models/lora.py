@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -110,7 +111,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> dict[str, to
     from peft import get_peft_model
 
     cfg = peft_config(model, lora)
-    with torch.random.fork_rng(devices=[]):  # peft's own init draws: the run's stream stays
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft's own init draws: the run's stream stays; peft reads transformers' deprecated
+        # `is_gradient_checkpointing`, a FutureWarning on every LoRA run that the user can't act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
         wrapped = get_peft_model(model, cfg)
     if wrapped.base_model.model is not model:
         raise AssertionError("peft did not wrap the model in place")

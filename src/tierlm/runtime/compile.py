@@ -92,13 +92,24 @@ class NoCompile:
         return {}
 
 
+def inductor_cache_dir(cache_dir: Path) -> Path:
+    """Point inductor's kernel cache at `cache_dir` unless the user chose one: importing
+    torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's own default (a temporary directory,
+    lost on reboot), so only a different value is an explicit choice, and it wins."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if env is None or os.path.abspath(env) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env = str(cache_dir)
+    return Path(env)
+
+
 class SegmentCompile:
     """--compile segments: `apply` compiles the blocks of a model in place; `chunk_loss` is the
     compiled head loss the tiered runtime's chunked cross-entropy calls."""
 
     def __init__(self, cache_dir: Path, *, precision: str = "fp32") -> None:
-        # the inductor cache: an explicit TORCHINDUCTOR_CACHE_DIR wins (tests share one)
-        self.cache_dir = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir)))
+        self.cache_dir = inductor_cache_dir(cache_dir)
         # per compiled block, not process-wide: fp32 graphs keep their cache keys
         self.block_options = {"emulate_precision_casts": True} if precision == "bf16" else {}
         self.chunk_loss: ChunkLoss = torch.compile(sum_cross_entropy)

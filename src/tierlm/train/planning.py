@@ -14,6 +14,7 @@ from tierlm.config import (
     PrecisionConfig,
     base_format_of,
     check_precision_flags,
+    check_supported,
     lora_of,
     mode_only_flags,
     parse_bytes,
@@ -191,6 +192,19 @@ def model_config_for(cfg: Config) -> Any:
     return preset_config(cfg.model.size, max_seq_len=cfg.data.seq_len)
 
 
+def check_trainable(cfg: Config, precision: str) -> None:
+    """Refuse, as `tierlm train` would, a plan whose run is not built: the plan ends with the
+    flags to train it (`--nproc` = dp x `--context-parallel`)."""
+    from dataclasses import replace
+
+    from tierlm.runtime.compile import check_compile
+
+    dist = cfg.distributed
+    run = replace(cfg, distributed=replace(dist, nproc=max(dist.nproc, dist.context_parallel)))
+    check_supported(run)
+    check_compile(run, precision)
+
+
 def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = True) -> int:
     """`tierlm plan`: 0 when a plan fits, 3 when nothing does (the output says what would).
     `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
@@ -205,6 +219,7 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
     full_precision = choice.mode
     choice = finetune_precision(cfg, choice)
     precision = choice.mode
+    check_trainable(cfg, precision)
     p, shape, train = make_plan(cfg, model_config_for(cfg), hw, precision)
     wear = DiskWear(write_bytes_per_step=p.moved_bytes.get(Link.DISK_WRITE.value, 0),
                     step_s=p.step_s, endurance_tbw=cfg.memory.disk_endurance_tbw)
@@ -281,7 +296,8 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
     from tierlm.memory.placement import gib
     from tierlm.optim import OPTIMIZERS
 
-    n = sum(shape.numels)
+    # --finetune lora/qlora: the optimizer holds state for the adapters only
+    n = shape.trained_numel if shape.frozen else sum(shape.numels)
     rows = ["", "each optimizer (--opt) in this plan:",
             "  optimizer     state     B/param  state on disk   disk r+w/step  tokens/s  fits"]
     for name in OPTIMIZERS:
@@ -290,7 +306,7 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
         else:
             s = shape.with_optimizer(model_config, replace(cfg.optim, name=name))
             p = make_plan(cfg, model_config, hw, precision, shape=s)[0]
-        state = sum(s.optim_state_bytes)
+        state = s.trained_optim_bytes if s.frozen else sum(s.optim_state_bytes)
         on_disk = p.disk_bytes
         moved = p.moved_bytes.get("disk_read", 0) + p.moved_bytes.get("disk_write", 0)
         fits = "yes" if p.fits else "no: " + "; ".join(p.problems)
@@ -369,3 +385,19 @@ def prediction_record(p: Plan, engine: Any | None, step: int) -> dict[str, Any]:
     if torch.cuda.is_available():
         rec["measured_cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     return rec
+
+
+def prediction_lines(rec: dict[str, Any]) -> list[str]:
+    """The run's closing lines of `prediction_record`: predicted vs measured peak per tier."""
+    lines = []
+    for tier in ("device", "host"):
+        measured = rec.get(f"measured_{tier}_peak_bytes")
+        predicted = rec[f"predicted_{tier}_peak_bytes"]
+        if measured is None:
+            continue
+        # a tier the plan leaves empty: a ratio to nothing would read as a misprediction
+        ratio = (f"{measured / predicted:.2f}x" if predicted
+                 else "as planned" if not measured else "none planned")
+        lines.append(f"peak {tier} bytes: predicted {predicted / 2**20:.1f} MiB, measured "
+                     f"{measured / 2**20:.1f} MiB ({ratio})")
+    return lines

@@ -14,6 +14,9 @@ def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainRes
     trainer = Trainer(cfg, log=log)
     if not trainer.world.is_main:
         log = quiet  # rank 0 reports and exports for the whole run
+    # a resumed run starts from the last evaluation of the run it continues
+    evals = {} if trainer.monitor.last_eval is None else {
+        trainer.monitor.last_eval["step"]: trainer.monitor.last_eval["eval_ppl"]}
     result = trainer.train()
     # from the final checkpoint, a chunk of a tensor at a time: the weights never have to fit
     # in RAM at once
@@ -32,10 +35,9 @@ def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainRes
     log(f"HF export:     {hf_dir}")
     if result.skipped_steps:
         log(f"skipped steps (non-finite gradients): {result.skipped_steps}")
-    if result.eval_ppl:
-        first, last = min(result.eval_ppl), max(result.eval_ppl)
-        log(
-            f"held-out perplexity: {result.eval_ppl[first]:.2f} at step {first} -> "
-            f"{result.eval_ppl[last]:.2f} at step {last}"
-        )
+    evals.update(result.eval_ppl)
+    if evals:
+        first, last = min(evals), max(evals)
+        log(f"held-out perplexity: {evals[first]:.2f} at step {first} -> "
+            f"{evals[last]:.2f} at step {last}")
     return result

@@ -88,6 +88,7 @@ from tierlm.train.planning import (
     finetune_precision,
     plan_auto,
     predict_for_engine,
+    prediction_lines,
     prediction_record,
     resolve_precision,
 )
@@ -551,12 +552,8 @@ class Trainer:
         """Predicted (planner) vs measured (ledger) peak bytes per tier, logged and recorded."""
         rec = prediction_record(self.plan, self.stepper.engine, self.step)
         self.metrics.write(rec)
-        for tier in ("device", "host"):
-            measured = rec.get(f"measured_{tier}_peak_bytes")
-            predicted = rec[f"predicted_{tier}_peak_bytes"]
-            if measured is not None:
-                self.log(f"peak {tier} bytes: predicted {predicted / 2**20:.1f} MiB, measured "
-                         f"{measured / 2**20:.1f} MiB ({measured / max(predicted, 1):.2f}x)")
+        for line in prediction_lines(rec):
+            self.log(line)
 
     # -- the loop ----
 
