@@ -273,21 +273,25 @@ def test_predicted_write_back_follows_each_update_on_the_drive(hw_name, precisio
 
 
 @pytest.mark.parametrize("hw_name", ["cpu", "rtx4090"])
-def test_predicted_update_with_the_write_back_inside(hw_name):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_predicted_update_with_the_write_back_inside(hw_name, precision):
     """Without a deferred write-back the update is drawn as before: per segment its disk read,
-    CPU update and the write of its whole state, one after another from the end of the sweep;
-    the sweep is the same drawing as with the write-back deferred."""
+    CPU update and the write of its whole state (and its compute copy), one after another from
+    the end of the sweep; the sweep is the same drawing as with the write-back deferred."""
+    from tierlm.memory.planner import _compute_copies
     from tierlm.runtime.writeback import WriteBack
 
-    shape, train, hw, plan, events = _predicted(hw_name, "fp32", None)
-    *_, deferred_events = _predicted(hw_name, "fp32", WriteBack(segments=1))
+    shape, train, hw, plan, events = _predicted(hw_name, precision, None)
+    *_, deferred_events = _predicted(hw_name, precision, WriteBack(segments=1))
+    copies = _compute_copies(shape, precision, plan.placements)
+    assert (precision == "bf16") == any(copies[1:-1])
     lanes = _lanes(events)
     (step,) = lanes["step"]
     sweep_s = step.args["sweep_s"]
     assert not [e for e in events if e.name.startswith("write-back ")]
     t = sweep_s
     for s, name in enumerate(shape.names):
-        read, written = shape.update_disk_bytes(s, None)
+        read, written = shape.update_disk_bytes(s, copies[s])
         chain = [e for lane in ("disk read", "cpu update", "disk write") for e in lanes[lane]
                  if e.start_s >= sweep_s and e.name in (f"state {name}", f"update {name}")]
         assert [(e.lane, e.args.get("bytes")) for e in chain] == [
