@@ -12,6 +12,7 @@ from tierlm.config import ConfigError, validate
 from tierlm.memory.disk import DiskTier
 from tierlm.memory.store import Store
 from tierlm.monitor.trace import MEASURED_PID, PREDICTED_PID, NoTracer, TraceEvent, chrome_trace
+from tierlm.runtime.writeback import deferred_copies
 from tierlm.train import Trainer
 from tierlm.train.monitor import read_metrics
 from tierlm.train.report import load_run, trace_figures
@@ -111,6 +112,14 @@ def test_disk_run_traces_every_action_and_transfer(traced):
     # the step's own updates, one per segment (all on disk), in forward order, come last
     updates = [e["name"] for e in by_lane["cpu update"]]
     assert updates[-len(seg_names):] == [f"update {n}" for n in seg_names]
+    # their deferred write-back: the writer's requests on the disk write lane, each started
+    # within or after its segment's update (the update's span closes after it hands them over)
+    for st, update in zip(engine.states, by_lane["cpu update"][-len(seg_names):], strict=True):
+        files = {st.file(c)
+                 for c in deferred_copies(st.state_copies, st.compute_format is not None)}
+        assert files
+        written = {e["name"] for e in by_lane["disk write"] if e["ts"] >= update["ts"]}
+        assert files <= written, (files, written)
 
     # the compute lane is what the step's compute clock measured: compute_s; every compute
     # region lies inside one of the step's actions
@@ -170,3 +179,136 @@ def test_report_draws_the_lanes_and_the_placement(traced, tmp_path):
     md = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "![trace](trace.png)" in md and "![placement](placement.png)" in md
     assert (tmp_path / "trace.png").stat().st_size > 0
+
+
+# -- the predicted timeline: the planner's time model, the update and its write-back included --
+
+def _predicted(hw_name, precision, writeback):
+    """All-disk `tiny`, 2 micro-batches: (shape, train, hw, plan, predicted events)."""
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.memory.placement import SegmentPlacement
+    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.memory.tiers import Tier
+    from tierlm.memory.timeline import predicted_timeline
+    from tierlm.models import preset_config
+
+    shape = ModelShape.from_config(preset_config("tiny", max_seq_len=32))
+    train = TrainShape(2, 32, M, precision)
+    hw = PROFILES[hw_name]
+    placements = [SegmentPlacement(False, Tier.DISK)] * len(shape.names)
+    plan = evaluate(shape, train, hw, placements, "microbatch-outer", False, usable_budgets(hw),
+                    writeback=writeback)
+    return shape, train, hw, plan, predicted_timeline(shape, train, hw, plan)
+
+
+def _lanes(events):
+    lanes = defaultdict(list)
+    for e in sorted(events, key=lambda e: (e.start_s, e.end_s)):
+        lanes[e.lane].append(e)
+    return lanes
+
+
+def _never_overlap(events):
+    for a, b in zip(events, events[1:], strict=False):
+        assert a.end_s <= b.start_s + 1e-12, (a, b)
+
+
+@pytest.mark.parametrize("hw_name", ["cpu", "rtx4090"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("segments", [1, 4])
+def test_predicted_write_back_follows_each_update_on_the_drive(hw_name, precision, segments):
+    from tierlm.memory.planner import _compute_copies, writeback_bytes
+    from tierlm.runtime.writeback import WriteBack
+
+    shape, train, hw, plan, events = _predicted(hw_name, precision, WriteBack(segments=segments))
+    deferred = writeback_bytes(shape, plan.placements,
+                               _compute_copies(shape, precision, plan.placements), plan.writeback)
+    assert deferred and plan.times_s["writeback"] > 0
+    lanes = _lanes(events)
+    (step,) = lanes["step"]
+    sweep_s = step.args["sweep_s"]
+    updates = {e.name.removeprefix("update "): e for e in lanes["cpu update"]}
+    assert list(updates) == shape.names  # one per segment, in forward order
+    written = {e.name.removeprefix("state "): e for e in lanes["disk write"]
+               if e.start_s >= sweep_s and e.name.startswith("state ")}
+    backs = [e for e in lanes["disk write"] if e.name.startswith("write-back ")]
+    # one write-back per deferred segment, on the disk write lane, in update order, each after
+    # its segment's update (and the writes the next forward waits for), first in, first out
+    assert [e.name for e in backs] == [f"write-back {shape.names[s]}" for s in sorted(deferred)]
+    previous_end = 0.0
+    for s, e in zip(sorted(deferred), backs, strict=True):
+        name = shape.names[s]
+        ready = written[name].end_s if name in written else updates[name].end_s
+        assert e.start_s == pytest.approx(max(ready, previous_end), abs=1e-12)
+        assert e.args["bytes"] == deferred[s]
+        previous_end = e.end_s
+    # at most `segments` pending: a deferred segment's update waits for an older write-back
+    for k, s in enumerate(sorted(deferred)):
+        if k >= segments:
+            first = lanes["disk read"], updates[shape.names[s]]
+            begin = min([e.start_s for e in first[0] if e.name == f"state {shape.names[s]}"]
+                        + [first[1].start_s])
+            assert begin >= backs[k - segments].end_s - 1e-12
+    # the same model as `_times`: the write-back's total, what the forward waits for, the step
+    assert sum(e.end_s - e.start_s for e in backs) == pytest.approx(plan.times_s["writeback"])
+    update_events = [e for lane in ("disk read", "cpu update", "disk write") for e in lanes[lane]
+                     if e.start_s >= sweep_s and not e.name.startswith("write-back ")]
+    assert sum(e.end_s - e.start_s for e in update_events) == pytest.approx(
+        plan.times_s["update_ready"])
+    assert step.end_s == pytest.approx(sweep_s + step.args["update_stall_s"])
+    if hw.device_is_cpu:  # nothing overlaps in the sweep: the drawn one is the planner's
+        assert step.end_s == pytest.approx(plan.times_s["step"], rel=1e-9)
+        assert step.args["update_stall_s"] == pytest.approx(plan.times_s["update_stall"])
+    # no lane overlaps itself, but the drive's writes: the model lets an update's own writes
+    # share it with an older write-back (drawn as a second row); the write-backs never overlap
+    for lane, evs in lanes.items():
+        if lane != "disk write":
+            _never_overlap(evs)
+    _never_overlap(backs)
+    names, rows = _rows(chrome_trace([], 0.0, events))
+    for evs in rows.values():
+        evs.sort(key=lambda e: e["ts"])
+        for a, b in zip(evs, evs[1:], strict=False):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (a, b)
+
+
+@pytest.mark.parametrize("hw_name", ["cpu", "rtx4090"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_predicted_update_with_the_write_back_inside(hw_name, precision):
+    """Without a deferred write-back the update is drawn as before: per segment its disk read,
+    CPU update and the write of its whole state (and its compute copy), one after another from
+    the end of the sweep; the sweep is the same drawing as with the write-back deferred."""
+    from tierlm.memory.planner import _compute_copies
+    from tierlm.runtime.writeback import WriteBack
+
+    shape, train, hw, plan, events = _predicted(hw_name, precision, None)
+    *_, deferred_events = _predicted(hw_name, precision, WriteBack(segments=1))
+    copies = _compute_copies(shape, precision, plan.placements)
+    assert (precision == "bf16") == any(copies[1:-1])
+    lanes = _lanes(events)
+    (step,) = lanes["step"]
+    sweep_s = step.args["sweep_s"]
+    assert not [e for e in events if e.name.startswith("write-back ")]
+    t = sweep_s
+    for s, name in enumerate(shape.names):
+        read, written = shape.update_disk_bytes(s, copies[s])
+        chain = [e for lane in ("disk read", "cpu update", "disk write") for e in lanes[lane]
+                 if e.start_s >= sweep_s and e.name in (f"state {name}", f"update {name}")]
+        assert [(e.lane, e.args.get("bytes")) for e in chain] == [
+            ("disk read", read), ("cpu update", None), ("disk write", written)]
+        for e in chain:
+            assert e.start_s == pytest.approx(t, abs=1e-12)
+            t = e.end_s
+        assert chain[1].end_s - chain[1].start_s == pytest.approx(
+            shape.numels[s] / hw.cpu_adam_params_per_s)
+    for evs in lanes.values():
+        _never_overlap(evs)
+    assert sum(e.end_s - e.start_s for e in events if e.start_s >= sweep_s
+               and e.lane != "step") == pytest.approx(plan.times_s["update"])
+    if hw.device_is_cpu:
+        assert step.end_s == pytest.approx(plan.times_s["step"], rel=1e-9)
+
+    def sweep(evs):
+        return [e for e in evs if e.end_s <= sweep_s and e.lane != "step"]
+
+    assert sweep(events) == sweep(deferred_events)

@@ -831,10 +831,30 @@ def writeback_bytes(
                                               or shape.numels[s] <= chunk_numel)}
 
 
+@dataclass
+class UpdateSpan:
+    """One segment's update in `_update_chain` (seconds from the window's start): its disk
+    reads, CPU work and the writes the forward needs, one after another from `start_s`; its
+    deferred write-back (0 s where none) queued on the drive, ending at `writeback_end_s`."""
+
+    seg: int
+    start_s: float
+    read_s: float
+    cpu_s: float
+    write_s: float
+    writeback_s: float = 0.0
+    writeback_end_s: float = 0.0
+
+    @property
+    def ready_s(self) -> float:
+        """When the next forward of the segment may start."""
+        return self.start_s + self.read_s + self.cpu_s + self.write_s
+
+
 def _update_chain(
     shape: ModelShape, hw: HardwareProfile, placements, copies: list[int | None],
     read_ahead: frozenset[int], deferred: dict[int, int], limit: int | None,
-    starts: list[float], late: float,
+    starts: list[float], late: float, spans: list[UpdateSpan] | None = None,
 ) -> float:
     """How long the first forward waits for the updates: the updates run one after another in
     forward order from `late` on (each its disk reads, CPU work and the writes the forward
@@ -843,7 +863,8 @@ def _update_chain(
     write-backs are pending; segment s's forward starts at `starts[s]` (seconds into the
     window) and waits for its update. The write-back shares the drive in pieces, so the
     update's own requests are taken as running at the drive's full rate (the step's disk total
-    bounds both)."""
+    bounds both). `spans`, where given, receives each update's times (the predicted trace
+    draws them: tierlm.memory.timeline)."""
     cpu_s = 0.0 if shape.frozen else shape.optim_cpu_cost / hw.cpu_adam_params_per_s
     t, stall, written = late, 0.0, []
     for s, p in enumerate(placements):
@@ -856,12 +877,39 @@ def _update_chain(
             write -= deferred.get(s, 0)
             if s in deferred and limit is not None and len(written) >= limit:
                 t = max(t, written[-limit])
-        t += read / hw.disk_read_Bps + shape.numels[s] * cpu_s + write / hw.disk_write_Bps
+        span = UpdateSpan(s, t, read / hw.disk_read_Bps, shape.numels[s] * cpu_s,
+                          write / hw.disk_write_Bps)
+        t = span.ready_s
         if s in deferred:
-            written.append(max(t, written[-1] if written else 0.0)
-                           + deferred[s] / hw.disk_write_Bps)
+            span.writeback_s = deferred[s] / hw.disk_write_Bps
+            written.append(max(t, written[-1] if written else 0.0) + span.writeback_s)
+            span.writeback_end_s = written[-1]
         stall = max(stall, t - starts[s])
+        if spans is not None:
+            spans.append(span)
     return stall
+
+
+def update_spans(shape: ModelShape, train: TrainShape, hw: HardwareProfile, plan: Plan,
+                 chunk_numel: int = STAGING_CHUNK_NUMEL) -> tuple[list[UpdateSpan], float]:
+    """`plan`'s updates as `_times` models them, segment by segment, from the end of the sweep
+    (`_update_chain`'s spans), and the stall they cause the next step's forward."""
+    copies = _compute_copies(shape, train.precision, plan.placements)
+    deferred = writeback_bytes(shape, plan.placements, copies, plan.writeback, chunk_numel)
+    limit = None if plan.writeback is None else plan.writeback.segments
+    spans: list[UpdateSpan] = []
+    stall = _update_chain(shape, hw, plan.placements, copies,
+                          frozenset(plan.readahead_segments), deferred, limit,
+                          forward_starts(shape, plan.times_s["update_window"]),
+                          plan.times_s["update_late"], spans)
+    return spans, stall
+
+
+def forward_starts(shape: ModelShape, window: float) -> list[float]:
+    """Per segment, when its forward starts in a forward of `window` seconds: at its share of
+    the forward's FLOPs before it (the embedding lookup takes none)."""
+    fwd = [0] + list(shape.numels[1:-1]) + [shape.numels[-1] + shape.tied_numel]
+    return [window * sum(fwd[:s]) / max(1, sum(fwd)) for s in range(len(fwd))]
 
 
 def _times(
@@ -936,8 +984,7 @@ def _times(
     # forward starting at its share of the forward's FLOPs (embed: none); what does not fit
     # stalls it
     window = forward / groups
-    fwd = [0] + list(shape.numels[1:-1]) + [head_params]
-    starts = [window * sum(fwd[:s]) / max(1, sum(fwd)) for s in range(len(fwd))]
+    starts = forward_starts(shape, window)
     copies = _compute_copies(shape, train.precision, placements)
     deferred = writeback_bytes(shape, placements, copies, writeback, chunk_numel)
     limit = None if writeback is None else writeback.segments
@@ -963,6 +1010,7 @@ def _times(
         "update_ready": update - writeback_s,  # what the forward waits for: CPU, reads, copies
         "writeback_wait": stall - ungated,  # stall added by waiting for the write-back's limit
         "readahead": readahead,
+        "update_late": late,  # the update starts this long after the sweep (the read-ahead)
         "net": net,
         "grad_sync": sync,
         "grad_sync_exposed": sync_exposed,

@@ -16,11 +16,21 @@ out with the planner's rates and its overlap assumption:
   inbound may start once the previous action's compute has started, and outbound moves run
   behind the next actions' compute. On a CPU profile nothing overlaps (copies and compute share
   the cores; the planner sums them);
-- the update: after the sweep, one worker, segment by segment in forward order: for disk state,
-  read master, gradient and the optimizer's slots (AdamW: 16 B/param), update on the CPU
-  (`cpu_adam_params_per_s`), write master and slots back (AdamW: 12 B/param). In the runtime
-  it overlaps the next step's forward, which this one-step view does not draw. Device-tier
-  updates are not modelled (the planner counts them in neither compute nor update time).
+- the update: `_times`' own model of it (`planner.update_spans`, the spans of
+  `_update_chain`), from the end of the drawn sweep (later by what the read-ahead has not read
+  by then): one worker, segment by segment in forward order: for disk state its reads (master,
+  gradient, slots, less what is on the host or read ahead), the CPU update, then the writes the
+  next forward waits for. With a deferred write-back (`Plan.writeback`) those are the compute
+  copy (or the fp32 master where none), and the rest (master and slots, or the slots: see
+  `planner.writeback_bytes`) goes to the drive after the segment's update, as one `write-back`
+  event on the disk write lane, one segment after another (first in, first out; an update
+  waiting while `WriteBack.segments` are pending); the model lets the update's own requests
+  share the drive with them, so those may overlap there (drawn as a second row). With the
+  write-back inside (`writeback=None`) the update writes its whole state itself. Device-tier
+  updates are not modelled (the planner counts them in neither compute nor update time);
+- the step: in the runtime the update runs behind the next step's forward, which waits for
+  each segment's update; the `step` lane's event ends where `_times`' step does: the drawn
+  sweep plus that wait (`update_stall`), or the drive's total for the step where longer.
 
 Moves the replay makes before the first action (resident segments refreshed after the previous
 update) are drawn as the first action's inbound; the runtime makes them at each segment's first
@@ -35,8 +45,15 @@ from typing import Any
 
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.planner import COPY_EFFICIENCY, ModelShape, Plan, TrainShape, _simulate
-from tierlm.memory.tiers import Link, Tier
+from tierlm.memory.planner import (
+    COPY_EFFICIENCY,
+    ModelShape,
+    Plan,
+    TrainShape,
+    _simulate,
+    update_spans,
+)
+from tierlm.memory.tiers import Link
 from tierlm.monitor.trace import TraceEvent
 
 LANE = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
@@ -137,19 +154,29 @@ def predicted_timeline(
             t = put(LANE[link], f"{link} for {label}", "transfer", t, nbytes / rate[link],
                     bytes=nbytes)
         sweep_end = max(sweep_end, t)
-    t = sweep_end
-    for s, (name, numel, p) in enumerate(zip(shape.names, shape.numels, plan.placements,
-                                             strict=True)):
-        if p.state_tier == Tier.DEVICE:
-            continue
-        read, written = shape.update_disk_bytes(s, None, host_grad=p.host_grad,
-                                                read_ahead=s in plan.readahead_segments)
-        if p.state_tier == Tier.DISK and read:  # else: read ahead, or nothing to read
-            t = put("disk read", f"state {name}", "disk", t, read / hw.disk_read_Bps,
-                    bytes=read)
-        t = put("cpu update", f"update {name}", "update", t, numel / hw.cpu_adam_params_per_s,
-                tier=str(p.state_tier))
-        if p.state_tier == Tier.DISK:
-            t = put("disk write", f"state {name}", "disk", t, written / hw.disk_write_Bps,
-                    bytes=written)
+    # the update, as `_times` models it (`_update_chain`): it runs after the sweep, behind
+    # the next step's forward, which the step ends with once that forward has waited `stall`
+    spans, stall = update_spans(shape, train, hw, plan)
+    for u in spans:
+        name, tier = shape.names[u.seg], plan.placements[u.seg].state_tier
+        t = sweep_end + u.start_s
+        if u.read_s:
+            events.append(TraceEvent("disk read", f"state {name}", "disk", t, t + u.read_s,
+                                     {"bytes": round(u.read_s * hw.disk_read_Bps)}))
+        t += u.read_s
+        events.append(TraceEvent("cpu update", f"update {name}", "update", t, t + u.cpu_s,
+                                 {"tier": str(tier)}))
+        t += u.cpu_s
+        if u.write_s:
+            events.append(TraceEvent("disk write", f"state {name}", "disk", t, t + u.write_s,
+                                     {"bytes": round(u.write_s * hw.disk_write_Bps)}))
+        if u.writeback_s:
+            end = sweep_end + u.writeback_end_s
+            events.append(TraceEvent("disk write", f"write-back {name}", "disk",
+                                     end - u.writeback_s, end,
+                                     {"bytes": round(u.writeback_s * hw.disk_write_Bps)}))
+    # one drive serves the sweep and the update, write-back included
+    step_s = max(sweep_end + stall, plan.times_s["disk"])
+    events.append(TraceEvent("step", "step", "step", 0.0, step_s,
+                             {"sweep_s": sweep_end, "update_stall_s": step_s - sweep_end}))
     return events
