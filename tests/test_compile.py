@@ -249,14 +249,20 @@ def test_data_parallel_compiled_matches_eager(compiler, tmp_path):
     run within 1e-5 (losses and weights), and the ranks hold the same weights."""
     from test_distributed import run_ranks
 
-    # compile here first: the forked ranks inherit the compiled code instead of each compiling
-    # it again on one thread (a no-op when earlier tests compiled these shapes)
-    model = tiny_model("llama_tied_gqa", layers=LAYERS)
-    compiler.apply(model, lambda msg: None)
-    warm = _engine(model, tmp_path, compiler, "host", "full")
-    _run(warm, batches(1, 1, B, T))
-    warm.close()
-    ranks = run_ranks(lambda w: _data_parallel_runs(w, compiler, str(tmp_path)))
+    # compile here first, on one thread as each rank runs (inductor's CPU kernels are keyed by
+    # the thread count): the forked ranks then read the kernels from the cache instead of both
+    # compiling them at once on one core each (minutes with a cold cache)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model("llama_tied_gqa", layers=LAYERS)
+        compiler.apply(model, lambda msg: None)
+        warm = _engine(model, tmp_path, compiler, "host", "full")
+        _run(warm, batches(1, 1, B, T))
+        warm.close()
+    finally:
+        torch.set_num_threads(threads)
+    ranks = run_ranks(lambda w: _data_parallel_runs(w, compiler, str(tmp_path)), timeout_s=300)
     for rank in ranks:
         (losses, weights), (ref_losses, ref_weights) = rank["compiled"], rank["eager"]
         _assert_close(losses, ref_losses, {k: torch.from_numpy(v) for k, v in weights.items()},
