@@ -119,10 +119,10 @@ def _account(
     what `init_state` and the compute copies allocate for the run
     (tierlm.runtime.state.persistent_bytes); on the device besides, `activation_bytes`, the
     stream cache's slots (tierlm.runtime.cache.window_bytes) and the one gradient an action
-    accumulates there before it lands on the state's tier (tierlm.runtime.schedule
-    .transient_grad); in host RAM besides, the staging of one disk-tier update and one streamed
-    read of a disk-tier segment (`update_staging_bytes`, tierlm.runtime.state.load_bytes), each
-    the largest of any disk segment, since a segment's update overlaps the next one's load.
+    accumulates there before it lands on the state's tier (`transient_grad`,
+    tierlm.runtime.schedule); in host RAM besides, the staging of one disk-tier update and one
+    streamed read of a disk-tier segment (`update_staging_bytes`, `load_bytes`), each the
+    largest of any disk segment, since one segment's update overlaps another's load.
 
     `copy_bytes`: per segment, its compute copy off the device (None: the fp32 master serves);
     `slot_bytes`: per segment, its optimizer's state (None: none); `frozen`: the weights are
