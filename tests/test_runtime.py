@@ -226,7 +226,7 @@ def test_tiered_spills_to_disk_under_a_host_budget():
     numels = [1000, 10_000, 10_000, 10_000, 1000]
     rep = place(names, numels, policy="tiered", device_budget_bytes=200_000,
                 host_budget_bytes=400_000,
-                state_bytes=[16 * n for n in numels])  # master, gradient, AdamW's two moments
+                slot_bytes=[8 * n for n in numels])  # AdamW's two moments
     tiers = [p.state_tier for p in rep.placements]
     assert Tier.DISK in tiers and rep.host_bytes <= 400_000 and rep.device_bytes <= 200_000
     assert rep.placements[0].state_tier == Tier.DEVICE  # embed is kept first

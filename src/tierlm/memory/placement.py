@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 from tierlm.memory.tiers import Tier
 
-# Bytes per parameter of fp32 compute weights. With --precision bf16/fp8 a segment whose state
-# is off the device holds its compute copy instead (tierlm.precision.streaming: ~2 or ~1 bytes
-# per parameter), on the device, in host RAM or on disk, and `place` is given each segment's
-# compute-copy bytes. A segment's state bytes (fp32 master, which is also the compute copy on the
-# device tier, fp32 gradient, and the optimizer's slots) are given per segment: `state_bytes`.
+# Bytes per parameter of fp32 compute weights, master weights and gradients. With
+# --precision bf16/fp8 a segment whose state is off the device also holds a compute copy
+# (tierlm.precision.streaming: ~2 or ~1 bytes per parameter), in host RAM or on disk, which is
+# what streams; `place` is given each segment's copy bytes. What each tier holds is the engine's
+# own rule (tierlm.runtime.state.persistent_bytes), which `_account` sums.
 COMPUTE_B = 4
 MASTER_B = GRAD_B = 4
-STREAM_SLOTS = 2  # the segment running and the one being prefetched
 # Disk-tier state moves through host staging in chunks of this many fp32 elements per copy
 # (64 MiB), so host RAM holds a few chunks, never a whole segment (a 152k-token embedding is
 # 233M parameters). A multiple of 1024 elements: chunk offsets are O_DIRECT-aligned.
@@ -92,72 +91,68 @@ class PlacementReport:
     disk_bytes: int
 
 
-def _stream_bytes(
-    numels: list[int], compute: list[int], placements: list[SegmentPlacement],
-    frozen: bool = False,
-) -> int:
-    """Device bytes the streaming window needs: compute copies for the slots and one gradient
-    (fp32; none for frozen weights)."""
-    streamed = [(c, n) for n, c, p in zip(numels, compute, placements, strict=True)
-                if not p.resident]
-    if not streamed:
-        return 0
-    slots = sorted((c for c, _ in streamed), reverse=True)[:STREAM_SLOTS]
-    return sum(slots) + (0 if frozen else max(n for _, n in streamed) * GRAD_B)
-
-
 def update_staging_bytes(
-    numel: int, state_bytes: int, *, whole: bool, chunk_numel: int = STAGING_CHUNK_NUMEL
+    numel: int, staged_bytes: int, copy_bytes: int | None, *, whole: bool,
+    chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> int:
-    """Host staging of one disk-tier update of a segment of `numel` parameters whose state
-    (master, gradient, optimizer slots) is `state_bytes`: every copy's part of a chunk, for the
-    chunks in flight, or the whole state where the update takes whole segments (`whole`: an
-    optimizer with align 0, or a compute copy to encode). Slots are taken to scale with the
-    chunk's share of the segment (exact for elementwise slots; chunks cut at parameter starts
-    are at most `chunk_numel` long)."""
+    """Host staging of one disk-tier update of a segment of `numel` parameters that stages
+    `staged_bytes` of its state (master, optimizer slots, and the gradient unless it waits in
+    RAM): every copy's part of a chunk, for the chunks in flight; or all of it where the update
+    takes whole segments (`whole`: an optimizer with align 0) or encodes a compute copy
+    (`copy_bytes`, None: the segment has none; fp8 scales need whole tensors), whose bytes it
+    stages besides. Slots are taken to scale with the chunk's share of the segment (exact for
+    elementwise slots; chunks cut at parameter starts are at most `chunk_numel` long)."""
+    if copy_bytes is not None:
+        return staged_bytes + copy_bytes
     if whole or numel <= chunk_numel:
-        return state_bytes
-    return -(-state_bytes * staging_numel(numel, chunk_numel) // numel)
+        return staged_bytes
+    return -(-staged_bytes * staging_numel(numel, chunk_numel) // numel)
 
 
 def _account(
-    numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0,
-    compute_bytes: list[int] | None = None, state_bytes: list[int] | None = None,
-    whole_update: bool = False, frozen: bool = False,
+    numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0, *,
+    copy_bytes: list[int | None] | None = None, slot_bytes: list[int] | None = None,
+    base_copy: bool = False, whole_update: bool = False, frozen: bool = False,
+    chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> PlacementReport:
-    """`compute_bytes`: per segment, the bytes of its compute copy (None: fp32, COMPUTE_B per
-    parameter); a copy smaller than fp32 is kept besides the master, in host RAM or on disk.
-    `state_bytes`: per segment, master + gradient + optimizer state (`place`). `frozen`: the
-    weights are never updated (a LoRA run's base): no gradient, no update staging, and the
-    state is what streams (a QLoRA base's NF4 bytes: its `state_bytes` are its compute copy's)."""
-    compute = compute_bytes or [n * COMPUTE_B for n in numels]
-    state = state_bytes or [n * (MASTER_B + (0 if frozen else GRAD_B)) for n in numels]
-    device, host, disk = activation_bytes, 0, 0
-    for n, c, b, p in zip(numels, compute, state, placements, strict=True):
-        # fp32 streams the master itself, a frozen base its state (NF4 under --finetune qlora)
-        own_copy = c if c != n * COMPUTE_B and not frozen else 0
-        if p.state_tier == Tier.DEVICE:
-            device += b
-        elif p.state_tier == Tier.HOST:
-            host += b + own_copy
-            device += c if p.resident else 0
-        else:
-            grad = 0 if frozen else GRAD_B * n
-            if p.host_grad:  # the gradient waits in RAM, not in a file
-                host, disk = host + grad, disk - grad
-            disk += b + own_copy  # the gradient has a file too, unless held on the host
-            device += c if p.resident else 0
-    device += _stream_bytes(numels, compute, placements, frozen)
-    on_disk = [(n, c, b) for n, c, b, p in zip(numels, compute, state, placements, strict=True)
-               if p.state_tier == Tier.DISK]
-    if on_disk:
-        # staging for one update and one streamed read: chunk by chunk in fp32, whole where the
-        # segment has a compute copy (its fp8 scales need whole tensors)
-        host += max(
-            (0 if frozen else update_staging_bytes(n, b, whole=whole_update))
-            + staging_numel(n) * COMPUTE_B if c == n * COMPUTE_B else (0 if frozen else b) + c
-            for n, c, b in on_disk)
-    return PlacementReport(placements, device, host, disk)
+    """The bytes each tier holds under `placements`, by the engine's own rules: per segment
+    what `init_state` and the compute copies allocate for the run
+    (tierlm.runtime.state.persistent_bytes); on the device besides, `activation_bytes`, the
+    stream cache's slots (tierlm.runtime.cache.window_bytes) and the one gradient an action
+    accumulates there before it lands on the state's tier (`transient_grad`,
+    tierlm.runtime.schedule); in host RAM besides, the staging of one disk-tier update and one
+    streamed read of a disk-tier segment (`update_staging_bytes`, `load_bytes`), each the
+    largest of any disk segment, since one segment's update overlaps another's load.
+
+    `copy_bytes`: per segment, its compute copy off the device (None: the fp32 master serves);
+    `slot_bytes`: per segment, its optimizer's state (None: none); `frozen`: the weights are
+    never updated (a LoRA run's base: no gradient, no slots, no update); `base_copy`: a frozen
+    base held in its copy where it has one (bf16 or NF4, tierlm.models.frozen), no master."""
+    # the engine's rules; runtime.state imports this module, so they are imported here
+    from tierlm.runtime.cache import window_bytes
+    from tierlm.runtime.schedule import transient_grad
+    from tierlm.runtime.state import load_bytes, persistent_bytes
+
+    copies = copy_bytes or [None] * len(numels)
+    slots = slot_bytes or [0] * len(numels)
+    held = {Tier.DEVICE: activation_bytes, Tier.HOST: 0, Tier.DISK: 0}
+    for n, c, b, p in zip(numels, copies, slots, placements, strict=True):
+        for tier, _, nbytes in persistent_bytes(p, n, b, c, frozen=frozen,
+                                                base_copy=base_copy and c is not None):
+            held[tier] += nbytes
+    loads = [load_bytes(p.state_tier, n, c, chunk_numel)
+             for n, c, p in zip(numels, copies, placements, strict=True)]
+    held[Tier.DEVICE] += window_bytes(
+        ld.h2d_bytes for ld, p in zip(loads, placements, strict=True) if not p.resident)
+    held[Tier.DEVICE] += max((GRAD_B * n for n, p in zip(numels, placements, strict=True)
+                              if transient_grad(p.state_tier, frozen)), default=0)
+    on_disk = [s for s, p in enumerate(placements) if p.state_tier == Tier.DISK]
+    held[Tier.HOST] += max((0 if frozen else update_staging_bytes(
+        numels[s], MASTER_B * numels[s] + slots[s]
+        + (0 if placements[s].host_grad else GRAD_B * numels[s]),
+        copies[s], whole=whole_update, chunk_numel=chunk_numel) for s in on_disk), default=0)
+    held[Tier.HOST] += max((loads[s].staging_bytes for s in on_disk), default=0)
+    return PlacementReport(placements, held[Tier.DEVICE], held[Tier.HOST], held[Tier.DISK])
 
 
 def place(
@@ -170,25 +165,29 @@ def place(
     host_budget_bytes: int | None = None,
     activation_bytes: int = 0,
     placements: list[SegmentPlacement] | None = None,
-    compute_bytes: list[int] | None = None,
-    state_bytes: list[int] | None = None,
+    copy_bytes: list[int | None] | None = None,
+    slot_bytes: list[int] | None = None,
+    base_copy: bool = False,
     whole_update: bool = False,
     frozen: bool = False,
+    chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> PlacementReport:
     """Choose a placement per segment and check it against the budgets.
 
     `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
     reserved before any weights are placed. `placements`: a placement chosen elsewhere (the
-    planner); it is only accounted and checked. `compute_bytes`: each segment's compute-copy
-    bytes where a precision policy shrinks them (see `_account`). `state_bytes`: each segment's
-    master, gradient and optimizer-state bytes (None: master and gradient only);
-    `whole_update`: the optimizer updates whole segments (align 0), so a disk segment's update
-    stages all of its state at once; `frozen`: the segments are frozen weights (a LoRA run's
-    base: master bytes only, `state_bytes` says so; no gradient in the streaming window, no
-    update staging), whose trained adapters' device bytes come in `activation_bytes`.
+    planner); it is only accounted and checked. `copy_bytes`: each segment's compute copy where
+    a precision policy gives it one (None: it streams its fp32 master); `slot_bytes`: each
+    segment's optimizer state (None: none); `whole_update`: the optimizer updates whole
+    segments (align 0), so a disk segment's update stages all of its state at once;
+    `frozen`: the segments are frozen weights (a LoRA run's base: no gradient, no slots, no
+    update), whose trained adapters' device bytes come in `activation_bytes`; `base_copy`: the
+    frozen base is held in its copy alone where it has one; `chunk_numel`: the engine's staging
+    chunk. `_account` says how these become bytes per tier.
     """
-    account = functools.partial(_account, compute_bytes=compute_bytes, state_bytes=state_bytes,
-                                whole_update=whole_update, frozen=frozen)
+    account = functools.partial(_account, copy_bytes=copy_bytes, slot_bytes=slot_bytes,
+                                base_copy=base_copy, whole_update=whole_update, frozen=frozen,
+                                chunk_numel=chunk_numel)
     if placements is not None:
         report = account(numels, placements, activation_bytes)
         _check(report, device_budget_bytes, host_budget_bytes, policy)

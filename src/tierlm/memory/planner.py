@@ -35,7 +35,6 @@ from tierlm.memory.placement import (
     GRAD_B,
     MASTER_B,
     STAGING_CHUNK_NUMEL,
-    STREAM_SLOTS,
     SegmentPlacement,
     gib,
     staging_numel,
@@ -157,10 +156,8 @@ class ModelShape:
             return 0
         staged = self.state_bytes(s) - (GRAD_B * self.numels[s] if host_grad else 0) - (
             self.update_state_bytes(s) if read_ahead else 0)
-        if compute_copy is not None:
-            return staged + compute_copy
-        return update_staging_bytes(self.numels[s], staged, whole=self.optim_whole,
-                                    chunk_numel=chunk_numel)
+        return update_staging_bytes(self.numels[s], staged, compute_copy,
+                                    whole=self.optim_whole, chunk_numel=chunk_numel)
 
     def base_copy(self, s: int) -> int | None:
         """Segment `s`'s frozen base copy bytes (NF4 or bf16; None: an fp32 master)."""
@@ -599,7 +596,7 @@ def _simulate(
     action reads, where a gradient goes, which boundary inputs park; tierlm.runtime.state: the
     persistent state and what a load stages and moves); this replay only orders them as
     `Engine.step` does and counts their bytes."""
-    from tierlm.runtime.cache import StreamCache
+    from tierlm.runtime.cache import StreamCache, window_bytes
     from tierlm.runtime.schedule import (
         grad_from_head,
         grad_landing,
@@ -655,8 +652,7 @@ def _simulate(
                 store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
     streamed = {i: loads[i].h2d_bytes for i, p in enumerate(placements) if not p.resident}
-    top = sorted(streamed.values(), reverse=True)[:STREAM_SLOTS]
-    cache = StreamCache(store, streamed.__getitem__, sum(top), Load)  # type: ignore[arg-type]
+    cache = StreamCache(store, streamed.__getitem__, window_bytes(streamed.values()), Load)  # type: ignore[arg-type]
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
     ahead_held: list[_Bytes] = []

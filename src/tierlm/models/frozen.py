@@ -86,10 +86,11 @@ class FrozenBase:
             return NF4Format(layout, self.quantised, kinds) if names & self.quantised else None
         return ComputeFormat(layout, kinds) if any(k != "fp32" for k in kinds) else None
 
-    def layout_nbytes(self, layout: FlatLayout) -> int:
-        """Bytes a segment of flat layout `layout` holds and streams its weights in."""
+    def copy_nbytes(self, layout: FlatLayout) -> int | None:
+        """Bytes of the copy a segment of flat layout `layout` holds its base in (None: its
+        fp32 master)."""
         fmt = self.format_of(layout)
-        return 4 * layout.numel if fmt is None else fmt.nbytes
+        return None if fmt is None else fmt.nbytes
 
     def decoded_nbytes(self, layout: FlatLayout) -> int:
         """Bytes one matmul of this segment decodes its weight into at most, outside the ledger

@@ -181,13 +181,20 @@ class ComputeCopies:
         self.model = model
         self.enabled = any(isinstance(m, PrecisionLinear) for m in model.modules())
 
-    def layout_nbytes(self, layout: FlatLayout) -> int:
-        """Bytes of the compute copy of a segment with flat layout `layout` whose state is off
-        the device (4 per parameter where every weight computes in fp32)."""
+    def copy_nbytes(self, layout: FlatLayout) -> int | None:
+        """Bytes of the compute copy a segment with flat layout `layout` keeps while its state
+        is off the device (`choose_format`'s rule); None where every weight computes in fp32
+        and the segment streams its master."""
         kinds = slot_kinds(self.model, layout) if self.enabled else ["fp32"]
         if all(k == "fp32" for k in kinds):
-            return layout.numel * 4
+            return None
         return ComputeFormat(layout, kinds).nbytes
+
+    def layout_nbytes(self, layout: FlatLayout) -> int:
+        """Bytes of the device copy of a segment with flat layout `layout` whose state is off
+        the device (4 per parameter where every weight computes in fp32)."""
+        copy = self.copy_nbytes(layout)
+        return layout.numel * 4 if copy is None else copy
 
     def nbytes(self, st) -> int:
         """Device bytes of segment `st`'s weights once its compute copy is next refreshed."""

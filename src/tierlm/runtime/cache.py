@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
+
+STREAM_SLOTS = 2  # the segment running and the one being prefetched
+
+
+def window_bytes(copy_bytes: Iterable[int], slots: int = STREAM_SLOTS) -> int:
+    """The cache's capacity: room for the `slots` largest of the streamed segments' device
+    copies (`copy_bytes`, one per streamed segment). The engine sizes its cache by it, and
+    placement and the planner's replay count the device's streaming window by it."""
+    return sum(sorted(copy_bytes, reverse=True)[:slots])
 
 
 class PendingLoad(Protocol):

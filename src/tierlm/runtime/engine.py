@@ -53,7 +53,6 @@ from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     STAGING_CHUNK_NUMEL,
-    STREAM_SLOTS,
     PlacementReport,
     SegmentPlacement,
     chunk_ranges,
@@ -67,7 +66,7 @@ from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.optim.flat import advance
 from tierlm.precision.streaming import ComputeCopies
-from tierlm.runtime.cache import StreamCache
+from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.readahead import ReadAhead, readahead_starts
 from tierlm.runtime.schedule import (
@@ -309,11 +308,13 @@ class Engine(Stepper):
             # the adapters of a frozen base and their optimizer state: on the device throughout
             activation_bytes=self.activation_bytes + reserve + trained_bytes + decoded_bytes,
             placements=options.placements,
-            compute_bytes=[self.compute_copies.layout_nbytes(lay) for lay in layouts],
-            state_bytes=[self.compute_copies.layout_nbytes(lay) if self.frozen_base
-                         else 8 * lay.numel + self.optimizer.state_nbytes(lay) for lay in layouts],
+            copy_bytes=[self.compute_copies.copy_nbytes(lay) for lay in layouts],
+            slot_bytes=[0 if self.frozen_base else self.optimizer.state_nbytes(lay)
+                        for lay in layouts],
+            base_copy=frozen_copy,
             whole_update=self.optimizer.align == 0,
             frozen=self.frozen_base,
+            chunk_numel=self.chunk_numel,
         )
         options.check_placement(self.report)
         budget = options.device_budget_bytes
@@ -431,11 +432,10 @@ class Engine(Stepper):
         return views
 
     def _size_cache(self) -> None:
-        """Room for the STREAM_SLOTS largest streamed device copies, in the format their next
+        """Room for the largest streamed device copies (`window_bytes`), in the format their next
         refresh gives them (a layer switched from fp8 to bf16 grows its segment's copy)."""
-        sizes = [self.compute_copies.nbytes(st) for st in self.states
-                 if not st.placement.resident]
-        self.cache.capacity_bytes = sum(sorted(sizes, reverse=True)[:STREAM_SLOTS])
+        self.cache.capacity_bytes = window_bytes(
+            self.compute_copies.nbytes(st) for st in self.states if not st.placement.resident)
 
     # -- schedule ----
 
