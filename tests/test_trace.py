@@ -39,7 +39,6 @@ def traced(corpus, tmp_path_factory):
     counts: Counter = Counter()
     with pytest.MonkeyPatch.context() as mp:
         _count_while_armed(mp, Store, "_copy", tracer, counts, "copy")
-        _count_while_armed(mp, Store, "add_to_host", tracer, counts, "copy")
         _count_while_armed(mp, DiskTier, "_submit", tracer, counts, "disk")
         t.train()
     t.stepper.close()

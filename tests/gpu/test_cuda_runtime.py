@@ -40,3 +40,34 @@ def test_cuda_matches_reference(name, policy, order, tmp_path):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for n, p in ref_model.named_parameters():
         assert (w[n] - p.detach().cpu()).abs().max().item() < 1e-4, n
+
+
+def test_cuda_gradient_lands_through_the_staging_ring(tmp_path):
+    """On a GPU the gradient crosses D2H chunk by chunk into two pinned staging chunks, each
+    added after its event: the sum is bitwise the plain one, and the host staging the ledger
+    sees is the rule the plan counts, in an engine run too (not the whole gradient)."""
+    from tierlm.memory import Tier
+    from tierlm.memory.store import Store
+    from tierlm.memory.tiers import TensorClass
+    from tierlm.runtime.landing import add_to_host
+    from tierlm.runtime.schedule import landing_staging_numel
+
+    chunk, numel = 1024, 5 * 1024 + 17
+    g = torch.Generator().manual_seed(0)
+    dev = torch.randn(numel, generator=g).to("cuda")
+    store = Store(torch.device("cuda"))
+    host = store.alloc(Tier.HOST, TensorClass.GRAD, numel).copy_(torch.randn(numel, generator=g))
+    want = host.clone().add_(dev.cpu())
+    add_to_host(store, host, dev, chunk)
+    assert torch.equal(host, want)
+    staged = store.ledger.peak_class_bytes[(Tier.HOST, TensorClass.STAGING)]
+    assert staged == 4 * landing_staging_numel(numel, chunk) == 4 * 2 * chunk
+
+    eng = Engine(tiny_model("llama_untied", layers=2), OPTIM, EngineOptions(
+        policy="host", micro_batches=2, batch_size=2, seq_len=16, staging_chunk_numel=chunk,
+        offload_dir=str(tmp_path)), device=torch.device("cuda"))
+    for b in batches(2, 2):
+        eng.step(b, OPTIM.lr)
+    eng.synchronize()
+    assert eng.ledger.peak_class_bytes[(Tier.HOST, TensorClass.STAGING)] == 4 * 2 * chunk
+    eng.close()

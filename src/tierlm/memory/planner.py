@@ -690,9 +690,12 @@ def _simulate(
     def land(s: int, g, final: bool) -> None:
         path = grad_landing(placements[s].state_tier, placements[s].gradient_tier,
                             written=grad_written[s], final=final)
-        for _ in path.passes:  # chunk by chunk through host staging
-            store.free(Tier.HOST, TensorClass.STAGING, store.alloc(
-                Tier.HOST, TensorClass.STAGING, staging_numel(numels[s], chunk_numel)))
+        # host staging at the landing's peak: the ring a device gradient is added through,
+        # each file pass's chunk sets (tierlm.runtime.landing, tierlm.runtime.state)
+        staged = path.host_staging_numel(numels[s], chunk_numel)
+        if staged:
+            store.free(Tier.HOST, TensorClass.STAGING,
+                       store.alloc(Tier.HOST, TensorClass.STAGING, staged))
         for link, nbytes in path.moves(GRAD_B * numels[s]):
             ledger.record_move(link, nbytes)
         grad_written[s] = path.written

@@ -79,15 +79,6 @@ class Store:
     ) -> torch.cuda.Event | None:
         return self._copy(dst, src, Link.D2H, what)
 
-    def add_to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> None:
-        """`dst += src` for a host `dst` and a device `src` on a CPU-only machine, where the add
-        is the D2H move (a GPU stages the copy first: the engine's `_d2h_add`)."""
-        nbytes = nbytes_of(src)
-        t0 = time.perf_counter()
-        with self.tracer.span("D2H", what or "add", cat="transfer", bytes=nbytes):
-            dst.add_(src)
-        self.ledger.record_move(Link.D2H, nbytes, time.perf_counter() - t0)
-
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link, what: str = ""):
         nbytes = nbytes_of(src)
         lane = _LANE[link]
@@ -111,8 +102,17 @@ class Store:
         return event
 
     def wait(self, event: torch.cuda.Event | None) -> None:
+        """Make compute wait for the copy `event` marks (the device reads what it wrote); the
+        calling thread does not block."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def wait_host(self, event: torch.cuda.Event | None) -> None:
+        """Block the calling thread until the copy `event` marks is done: the CPU is about to
+        read the host buffer it wrote, or to reuse the one it read. Only that copy (and the
+        compute queued before it) is waited for, not the work queued since."""
+        if event is not None:
+            event.synchronize()
 
     # -- disk ----
 

@@ -68,6 +68,7 @@ from tierlm.optim.flat import advance
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
+from tierlm.runtime.landing import add_to_host
 from tierlm.runtime.readahead import ReadAhead, readahead_starts
 from tierlm.runtime.schedule import (
     Action,
@@ -860,7 +861,7 @@ class Engine(Stepper):
             return
         what = f"grad {st.seg.name}"
         if path.to_host:  # host state, or disk state's held gradient
-            self._d2h_add(st.grad, grad, what)
+            add_to_host(self.store, st.grad, grad, self.chunk_numel, what)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
                 self._grad_complete(st, st.grad)
@@ -888,13 +889,13 @@ class Engine(Stepper):
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
             staging, dev = bufs["grad"], grad.narrow(0, lo, bufs["grad"].numel())
             if add:
-                self._d2h_add(staging, dev, what)
-            else:
-                self.store.wait(self.store.to_host(staging, dev, what))
-                self._sync_device()
+                add_to_host(self.store, staging, dev, self.chunk_numel, what)
+            else:  # the file write reads the staging buffer next
+                self.store.wait_host(self.store.to_host(staging, dev, what))
             if back:
-                self.store.wait(self.store.to_device(dev, staging, what))
-                self._sync_device()  # before the staging buffer takes the next chunk
+                copied = self.store.to_device(dev, staging, what)
+                self.store.wait(copied)  # compute reads the sum
+                self.store.wait_host(copied)  # before the staging buffer takes a later chunk
 
         stream_chunks(self.store, st, chunk_ranges(st.numel, self.chunk_numel),
                       read=("grad",) if add else (), write=() if back else ("grad",), step=step)
@@ -916,20 +917,6 @@ class Engine(Stepper):
         reference optimizer's parameter order, so clipping matches it bit for bit."""
         for name, view in st.layout.views(grad).items():
             self.param_norms[name] = torch.linalg.vector_norm(view).to(self.device)
-
-    def _d2h_add(self, host: torch.Tensor, dev: torch.Tensor, what: str = "") -> None:
-        if dev.device.type == "cpu":
-            self.store.add_to_host(host, dev, what)  # the CPU "device": the add is the copy
-            return
-        tmp = self.store.alloc(Tier.HOST, TensorClass.STAGING, dev.numel())
-        self.store.wait(self.store.to_host(tmp, dev, what))
-        self._sync_device()
-        host.add_(tmp)
-        self.store.free(Tier.HOST, TensorClass.STAGING, tmp)
-
-    def _sync_device(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
 
     # -- update ----
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tierlm.memory.placement import staging_numel
 from tierlm.memory.tiers import Link, Tier
 
 ORDERS = ("microbatch-outer", "layer-outer")
@@ -139,6 +140,17 @@ class GradLanding:
     passes: tuple[FilePass, ...] = ()  # disk: through host staging, in this order
     written: bool = False  # afterwards the file holds a partial sum of this step
 
+    def host_staging_numel(self, numel: int, chunk_numel: int) -> int:
+        """Host staging elements this landing of a `numel`-element gradient holds at its peak:
+        the landing ring over the whole gradient (`to_host`); each file pass's chunk sets
+        (tierlm.runtime.state.stream_chunks) and, where the pass adds the device's chunk to the
+        file's, a landing ring over one chunk."""
+        peaks = [landing_staging_numel(numel, chunk_numel)] if self.to_host else []
+        for p in self.passes:
+            ring = landing_staging_numel(min(numel, chunk_numel), chunk_numel) if p.add else 0
+            peaks.append(staging_numel(numel, chunk_numel) + ring)
+        return max(peaks, default=0)
+
     def moves(self, grad_bytes: int) -> list[tuple[Link, int]]:
         """(link, bytes) of each copy this landing makes, pass by pass; within a pass the
         chunks interleave, listed D2H first (the planner's timeline starts a landing there)."""
@@ -149,6 +161,13 @@ class GradLanding:
                 out.append((Link.DISK_READ, grad_bytes))
             out.append((Link.H2D if p.back else Link.DISK_WRITE, grad_bytes))
         return out
+
+
+def landing_staging_numel(numel: int, chunk_numel: int) -> int:
+    """Host staging elements of adding a device gradient of `numel` elements into a host buffer
+    (tierlm.runtime.landing): a ring of two chunk buffers, one taking the next chunk's D2H copy
+    while the CPU adds the other; one buffer the gradient's size where it is a chunk or less."""
+    return staging_numel(numel, chunk_numel)
 
 
 def grad_landing(state_tier: Tier, gradient_tier: Tier, *, written: bool, final: bool
