@@ -1,12 +1,28 @@
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
+# Trained tokenizers and encoded corpora, kept between sessions as the compile tests' kernels
+# are: entries are keyed by their content (texts, vocab size, tokenizer) and written atomically,
+# so sessions (and clones) share them safely; training and encoding them again costs seconds
+# per corpus and vocab size in every session.
+SHARED_DATA_CACHE = Path(tempfile.gettempdir()) / f"tierlm-test-data-{os.getuid()}"
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
-    """Tokenizers trained by tests go to a per-session cache, not the user's."""
-    os.environ.setdefault("TIERLM_CACHE", str(tmp_path_factory.mktemp("tierlm-cache")))
+    """Tokenizers trained by tests go to a test cache, not the user's: a per-session folder
+    whose tokenizers and tokens live in SHARED_DATA_CACHE (the rest, such as a probe's saved
+    results, stays with the session)."""
+    if "TIERLM_CACHE" not in os.environ:
+        cache = tmp_path_factory.mktemp("tierlm-cache")
+        for kind in ("tokenizers", "tokens"):
+            shared = SHARED_DATA_CACHE / kind
+            shared.mkdir(parents=True, exist_ok=True)
+            (cache / kind).symlink_to(shared, target_is_directory=True)
+        os.environ["TIERLM_CACHE"] = str(cache)
     torch.manual_seed(0)
     yield

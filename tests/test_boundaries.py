@@ -140,16 +140,23 @@ def test_planner_replays_host_boundaries(spec, order, tmp_path):
     assert measured == {k: predicted.moved_bytes[k] for k in measured}
 
 
-def test_planner_parks_boundaries_only_where_every_segment_recomputes():
-    """7B in bf16 on a 4090 with 48 GiB of RAM picks parked boundaries; a run whose activation
-    policy keeps graphs (selective, overrides) must not be handed that plan. (With 40 GiB or
-    less, the write-back's staging and disk-tier gradients held on the host win over parking.)"""
+@pytest.mark.parametrize("size, gpu_gib, host_gib", [
+    ("125m", 2, 6),
+    # issue J's design point: the 125M case above covers the same choice at a tenth of the time
+    pytest.param("7b", None, 48, marks=pytest.mark.slow),
+])
+def test_planner_parks_boundaries_only_where_every_segment_recomputes(size, gpu_gib, host_gib):
+    """125M in bf16 on a 4090 capped at 2 GiB with 6 GiB of RAM, and 7B on a whole 4090 with
+    48 GiB, pick parked boundaries; a run whose activation policy keeps graphs (selective,
+    overrides) must not be handed that plan. (7B with 40 GiB or less: the write-back's staging
+    and disk-tier gradients held on the host win over parking.)"""
     from tierlm.memory.hardware import resolve
     from tierlm.memory.planner import ModelShape, TrainShape, plan
     from tierlm.models import preset_config
 
-    shape = ModelShape.from_config(preset_config("7b"))
-    hw = resolve("rtx4090", host_memory_bytes=48 * 2**30, disk_budget_bytes=200 * 2**30)
+    shape = ModelShape.from_config(preset_config(size))
+    hw = resolve("rtx4090", gpu_memory_bytes=gpu_gib and gpu_gib * 2**30,
+                 host_memory_bytes=host_gib * 2**30, disk_budget_bytes=200 * 2**30)
     train = TrainShape(4, 2048, 8, "bf16")
     parked = plan(shape, train, hw)
     assert parked.fits and parked.boundary_on_host

@@ -138,11 +138,16 @@ def test_fsdp_two_ranks_start_from_rank0s_copy_of_a_hf_checkpoint(tmp_path):
             "--eval-data", _text(tmp_path / "eval.txt", 1500, 1)]
     common = [*data, "--seq-len", "32", "--eval-every", "0", "--train.eval_batches", "1",
               "--save-every", "0", "--distributed.timeout_s", "120"]
-    _train([*common, "--model-size", "tiny", "--data.vocab_size", "300", "--batch-size", "4",
-            "--max-steps", "1", "--train.sample_tokens", "0", "--out", str(tmp_path / "base")])
+    # the checkpoint and the one-process run train in this process (a launch costs its imports);
+    # the two ranks under test are launched as the user would
+    from tierlm.cli import main
+
+    assert main(["train", *common, "--model-size", "tiny", "--data.vocab_size", "300",
+                 "--batch-size", "4", "--max-steps", "1", "--train.sample_tokens", "0",
+                 "--out", str(tmp_path / "base")]) == 0
     hf = str(tmp_path / "base" / "hf")
-    _train([*common, "--model", hf, "--batch-size", "4", "--max-steps", "3",
-            "--train.sample_tokens", "0", "--out", str(tmp_path / "one")])
+    assert main(["train", *common, "--model", hf, "--batch-size", "4", "--max-steps", "3",
+                 "--train.sample_tokens", "0", "--out", str(tmp_path / "one")]) == 0
     out = _train([*common, "--model", hf, "--batch-size", "2", "--max-steps", "3",
                   "--nproc", "2", "--backend", "fsdp", "--train.sample_tokens", "4",
                   "--out", str(tmp_path / "two")])

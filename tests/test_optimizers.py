@@ -351,14 +351,14 @@ def test_plan_prints_each_optimizers_state_bytes(capsys):
 
     printed = {}
     for name in ("AdamW", "Adafactor"):
-        assert main(["plan", "--model-size", "1b", "--hardware", "rtx4060ti-16g", "--opt",
+        assert main(["plan", "--model-size", "small", "--hardware", "rtx4060ti-16g", "--opt",
                      name]) == 0
         printed[name] = capsys.readouterr().out
         assert f"{name} state" in printed[name]
     # AdamW: 8 bytes per parameter; Adafactor: a few bytes per row and column
     assert "(8.00 B/param)" in printed["AdamW"]
     assert "(0.0" in printed["Adafactor"].split("Adafactor state")[1].split("\n")[0]
-    assert main(["plan", "--model-size", "1b", "--hardware", "rtx4060ti-16g",
+    assert main(["plan", "--model-size", "small", "--hardware", "rtx4060ti-16g",
                  "--no-optimizer-table"]) == 0
     assert "each optimizer" not in capsys.readouterr().out
     # every optimizer's row in the comparison, the same whichever --opt was planned

