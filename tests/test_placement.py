@@ -1,10 +1,11 @@
 """The placement report counts what the engine holds, by the engine's own rules
-(tierlm.runtime.state.persistent_bytes and load_bytes, tierlm.runtime.cache.window_bytes), so
-the two cannot drift: right after the engine is built, the report's disk bytes are the ledger's,
-its host bytes the ledger's plus the staging it reserves (one disk-tier update and one streamed
-read, each the largest of any disk segment, and one gradient landing), its device bytes the ledger's plus the stream
-cache, one segment's gradient in flight and the activation reserve. A step then stays within
-the report on every tier."""
+(tierlm.runtime.state.persistent_bytes and load_bytes, tierlm.runtime.cache.window_bytes,
+tierlm.runtime.schedule.grad_landing), so the two cannot drift: right after the engine is built,
+the report's disk bytes are the ledger's, its host bytes the ledger's plus the staging it
+reserves (one disk-tier update and one streamed read, each the largest of any disk segment, and
+one gradient landing), its device bytes the ledger's plus the stream cache, one segment's
+gradient in flight and the activation reserve. A step then stays within the report on every
+tier."""
 
 import contextlib
 
