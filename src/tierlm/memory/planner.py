@@ -1450,9 +1450,11 @@ def _host_then_disk(
     host_state = parked + sum(
         h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
     def staging(i: int) -> int:  # one disk update + one streamed read in flight
+        from tierlm.runtime.state import load_bytes
+
         wire = shape.wire_bytes(i, precision)
-        # fp32 state streams through chunks; a compute copy's segment is staged whole
-        read = MASTER_B * staging_numel(shape.numels[i]) if wire is None else wire
+        # the engine's loader: fp32 state streams through chunks, a compute copy is staged whole
+        read = load_bytes(Tier.DISK, shape.numels[i], wire, STAGING_CHUNK_NUMEL).staging_bytes
         return shape.update_staging(i, wire, host_grad=grad_tier is not None) + read
 
     spilled = 0
