@@ -124,12 +124,14 @@ def test_sigkill_at_five_moments_then_resume_equals_an_uninterrupted_run(tmp_pat
     data = tmp_path / "text.txt"
     data.write_text("\n".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog"
                               for i in range(1200)) + "\n")
-    env = {**os.environ, "TIERLM_CACHE": str(tmp_path / "cache")}
+    # one thread per run: the uninterrupted run trains on the other core meanwhile (both take
+    # the same thread count, so their sums add in the same order)
+    env = {**os.environ, "TIERLM_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("TIERLM_CRASH_AT", None)
-    log = tmp_path / "runs.log"
-
     straight = tmp_path / "straight"
-    assert _wait(_launch(straight, data, env, log), log) == 0, log.read_text()[-4000:]
+    straight_log = tmp_path / "straight.log"
+    straight_run = _launch(straight, data, env, straight_log)
+    log = tmp_path / "runs.log"
 
     out = tmp_path / "killed"
     # Crash points per run: a checkpoint of the tiny model writes 9 files (model and optimizer
@@ -159,6 +161,7 @@ def test_sigkill_at_five_moments_then_resume_equals_an_uninterrupted_run(tmp_pat
         verify_checkpoint(newest)
     assert _wait(_launch(out, data, env, log), log) == 0, log.read_text()[-4000:]
     assert _resumed_at(log) == _step_of(newest)
+    assert _wait(straight_run, straight_log) == 0, straight_log.read_text()[-4000:]
 
     assert _log_of(out) == _log_of(straight)
     assert [r["step"] for r in _log_of(out) if "loss" in r] == list(range(1, MAX_STEPS + 1))
