@@ -10,11 +10,11 @@ It chooses, under the device/host/disk budgets less a safety margin:
 and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, the
 context-parallel ring's sends, with overlap as the runtime does it), naming the bottleneck.
 
-Memory is predicted by replaying the runtime's own schedule and cache policy over byte counts
-(`_simulate`), so the prediction follows the runtime's allocation pattern rather than a formula
-that could drift from it. Activation workspace (tensors autograd saves inside a segment) is
-measured once per model shape by running one block on the meta device under
-`saved_tensors_hooks`: exact shapes, no memory.
+Memory is predicted by running the runtime's own step walk (tierlm.runtime.walk), schedule and
+cache policy over byte counts (`_simulate`), so the prediction follows the runtime's allocation
+pattern rather than a formula that could drift from it. Activation workspace (tensors autograd
+saves inside a segment) is measured once per model shape by running one block on the meta
+device under `saved_tensors_hooks`: exact shapes, no memory.
 """
 
 from __future__ import annotations
