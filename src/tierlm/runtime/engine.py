@@ -251,7 +251,7 @@ class Engine(Stepper):
         hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
         in_flight = micro_batches_in_flight(options.micro_batches, options.microbatch_order)
         # the owner's gradient holding the head's contribution to tied weights, one per
-        # micro-batch in flight (`_owner_grad_target`)
+        # micro-batch in flight (tierlm.runtime.walk)
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
         self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
         tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
@@ -511,7 +511,7 @@ class Engine(Stepper):
 
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as
-        leaves of their own whose gradients `_head` collects for the owner."""
+        leaves of their own whose gradients `_collect_tied` gathers for the owner."""
         views = self._param_views(s, flat)
         self._borrowed_leaf = {}
         if s == len(self.states) - 1:
@@ -628,7 +628,7 @@ class Engine(Stepper):
             first_trained=self.trained[0] is not None,
         )
 
-    # -- compute: one segment on one micro-batch (the walk holds and drops what they return)
+    # -- compute (tierlm.runtime.walk holds, parks and drops what these return) ----
 
     def _forward(self, a: Action, mbs: list[tuple[_MicroBatch, torch.Tensor | None]],
                  w: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -67,8 +67,9 @@ class StepBackend(Protocol):
         yielded before the next micro-batch runs."""
 
     def head(self, k: int, a: Action, i: int, w: Buf, x: Buf, grad: Buf, tied: Buf) -> Buf:
-        """The loss and its gradient at the head's input, returned; the head's own gradient
-        accumulates in `grad`, the borrowed weights' in `tied` (None without trained ties)."""
+        """The loss of micro-batch `i` (kept by the backend); returns its gradient at the
+        head's input. The head's own gradient accumulates in `grad`, the borrowed weights' in
+        `tied` (None without trained ties)."""
 
     def backward(self, a: Action, i: int, w: Buf, x: Buf, gout: Buf, grad: Buf) -> Buf:
         """The gradient at the segment's input (given `gout` at its output); the segment's own
