@@ -493,6 +493,7 @@ class _Bytes:
     def __init__(self, numel: int, itemsize: int = 4) -> None:
         self._numel = numel
         self._itemsize = itemsize
+        self.nbytes = numel * itemsize
 
     def numel(self) -> int:
         return self._numel
@@ -507,11 +508,11 @@ class _CountingStore:
 
     def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
         t = _Bytes(numel, 4 if dtype is None else dtype.itemsize)
-        self.ledger.allocate(tier, cls, t.numel() * t.element_size())
+        self.ledger.allocate(tier, cls, t.nbytes)
         return t
 
     def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
-        self.ledger.release(tier, cls, t.numel() * t.element_size())
+        self.ledger.release(tier, cls, t.nbytes)
 
 
 def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int | None]:
@@ -621,21 +622,21 @@ class _CountingStep:
         return self.act
 
     def hold(self, t: _Bytes, boundary: int | None) -> None:
-        self.ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, t.numel() * t.element_size())
+        self.ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, t.nbytes)
 
     def drop(self, t: _Bytes, boundary: int | None) -> None:
-        self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, t.numel() * t.element_size())
+        self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, t.nbytes)
 
     def park(self, s: int, x: _Bytes) -> _Bytes:
         copy = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel())
-        self.ledger.record_move(Link.D2H, x.numel() * x.element_size())
+        self.ledger.record_move(Link.D2H, x.nbytes)
         return copy
 
     def wait_parked(self, copy: _Bytes) -> None:
         pass
 
     def unpark(self, s: int, copy: _Bytes) -> _Bytes:
-        self.ledger.record_move(Link.H2D, copy.numel() * copy.element_size())
+        self.ledger.record_move(Link.H2D, copy.nbytes)
         self.store.free(Tier.HOST, TensorClass.ACTIVATION, copy)
         return self.act
 
