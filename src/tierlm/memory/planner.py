@@ -10,11 +10,11 @@ It chooses, under the device/host/disk budgets less a safety margin:
 and predicts the peak bytes per tier and the step time (compute, H2D/D2H, disk, CPU update, the
 context-parallel ring's sends, with overlap as the runtime does it), naming the bottleneck.
 
-Memory is predicted by replaying the runtime's own schedule and cache policy over byte counts
-(`_simulate`), so the prediction follows the runtime's allocation pattern rather than a formula
-that could drift from it. Activation workspace (tensors autograd saves inside a segment) is
-measured once per model shape by running one block on the meta device under
-`saved_tensors_hooks`: exact shapes, no memory.
+Memory is predicted by running the runtime's own step walk (tierlm.runtime.walk), schedule and
+cache policy over byte counts (`_simulate`), so the prediction follows the runtime's allocation
+pattern rather than a formula that could drift from it. Activation workspace (tensors autograd
+saves inside a segment) is measured once per model shape by running one block on the meta
+device under `saved_tensors_hooks`: exact shapes, no memory.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from tierlm.memory.placement import (
     update_staging_bytes,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.runtime.schedule import grad_landing, transient_grad
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
 if TYPE_CHECKING:
@@ -492,6 +493,7 @@ class _Bytes:
     def __init__(self, numel: int, itemsize: int = 4) -> None:
         self._numel = numel
         self._itemsize = itemsize
+        self.nbytes = numel * itemsize
 
     def numel(self) -> int:
         return self._numel
@@ -506,11 +508,11 @@ class _CountingStore:
 
     def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
         t = _Bytes(numel, 4 if dtype is None else dtype.itemsize)
-        self.ledger.allocate(tier, cls, t.numel() * t.element_size())
+        self.ledger.allocate(tier, cls, t.nbytes)
         return t
 
     def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
-        self.ledger.release(tier, cls, t.numel() * t.element_size())
+        self.ledger.release(tier, cls, t.nbytes)
 
 
 def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int | None]:
@@ -570,6 +572,108 @@ def _stream_plan(shape: ModelShape, placements: list[SegmentPlacement], actions:
     return [streamed_reads(a, resident, tied_owners) for a in actions]
 
 
+class _CountingStep:
+    """`Engine.step` on byte counts: the walk's backend in the planner's replay
+    (tierlm.runtime.walk). Weights load through the runtime's own stream cache; compute makes
+    boundary activations and gradients of one micro-batch's hidden states (fp32); holds, parks,
+    gradient buffers, landings and reads ahead allocate, free and move their bytes in the
+    ledger. `on_action(k, phase, action)` marks where the step is (see `_simulate`)."""
+
+    def __init__(self, shape: ModelShape, placements: list[SegmentPlacement], store,
+                 cache, actions: list, hidden: int, chunk_numel: int,
+                 on_action: Callable[[int, str, Any], None]) -> None:
+        self.shape, self.placements, self.store, self.cache = shape, placements, store, cache
+        self.ledger: Ledger = store.ledger
+        self.actions, self.chunk_numel, self.on_action = actions, chunk_numel, on_action
+        self.streamed = [not p.resident for p in placements]
+        self.act = _Bytes(hidden)  # a boundary input or its gradient
+        self.grad_written = [False] * len(placements)
+        self.ahead_held: list[_Bytes] = []  # read ahead, freed by the update
+
+    def begin(self, k: int, a: Any) -> None:
+        self.on_action(k, "run", a)
+
+    def weights(self, k: int, s: int) -> None:
+        if self.streamed[s]:
+            self.cache.acquire(k, s)
+
+    def running(self, k: int, a: Any) -> contextlib.AbstractContextManager:
+        return _NOTHING
+
+    def prefetch(self, k: int) -> None:
+        self.on_action(k - 1, "prefetch", self.actions[k - 1])  # action k - 1 starts them
+        self.cache.prefetch(k)
+
+    def read_ahead(self, s: int) -> None:  # master and slots, whole, into staging
+        nbytes = self.shape.update_state_bytes(s)
+        self.ahead_held.append(self.store.alloc(Tier.HOST, TensorClass.STAGING, nbytes,
+                                                torch.uint8))
+        self.ledger.record_move(Link.DISK_READ, nbytes)
+
+    def forward(self, a: Any, w: None, xs: list) -> list[_Bytes]:
+        return [self.act] * len(xs)
+
+    def head(self, k: int, a: Any, i: int, w: None, x: _Bytes, grad: _Bytes,
+             tied: _Bytes | None) -> _Bytes:
+        return self.act
+
+    def backward(self, a: Any, i: int, w: None, x: _Bytes | None, gout: _Bytes,
+                 grad: _Bytes) -> _Bytes:
+        return self.act
+
+    def hold(self, t: _Bytes, boundary: int | None) -> None:
+        self.ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, t.nbytes)
+
+    def drop(self, t: _Bytes, boundary: int | None) -> None:
+        self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, t.nbytes)
+
+    def park(self, s: int, x: _Bytes) -> _Bytes:
+        copy = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel())
+        self.ledger.record_move(Link.D2H, x.nbytes)
+        return copy
+
+    def wait_parked(self, copy: _Bytes) -> None:
+        pass
+
+    def unpark(self, s: int, copy: _Bytes) -> _Bytes:
+        self.ledger.record_move(Link.H2D, copy.nbytes)
+        self.store.free(Tier.HOST, TensorClass.ACTIVATION, copy)
+        return self.act
+
+    def grad_buffer(self, s: int) -> _Bytes:
+        if not transient_grad(self.placements[s].state_tier, self.shape.frozen):
+            return _IN_PLACE  # the persistent gradient on the device (or none: frozen)
+        return self.store.alloc(Tier.DEVICE, TensorClass.GRAD, self.shape.numels[s])
+
+    def tied_grad(self) -> _Bytes:
+        return self.store.alloc(Tier.DEVICE, TensorClass.GRAD, self.shape.numels[0])
+
+    def add_grad(self, grad: _Bytes, part: _Bytes) -> None:
+        self.store.free(Tier.DEVICE, TensorClass.GRAD, part)
+
+    def land(self, s: int, grad: _Bytes, final: bool) -> None:
+        p = self.placements[s]
+        if not transient_grad(p.state_tier, self.shape.frozen):  # accumulated in place
+            return
+        numel = self.shape.numels[s]
+        path = grad_landing(p.state_tier, p.gradient_tier, written=self.grad_written[s],
+                            final=final)
+        # host staging at the landing's peak: the ring a device gradient is added through,
+        # each file pass's chunk sets (tierlm.runtime.landing, tierlm.runtime.state)
+        staged = path.host_staging_numel(numel, self.chunk_numel)
+        if staged:
+            self.store.free(Tier.HOST, TensorClass.STAGING,
+                            self.store.alloc(Tier.HOST, TensorClass.STAGING, staged))
+        for link, nbytes in path.moves(GRAD_B * numel):
+            self.ledger.record_move(link, nbytes)
+        self.grad_written[s] = path.written
+        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+
+
+_NOTHING = contextlib.nullcontext()
+_IN_PLACE = _Bytes(0)  # a gradient buffer the replay does not count: the persistent one
+
+
 def _simulate(
     shape: ModelShape,
     train: TrainShape,
@@ -592,32 +696,22 @@ def _simulate(
     `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
     backward actions the engine issues them after.
 
-    The rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an
-    action reads, where a gradient goes, which boundary inputs park; tierlm.runtime.state: the
-    persistent state and what a load stages and moves); this replay only orders them as
-    `Engine.step` does and counts their bytes."""
+    The sweep is the engine's own walk (tierlm.runtime.walk) over a counting backend, and the
+    rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an action
+    reads, where a gradient goes, which boundary inputs park; tierlm.runtime.state: the
+    persistent state and what a load stages and moves); this replay sets up the state before
+    the sweep and counts the update after it."""
     from tierlm.runtime.cache import StreamCache, window_bytes
-    from tierlm.runtime.schedule import (
-        grad_from_head,
-        grad_landing,
-        parked_inputs,
-        runs_backward,
-        transient_grad,
-    )
+    from tierlm.runtime.schedule import parked_inputs
     from tierlm.runtime.state import load_bytes, persistent_bytes
+    from tierlm.runtime.walk import StepRules, walk_step
 
     ledger = Ledger() if ledger is None else ledger
     store = _CountingStore(ledger)
     last = len(shape.names) - 1
     numels = shape.numels
-    m = train.micro_batches
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
     frozen = shape.frozen
-    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
-    # the head's contribution to tied weights is held in a buffer the size of the owner's
-    # gradient, which the owner's backward then accumulates its own into (frozen: no gradient)
-    tied_trained = bool(tied_owners) and not frozen
-    owner_grad = numels[0] if tied_trained else 0
 
     # the compute copy each segment is kept in off the device (None: its fp32 master), and
     # what one load of it stages and moves
@@ -655,10 +749,8 @@ def _simulate(
     cache = StreamCache(store, streamed.__getitem__, window_bytes(streamed.values()), Load)  # type: ignore[arg-type]
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
-    ahead_held: list[_Bytes] = []
     keep = [p.resident and keep_resident for p in placements]
-    needs = _stream_plan(shape, placements, actions)
-    cache.begin(needs)
+    cache.begin(_stream_plan(shape, placements, actions))
     # resident segments with host/disk state are refreshed after each update: one load per step
     for s, p in enumerate(placements):
         if p.resident and p.state_tier != Tier.DEVICE and not frozen:
@@ -666,100 +758,22 @@ def _simulate(
             if loads[s].disk_read_bytes:
                 ledger.record_move(Link.DISK_READ, loads[s].disk_read_bytes)
 
-    # the boundary inputs that wait on the host: the engine's rule on the policies `keep` gives
-    # (resident graphs kept, the rest recomputed)
-    park = parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host)
-    acts: dict[tuple[int, int], _Bytes] = {}
-    parked: dict[tuple[int, int], _Bytes] = {}  # boundary inputs waiting on the host
-    gouts: dict[tuple[int, int], _Bytes] = {}
-    grad_written = [False] * len(numels)
-
-    def hold(d, key) -> None:
-        d[key] = store.alloc(Tier.DEVICE, TensorClass.ACTIVATION, hidden)
-
-    def drop(d, key) -> None:
-        t = d.pop(key, None)
-        if t is not None:
-            store.free(Tier.DEVICE, TensorClass.ACTIVATION, t)
-
-    def grad_target(s: int):
-        if not transient_grad(placements[s].state_tier, frozen):
-            return None
-        return store.alloc(Tier.DEVICE, TensorClass.GRAD, numels[s])
-
-    def land(s: int, g, final: bool) -> None:
-        path = grad_landing(placements[s].state_tier, placements[s].gradient_tier,
-                            written=grad_written[s], final=final)
-        # host staging at the landing's peak: the ring a device gradient is added through,
-        # each file pass's chunk sets (tierlm.runtime.landing, tierlm.runtime.state)
-        staged = path.host_staging_numel(numels[s], chunk_numel)
-        if staged:
-            store.free(Tier.HOST, TensorClass.STAGING,
-                       store.alloc(Tier.HOST, TensorClass.STAGING, staged))
-        for link, nbytes in path.moves(GRAD_B * numels[s]):
-            ledger.record_move(link, nbytes)
-        grad_written[s] = path.written
-        store.free(Tier.DEVICE, TensorClass.GRAD, g)
-
-    borrowed: dict[int, _Bytes] = {}
-    for k, a in enumerate(actions):
-        on_action(k, "run", a)
-        s = a.seg
-        final = a.mbs[-1] == m - 1
-        if a.kind == "fwd":
-            for r in needs[k]:
-                cache.acquire(k, r)
-            for i in a.mbs:
-                hold(acts, (i, s + 1))
-                if s + 1 in park:
-                    parked[(i, s + 1)] = store.alloc(Tier.HOST, TensorClass.ACTIVATION, hidden)
-                    ledger.record_move(Link.D2H, hidden * 4)
-            for i in a.mbs:
-                if (i, s) in parked:
-                    drop(acts, (i, s))
-        elif a.kind == "head":
-            if s in needs[k]:
-                cache.acquire(k, s)
-            g = grad_target(s)
-            for i in a.mbs:
-                for r in needs[k]:  # the borrowed (tied) weights
-                    if r != s:
-                        cache.acquire(k, r)
-                if owner_grad:
-                    borrowed[i] = store.alloc(Tier.DEVICE, TensorClass.GRAD, owner_grad)
-                hold(gouts, (i, s))
-                drop(acts, (i, s))
-            if g is not None:
-                land(s, g, final)
-        else:
-            # the owner of tied weights off the device starts from the head's buffer
-            from_head = grad_from_head(s, tied_trained, placements[s].state_tier)
-            g = None if from_head else grad_target(s)
-            for r in needs[k]:
-                cache.acquire(k, r)
-            for i in a.mbs:
-                if (i, s) in parked:  # brought back for the backward
-                    hold(acts, (i, s))
-                    ledger.record_move(Link.H2D, hidden * 4)
-                    store.free(Tier.HOST, TensorClass.ACTIVATION, parked.pop((i, s)))
-                drop(gouts, (i, s + 1))
-                if s > 0:
-                    if runs_backward(s - 1, first_trained=not frozen):
-                        hold(gouts, (i, s))
-                    drop(acts, (i, s))
-                if s == 0 and i in borrowed:
-                    if from_head and g is None:
-                        g = borrowed.pop(i)
-                    else:
-                        store.free(Tier.DEVICE, TensorClass.GRAD, borrowed.pop(i))
-            if g is not None:
-                land(s, g, final)
-        on_action(k, "prefetch", a)
-        cache.prefetch(k + 1)
-        for s in ahead.get(k, ()):  # master and slots, whole, into staging until the update
-            nbytes = shape.update_state_bytes(s)
-            ahead_held.append(store.alloc(Tier.HOST, TensorClass.STAGING, nbytes, torch.uint8))
-            ledger.record_move(Link.DISK_READ, nbytes)
+    step = _CountingStep(shape, placements, store, cache, actions, hidden, chunk_numel,
+                         on_action)
+    tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
+    rules = StepRules(
+        micro_batches=train.micro_batches,
+        # the boundary inputs that wait on the host: the engine's rule on the policies `keep`
+        # gives (resident graphs kept, the rest recomputed)
+        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host),
+        tied_owners=tied_owners,
+        # the head's contribution to tied weights is held in a buffer the size of the owner's
+        # gradient, which the owner's backward then accumulates its own into (frozen: none)
+        tied_trained=bool(tied_owners) and not frozen,
+        state_tiers=[p.state_tier for p in placements],
+        first_trained=not frozen,
+    )
+    walk_step(step, actions, rules, ahead)
 
     on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and slots, write master and slots
@@ -769,7 +783,7 @@ def _simulate(
     update_read, update_write = _disk_update_bytes(shape, wire, placements, read_ahead)
     ledger.record_move(Link.DISK_READ, update_read)
     ledger.record_move(Link.DISK_WRITE, update_write)
-    for t in ahead_held:  # written back and freed by the update (`_update_overlap_bytes`)
+    for t in step.ahead_held:  # written back and freed by the update (`_update_overlap_bytes`)
         store.free(Tier.HOST, TensorClass.STAGING, t)
     update_staging = max([shape.update_staging(s, wire[s], chunk_numel,
                                                host_grad=p.host_grad, read_ahead=s in read_ahead)

@@ -6,7 +6,9 @@ One optimizer step over M micro-batches runs a precomputed list of actions:
 
 `microbatch-outer` repeats the whole list per micro-batch; `layer-outer` runs each segment for all
 micro-batches while its weights are on the device. Because the list is known before the step
-starts, the stream cache evicts by next use and prefetches the next action's weights.
+starts, the stream cache evicts by next use and prefetches the next action's weights. The order
+in which an action waits for, holds, parks, drops and lands what it touches is
+tierlm.runtime.walk's, which the planner's replay walks too, over byte counts.
 
 After the backward sweep the global gradient norm is known: the step is skipped on a non-finite
 norm, otherwise gradients are clipped and each segment is updated on the tier that holds its
@@ -73,11 +75,9 @@ from tierlm.runtime.readahead import ReadAhead, readahead_starts
 from tierlm.runtime.schedule import (
     Action,
     boundary_activation_bytes,
-    grad_from_head,
     grad_landing,
     micro_batches_in_flight,
     parked_inputs,
-    runs_backward,
     step_schedule,
     streamed_reads,
     transient_grad,
@@ -98,6 +98,7 @@ from tierlm.runtime.state import (
     write_back_copies,
 )
 from tierlm.runtime.stepper import Stepper
+from tierlm.runtime.walk import StepRules, walk_step
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack, Writer, deferred_copies
 
 
@@ -187,11 +188,6 @@ class _MicroBatch:
     targets: torch.Tensor  # (B, T)
     positions: torch.Tensor | None = None  # (B, T) for packed examples; None: 0..T-1
     ctx: StepContext | None = None
-    h: dict[int, torch.Tensor] = field(default_factory=dict)  # input of segment s
-    # s -> its input's flat host copy, the copy's event and the input's shape, while it waits
-    # on the host for the backward (--boundary-activations host)
-    parked: dict[int, tuple[torch.Tensor, object, torch.Size]] = field(default_factory=dict)
-    gout: dict[int, torch.Tensor] = field(default_factory=dict)  # grad wrt input of segment s
     saved: dict[int, object] = field(default_factory=dict)  # activation policy handles
     loss_scale: float = 1.0  # context parallel: this rank's share of the group's mean loss
 
@@ -255,7 +251,7 @@ class Engine(Stepper):
         hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
         in_flight = micro_batches_in_flight(options.micro_batches, options.microbatch_order)
         # the owner's gradient holding the head's contribution to tied weights, one per
-        # micro-batch in flight (`_owner_grad_target`)
+        # micro-batch in flight (tierlm.runtime.walk)
         tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
         self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
         tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
@@ -381,9 +377,6 @@ class Engine(Stepper):
             o = self.states[self.index[owner]]
             slot = next(s for s in o.layout.slots if s.name == name)
             self.borrowed[name] = (o.index, slot.offset, slot.numel)
-        # micro-batch -> the owner's gradient buffer holding the head's contribution to the
-        # tied weights, until the owner's backward for that micro-batch adds its own to it
-        self._borrowed_grad: dict[int, torch.Tensor] = {}
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
         self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
@@ -443,10 +436,6 @@ class Engine(Stepper):
     # The schedule and its rules are tierlm.runtime.schedule's pure functions, which the
     # planner's replay calls too; these methods apply them to this engine's segments.
     boundary_activation_bytes = staticmethod(boundary_activation_bytes)
-
-    def _runs_backward(self, s: int) -> bool:
-        """Whether segment `s` has a backward (an untrained embedding has none)."""
-        return runs_backward(s, first_trained=self.trained[0] is not None)
 
     def schedule(self, m: int) -> list[Action]:
         """The actions of an m-micro-batch step, in order."""
@@ -522,7 +511,7 @@ class Engine(Stepper):
 
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as
-        leaves of their own whose gradients `_head` collects for the owner."""
+        leaves of their own whose gradients `_collect_tied` gathers for the owner."""
         views = self._param_views(s, flat)
         self._borrowed_leaf = {}
         if s == len(self.states) - 1:
@@ -557,51 +546,6 @@ class Engine(Stepper):
         self.activation_policies = list(names)
         self.policies = [self._make_policy(name) for name in names]
 
-    def _hold(self, t: torch.Tensor) -> torch.Tensor:
-        self.ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
-        return t
-
-    def _drop(self, store: dict[int, torch.Tensor], s: int) -> None:
-        t = store.pop(s, None)
-        if t is not None:
-            self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
-
-    def _hold_input(self, mb: _MicroBatch, s: int, t: torch.Tensor, *, park: bool = True) -> None:
-        """Segment `s`'s boundary input, held until its backward (with host boundaries, a copy
-        starts to the host now: the head's input is used at once and stays)."""
-        mb.h[s] = self._hold(t)
-        self.ledger.hold_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
-        if park and s in self.parked_inputs:
-            host = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, t.numel(), t.dtype)
-            what = f"boundary {self.states[s].seg.name}"
-            mb.parked[s] = (host, self.store.to_host(host.view(t.shape), t, what), t.shape)
-
-    def _leave_device(self, mb: _MicroBatch, s: int) -> None:
-        """Segment `s`'s forward has read its input: the host copy waits for the backward."""
-        if s in mb.parked:
-            self.store.wait(mb.parked[s][1])  # the copy reads it before the memory is reused
-            self._drop_input(mb, s)
-
-    def _input(self, mb: _MicroBatch, s: int) -> torch.Tensor:
-        """Segment `s`'s boundary input for its backward: brought back if it was parked (the
-        forward of `s` always ran since it was produced, so it is on the host by now)."""
-        if s in mb.parked:
-            host, _, shape = mb.parked.pop(s)
-            dev = torch.empty(shape, dtype=host.dtype, device=self.device)
-            what = f"boundary {self.states[s].seg.name}"
-            self.store.wait(self.store.to_device(dev, host.view(shape), what))
-            # pinned host memory goes back to torch's host allocator, which holds it until the
-            # copy reading it has finished
-            self.store.free(Tier.HOST, TensorClass.ACTIVATION, host)
-            self._hold_input(mb, s, dev, park=False)  # the backward uses and drops it
-        return mb.h[s]
-
-    def _drop_input(self, mb: _MicroBatch, s: int) -> None:
-        t = mb.h.get(s)
-        if t is not None:
-            self.ledger.release_activation(self.states[s].seg.name, "boundary", nbytes_of(t))
-        self._drop(mb.h, s)
-
     def _run(self, st: SegmentState, mb: _MicroBatch):
         """Segment `st` on micro-batch `mb`: (flat weights, boundary input) -> output."""
 
@@ -622,13 +566,15 @@ class Engine(Stepper):
                 for i in a.mbs:
                     self.policies[a.seg].bring_back(mbs[i].saved[a.seg])
 
+
     # -- the step ----
 
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
         """One optimizer step over `batches` (each (B, T+1) token ids) at learning rate `lr`.
 
-        Every action first waits for the weights it reads (the previous update, then the copy:
-        `update_wait_s`, `transfer_wait_s`), then computes; `compute_s` is what the compute
+        The actions run in the order of tierlm.runtime.walk, which the planner's replay walks
+        too. Every action first waits for the weights it reads (the previous update, then the
+        copy: `update_wait_s`, `transfer_wait_s`), then computes; `compute_s` is what the compute
         clock measured inside the actions (also the trace's compute lane)."""
         t0 = time.perf_counter()
         trace = self.tracer
@@ -656,27 +602,13 @@ class Engine(Stepper):
                 self._size_cache()
             self.cache.begin(self.stream_plan(m))
             self.param_norms = {}
-        loss_sum = 0.0
-        for k, a in enumerate(actions):
-            self._bring_back(actions[k + 1 : k + 2], mbs)
-            w, grad = self._prepare(k, a)
-            with trace.span("step", a.label(names), cat="action", k=k):
-                if a.kind == "fwd":
-                    self._forward(a, mbs, w)
-                elif a.kind == "head":
-                    loss_sum += self._head(k, a, mbs, m, w, grad)
-                else:
-                    self._backward(a, mbs, w, grad)
-                self.cache.prefetch(k + 1)
-                for s in readahead.get(k, ()):
-                    st = self.states[s]
-                    self._writer.wait(s)  # the last update's write-back of them has landed
-                    self._readahead[s] = CopiesRead(self.store, st, st.state_copies)
+        run = _TensorStep(self, mbs, actions, names)
+        walk_step(run, actions, self.step_rules(m), readahead)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
         return {
-            "loss": loss_sum / m,
+            "loss": run.loss_sum / m,
             "grad_norm": grad_norm,
             "skipped": skipped,
             "sweep_s": sweep_s,  # forward + backward, including waits for weights
@@ -686,158 +618,109 @@ class Engine(Stepper):
             "step_time_s": time.perf_counter() - t0,
         }
 
-    def _prepare(
-        self, k: int, a: Action
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Everything action `a` waits for before it computes: its weights (and the previous
-        update of them), in the order the planner's replay allocates (the backward's gradient
-        buffer first). Returns the weights and, for a head or backward action, the gradient
-        target."""
-        st = self.states[a.seg]
-        if a.kind == "bwd":
-            with self.tracer.span("step", "gradient buffer", cat="step"):
-                # the owner of tied weights off the device starts from the head's buffer
-                grad = None if self._grad_from_head(st) else self._grad_target(a.seg)
-            return self._weights(k, a.seg), grad
-        w = self._weights(k, a.seg)
-        if a.kind == "fwd":
-            return w, None
-        with self.tracer.span("step", "gradient buffer", cat="step"):
-            grad = self._grad_target(a.seg)
-        for owner, _, _ in self.borrowed.values():
-            self._weights(k, owner)
-        return w, grad
+    def step_rules(self, m: int) -> StepRules:
+        """This engine's answers to what an m-micro-batch step's walk asks
+        (tierlm.runtime.walk)."""
+        return StepRules(
+            micro_batches=m, parked=self.parked_inputs,
+            tied_owners=[owner for owner, _, _ in self.borrowed.values()],
+            tied_trained=self.tied_trained, state_tiers=[st.tier for st in self.states],
+            first_trained=self.trained[0] is not None,
+        )
 
-    def _forward(self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor) -> None:
-        st = self.states[a.seg]
-        w = self._trained_flat(a.seg, w)
-        for i in a.mbs:
-            mb = mbs[i]
-            x = mb.ids if a.seg == 0 else mb.h[a.seg]
+    # -- compute (tierlm.runtime.walk holds, parks and drops what these return) ----
+
+    def _forward(self, a: Action, mbs: list[tuple[_MicroBatch, torch.Tensor | None]],
+                 w: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Forward action `a` on each of its micro-batches with its input (None: the token
+        ids) in turn: each output, yielded before the next micro-batch runs."""
+        s = a.seg
+        st = self.states[s]
+        w = self._trained_flat(s, w)
+        for mb, x in mbs:
+            x = mb.ids if x is None else x
             with self.clock.measure():
-                out, mb.saved[a.seg] = self.policies[a.seg].forward(
-                    self._run(st, mb), w, x, self._scope(st, mb, x)
-                )
-                if a.seg == 0:
+                out, mb.saved[s] = self.policies[s].forward(self._run(st, mb), w, x,
+                                                            self._scope(st, mb, x))
+                if s == 0:
                     with torch.no_grad(), self.opts.autocast():
                         mb.ctx = self.adapter.context(mb.ids, out, mb.positions,
                                                       ring=self.opts.sequence_share.ring)
-            self._hold_input(mb, a.seg + 1, out)
-        for i in a.mbs:
-            self._leave_device(mbs[i], a.seg)
+            yield out
 
     def _chunk_tokens(self, vocab: int) -> int:
         return self.opts.loss_chunk_tokens or default_chunk_tokens(vocab)
 
     def _head(
-        self, k: int, a: Action, mbs: list[_MicroBatch], m: int, w: torch.Tensor,
-        grad: torch.Tensor,
-    ) -> float:
-        """Loss and its gradient at the head's input, chunk by chunk over tokens, so the full
-        (tokens x vocab) logits never exist at once."""
-        s = a.seg
+        self, k: int, mb: _MicroBatch, m: int, w: torch.Tensor, x: torch.Tensor,
+        grad: torch.Tensor, tied: torch.Tensor | None,
+    ) -> tuple[float, torch.Tensor]:
+        """The loss of one micro-batch of an m-micro-batch step and its gradient at the head's
+        input `x`, chunk by chunk over tokens, so the full (tokens x vocab) logits never exist
+        at once. The head's gradient accumulates in `grad`, the borrowed weights' in `tied`
+        (None without trained ties)."""
+        s = len(self.states) - 1
         st = self.states[s]
         seg: HeadSegment = st.seg  # type: ignore[assignment]
-        loss_total = 0.0
         w = self._trained_flat(s, w)
         frozen = self.frozen[s]
-        for i in a.mbs:
-            mb = mbs[i]
-            leaf = w.detach().requires_grad_()
-            leaf.grad = grad
-            views = self._views(k, s, leaf)
-            owner_grad = self._owner_grad_target()
-            x = mb.h[s].detach().requires_grad_()
-            # The ledger counts what autograd saves here: the norm's tensors and the normed input
-            # for the whole action, each chunk's log-softmax during that chunk.
-            shared = storages_of(x, mb.ctx, [views[n] for n in self.borrowed])
-            norm = SavedTensorScope(leaf, shared, frozen)
-            with self.clock.measure(), torch.enable_grad(), self.opts.autocast(), norm.hooks():
-                hn = seg.forward(views, x, mb.ctx)
-            hn_leaf = hn.detach().requires_grad_()
-            held = norm.bytes + nbytes_of(hn_leaf)
-            self.ledger.hold_activation(seg.name, "saved", held)
-            shared |= storages_of(hn_leaf)
-            with self.clock.measure():
-                loss_total += mb.loss_scale * chunked_cross_entropy(
-                    lambda h, views=views: seg.project(views, h),
-                    hn_leaf.flatten(0, 1),  # (B*T, D)
-                    mb.targets.flatten(),
-                    chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
-                    grad_divisor=m / mb.loss_scale,
-                    autocast=self.opts.autocast,
-                    saved=lambda leaf=leaf, shared=shared: SavedTensorScope(leaf, shared, frozen),
-                    ledger=self.ledger,
-                    segment=seg.name,
-                    loss_of=self.opts.chunk_loss,
-                )
-                hn.backward(hn_leaf.grad)
-            self.ledger.release_activation(seg.name, "saved", held)
-            if owner_grad is not None:
-                self._borrowed_grad[i] = owner_grad
-            mb.gout[s] = self._hold(x.grad)
-            self._drop_input(mb, s)
-        if self.trained[s] is not None:
-            self._land_grad(self.trained[s], grad, final=a.mbs[-1] == m - 1)
-        return loss_total
+        leaf = w.detach().requires_grad_()
+        leaf.grad = grad
+        views = self._views(k, s, leaf)
+        if tied is not None:
+            self._collect_tied(tied)
+        x = x.detach().requires_grad_()
+        # The ledger counts what autograd saves here: the norm's tensors and the normed input
+        # for the whole action, each chunk's log-softmax during that chunk.
+        shared = storages_of(x, mb.ctx, [views[n] for n in self.borrowed])
+        norm = SavedTensorScope(leaf, shared, frozen)
+        with self.clock.measure(), torch.enable_grad(), self.opts.autocast(), norm.hooks():
+            hn = seg.forward(views, x, mb.ctx)
+        hn_leaf = hn.detach().requires_grad_()
+        held = norm.bytes + nbytes_of(hn_leaf)
+        self.ledger.hold_activation(seg.name, "saved", held)
+        shared |= storages_of(hn_leaf)
+        with self.clock.measure():
+            loss = mb.loss_scale * chunked_cross_entropy(
+                lambda h: seg.project(views, h),
+                hn_leaf.flatten(0, 1),  # (B*T, D)
+                mb.targets.flatten(),
+                chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
+                grad_divisor=m / mb.loss_scale,
+                autocast=self.opts.autocast,
+                saved=lambda: SavedTensorScope(leaf, shared, frozen),
+                ledger=self.ledger,
+                segment=seg.name,
+                loss_of=self.opts.chunk_loss,
+            )
+            hn.backward(hn_leaf.grad)
+        self.ledger.release_activation(seg.name, "saved", held)
+        return loss, x.grad
 
     def _backward(
-        self, a: Action, mbs: list[_MicroBatch], w: torch.Tensor, grad: torch.Tensor | None
-    ) -> None:
-        """`w`: the weights on the device, which every policy's backward reads; `grad`: where
-        the action's gradient accumulates (None: the first micro-batch's buffer becomes it,
-        `_grad_from_head`)."""
-        s = a.seg
+        self, s: int, mb: _MicroBatch, w: torch.Tensor, x: torch.Tensor | None,
+        gout: torch.Tensor, grad: torch.Tensor,
+    ) -> torch.Tensor:
+        """Segment `s`'s gradient at its input `x` (None: the token ids) given `gout` at its
+        output; `w`: the weights on the device, which every policy's backward reads; `grad`:
+        where the segment's gradient accumulates."""
         st = self.states[s]
         w = self._trained_flat(s, w)
-        owns_borrowed = s == 0 and bool(self._borrowed_grad)
-        for i in a.mbs:
-            mb = mbs[i]
-            # The owner of tied weights first sums its own and the head's contribution for this
-            # micro-batch, then accumulates, as autograd does for a tensor used twice in a graph:
-            # its backward accumulates into the buffer holding the head's contribution (x + y is
-            # y + x in IEEE arithmetic, so the bits are autograd's own + head).
-            target = self._borrowed_grad.pop(i) if owns_borrowed else grad
-            x = mb.ids if s == 0 else self._input(mb, s)
-            with self.clock.measure():
-                dx = self.policies[s].backward(
-                    mb.saved.pop(s), self._run(st, mb), w, x, mb.gout[s + 1], target,
-                    self._scope(st, mb, x),
-                )
-            self._drop(mb.gout, s + 1)
-            if s > 0:
-                if self._runs_backward(s - 1):
-                    mb.gout[s] = self._hold(dx)
-                self._drop_input(mb, s)
-            if owns_borrowed and grad is None:
-                grad = target  # a fresh zeroed gradient plus `target` is `target`
-            elif owns_borrowed:
-                grad.add_(target)
-                self.store.free(Tier.DEVICE, TensorClass.GRAD, target)
-        if self.trained[s] is not None:
-            self._land_grad(self.trained[s], grad, final=a.mbs[-1] == len(mbs) - 1)
+        x = mb.ids if x is None else x
+        with self.clock.measure():
+            return self.policies[s].backward(mb.saved.pop(s), self._run(st, mb), w, x, gout,
+                                             grad, self._scope(st, mb, x))
 
     # -- gradients ----
 
-    def _grad_from_head(self, st: SegmentState) -> bool:
-        """The owner of tied weights off the device starts from the head's buffer
-        (tierlm.runtime.schedule.grad_from_head), so the device holds one gradient per
-        micro-batch in flight, not one more."""
-        return grad_from_head(st.index, self.tied_trained, st.tier)
-
-    def _owner_grad_target(self) -> torch.Tensor | None:
-        """For the head's tied weights (`_borrowed_leaf`, just made by `_views`): a zeroed
-        buffer the size of the owner's gradient whose slots are their gradients, so autograd
+    def _collect_tied(self, buf: torch.Tensor) -> None:
+        """The head's tied weights (`_borrowed_leaf`, just made by `_views`) take their slots of
+        `buf`, a zeroed buffer the size of the owner's gradient, as their gradients, so autograd
         accumulates the head's contribution straight into what the owner's backward then
-        accumulates its own into. None without tied weights."""
-        if not self._borrowed_leaf:
-            return None
-        owner = self.states[0]  # the embedding owns every tie
-        buf = self.store.zeros(Tier.DEVICE, TensorClass.GRAD, owner.numel)
+        accumulates its own into (tierlm.runtime.walk)."""
         for name, b in self._borrowed_leaf.items():
             _, off, n = self.borrowed[name]
             b.grad = buf.narrow(0, off, n)
-        return buf
 
     def _grad_target(self, s: int) -> torch.Tensor:
         """Where autograd accumulates segment `s`'s gradient: the persistent gradient buffer
@@ -1217,6 +1100,98 @@ class Engine(Stepper):
         self._worker.shutdown(wait=True)
         self._writer.close()
         self.store.close()
+
+
+class _TensorStep:
+    """One `Engine.step` as the walk's backend (tierlm.runtime.walk): the engine's compute,
+    stores and copies on the step's micro-batches; the walk says when."""
+
+    def __init__(self, eng: Engine, mbs: list[_MicroBatch], actions: list[Action],
+                 names: list[str]) -> None:
+        self.eng, self.mbs, self.actions, self.names = eng, mbs, actions, names
+        self.loss_sum = 0.0
+
+    def begin(self, k: int, a: Action) -> None:
+        self.eng._bring_back(self.actions[k + 1 : k + 2], self.mbs)
+
+    def weights(self, k: int, s: int) -> torch.Tensor:
+        return self.eng._weights(k, s)
+
+    def running(self, k: int, a: Action) -> contextlib.AbstractContextManager:
+        return self.eng.tracer.span("step", a.label(self.names), cat="action", k=k)
+
+    def prefetch(self, k: int) -> None:
+        self.eng.cache.prefetch(k)
+
+    def read_ahead(self, s: int) -> None:
+        eng = self.eng
+        st = eng.states[s]
+        eng._writer.wait(s)  # the last update's write-back of them has landed
+        eng._readahead[s] = CopiesRead(eng.store, st, st.state_copies)
+
+    def forward(self, a: Action, w: torch.Tensor, xs: list[torch.Tensor | None]
+                ) -> Iterator[torch.Tensor]:
+        return self.eng._forward(a, [(self.mbs[i], x) for i, x in zip(a.mbs, xs, strict=True)],
+                                 w)
+
+    def head(self, k: int, a: Action, i: int, w: torch.Tensor, x: torch.Tensor,
+             grad: torch.Tensor, tied: torch.Tensor | None) -> torch.Tensor:
+        loss, dx = self.eng._head(k, self.mbs[i], len(self.mbs), w, x, grad, tied)
+        self.loss_sum += loss
+        return dx
+
+    def backward(self, a: Action, i: int, w: torch.Tensor, x: torch.Tensor | None,
+                 gout: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return self.eng._backward(a.seg, self.mbs[i], w, x, gout, grad)
+
+    def hold(self, t: torch.Tensor, boundary: int | None) -> None:
+        ledger = self.eng.ledger
+        ledger.allocate(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
+        if boundary is not None:
+            ledger.hold_activation(self.names[boundary], "boundary", nbytes_of(t))
+
+    def drop(self, t: torch.Tensor, boundary: int | None) -> None:
+        ledger = self.eng.ledger
+        if boundary is not None:
+            ledger.release_activation(self.names[boundary], "boundary", nbytes_of(t))
+        ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, nbytes_of(t))
+
+    def park(self, s: int, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Size]:
+        """The input's flat host copy, the copy's event and the input's shape."""
+        store = self.eng.store
+        host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), x.dtype)
+        copied = store.to_host(host.view(x.shape), x, f"boundary {self.names[s]}")
+        return host, copied, x.shape
+
+    def wait_parked(self, copy: tuple[torch.Tensor, object, torch.Size]) -> None:
+        self.eng.store.wait(copy[1])
+
+    def unpark(self, s: int, copy: tuple[torch.Tensor, object, torch.Size]) -> torch.Tensor:
+        store = self.eng.store
+        host, _, shape = copy
+        dev = torch.empty(shape, dtype=host.dtype, device=self.eng.device)
+        store.wait(store.to_device(dev, host.view(shape), f"boundary {self.names[s]}"))
+        # pinned host memory goes back to torch's host allocator, which holds it until the copy
+        # reading it has finished
+        store.free(Tier.HOST, TensorClass.ACTIVATION, host)
+        return dev
+
+    def grad_buffer(self, s: int) -> torch.Tensor:
+        with self.eng.tracer.span("step", "gradient buffer", cat="step"):
+            return self.eng._grad_target(s)
+
+    def tied_grad(self) -> torch.Tensor:
+        owner = self.eng.states[0]  # the embedding owns every tie
+        return self.eng.store.zeros(Tier.DEVICE, TensorClass.GRAD, owner.numel)
+
+    def add_grad(self, grad: torch.Tensor, part: torch.Tensor) -> None:
+        grad.add_(part)
+        self.eng.store.free(Tier.DEVICE, TensorClass.GRAD, part)
+
+    def land(self, s: int, grad: torch.Tensor, final: bool) -> None:
+        trained = self.eng.trained[s]
+        if trained is not None:
+            self.eng._land_grad(trained, grad, final=final)
 
 
 def _parts(st: SegmentState, copy: str, buf: torch.Tensor) -> dict[str, torch.Tensor]:
