@@ -1452,6 +1452,8 @@ def _host_then_disk(
     spill the last blocks first (their update is needed last by the next forward, so disk
     latency hides best there). `host_grads`: a spilled segment keeps its gradient in host RAM
     (no gradient byte touches the disk); `parked`: host bytes reserved for other uses."""
+    from tierlm.runtime.state import load_bytes  # the engine's loader rule (it imports memory)
+
     placements = [
         p if p.state_tier == Tier.DEVICE else SegmentPlacement(p.resident, Tier.HOST)
         for p in placements
@@ -1464,8 +1466,6 @@ def _host_then_disk(
     host_state = parked + sum(
         h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
     def staging(i: int) -> int:  # one disk update + one streamed read in flight
-        from tierlm.runtime.state import load_bytes
-
         wire = shape.wire_bytes(i, precision)
         # the engine's loader: fp32 state streams through chunks, a compute copy is staged whole
         read = load_bytes(Tier.DISK, shape.numels[i], wire, STAGING_CHUNK_NUMEL).staging_bytes
