@@ -35,7 +35,7 @@ import torch
 from tierlm.activations import activation_peak_bytes
 from tierlm.config import ActivationConfig, OptimConfig
 from tierlm.models import build_model, preset_config
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 
 POLICIES = ("keep", "selective", "full", "offload")
 MiB = 2**20
@@ -134,7 +134,7 @@ def main() -> None:
 
     # -- dynamic's choices: one engine per budget, built as `tierlm train` builds it ----
     dyn = ActivationConfig(policy="dynamic")
-    probe = Engine(copy.deepcopy(base), optim, options(args, activations=dyn), device=device)
+    probe = build_engine(copy.deepcopy(base), optim, options(args, activations=dyn), device=device)
     n = len(probe.states) - 1
     reserve = probe.activation_reserve_bytes  # dynamic's minimum (every block recomputed)
     fixed = probe.report.device_bytes - reserve  # model state + boundary activations
@@ -147,15 +147,16 @@ def main() -> None:
                for f in args.fractions.split(",")]
     chosen = []
     for budget in budgets:
-        eng = Engine(copy.deepcopy(base), optim,
-                     options(args, activations=dyn, device_budget_bytes=budget), device=device)
+        eng = build_engine(copy.deepcopy(base), optim,
+                           options(args, activations=dyn, device_budget_bytes=budget),
+                           device=device)
         chosen.append(list(eng.activation_policies))
         eng.close()
         del eng
         gc.collect()
 
     # -- every row in one engine, interleaved round by round ----
-    eng = Engine(copy.deepcopy(base), optim, options(args), device=device)
+    eng = build_engine(copy.deepcopy(base), optim, options(args), device=device)
     state_bytes = eng.report.device_bytes - eng.activation_bytes
     rows = {name: [name] * n for name in POLICIES}
     rows.update({f"dynamic {i}": c for i, c in enumerate(chosen)})

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tierlm.config import OptimConfig
 from tierlm.models import build_model, preset_config
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.train.checkpoint import TrainState, save_checkpoint
 
 from tierlm.train.safety import return_freed_buffers
@@ -47,7 +47,7 @@ def status(field):
 cfg = preset_config(size, max_seq_len=128)
 model = build_model(cfg, device="cpu", seed=0)
 n_params = sum(p.numel() for p in model.parameters())
-eng = Engine(model, OptimConfig(lr=1e-4), EngineOptions(
+eng = build_engine(model, OptimConfig(lr=1e-4), EngineOptions(
     policy="disk", offload_dir=str(work / "offload"), batch_size=1, seq_len=128),
     device=torch.device("cpu"))
 gc.collect()

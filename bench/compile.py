@@ -36,7 +36,7 @@ from tierlm.config import ActivationConfig, LoraConfig, OptimConfig, PrecisionCo
 from tierlm.models import build_model, preset_config
 from tierlm.models.lora import apply_lora, store_frozen_as_computed
 from tierlm.precision import prepare_precision
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.compile import NoCompile, SegmentCompile, compiled_graphs
 from tierlm.train.reference import ReferenceStep
 
@@ -61,7 +61,7 @@ def build(base, runtime: str, compiled, device, args):
                          activations=ActivationConfig(policy="full"), base_format=base_format,
                          chunk_loss=compiled.chunk_loss,
                          offload_dir=tempfile.mkdtemp(prefix="tierlm-bench-compile-"), **autocast)
-    return Engine(model, OPTIM, opts, device=device)
+    return build_engine(model, OPTIM, opts, device=device)
 
 
 def step(stepper, batch, device) -> dict:

@@ -32,7 +32,7 @@ def main() -> None:
     from tierlm.config import OptimConfig
     from tierlm.memory.placement import STAGING_CHUNK_NUMEL
     from tierlm.memory.tiers import Tier
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
     from tierlm.runtime.state import start_load
 
     root = Path(args.dir)
@@ -41,8 +41,9 @@ def main() -> None:
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=args.vocab,
                       tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(cfg)
-    eng = Engine(model, OptimConfig(lr=1e-4), EngineOptions(policy="disk", offload_dir=str(root)),
-                 device=torch.device("cpu"))
+    eng = build_engine(model, OptimConfig(lr=1e-4),
+                       EngineOptions(policy="disk", offload_dir=str(root)),
+                       device=torch.device("cpu"))
     st = eng.states[0]
     n = st.numel
     whole = 1 << (n - 1).bit_length()  # one chunk: the segment staged whole, as before

@@ -27,7 +27,7 @@ from tierlm.config import OptimConfig, parse_bytes
 from tierlm.memory.disk import dd_throughput
 from tierlm.memory.tiers import Link, Tier
 from tierlm.models import build_model, preset_config
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 
 GiB = 2**30
 
@@ -73,7 +73,7 @@ def main() -> None:
             policy="disk", host_budget_bytes=host_budget, offload_dir=off,
             batch_size=args.batch_size, seq_len=args.seq_len,
         )
-        eng = Engine(model, OptimConfig(lr=1e-4), opts, device=torch.device("cpu"))
+        eng = build_engine(model, OptimConfig(lr=1e-4), opts, device=torch.device("cpu"))
         trim()
         setup_rss = rss_bytes()
         reset_peak_rss()

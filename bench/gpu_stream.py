@@ -17,7 +17,7 @@ import torch
 from tierlm.config import OptimConfig
 from tierlm.memory.tiers import Link
 from tierlm.models import build_model, preset_config
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 
 
 def pinned_copy_gbps(nbytes: int = 1 << 30) -> tuple[float, float]:
@@ -53,7 +53,7 @@ def main() -> None:
     cfg = preset_config(args.model_size, max_seq_len=args.seq_len)
     model = build_model(cfg, device="cpu", seed=0)
     budget = int((args.gpu_cap_gib - 1.0) * 2**30)  # 1 GiB for the CUDA context and workspace
-    eng = Engine(
+    eng = build_engine(
         model, OptimConfig(lr=1e-4),
         EngineOptions(policy=args.policy, device_budget_bytes=budget, batch_size=args.batch_size,
                       seq_len=args.seq_len, offload_dir="/tmp/tierlm-gpu-offload"),

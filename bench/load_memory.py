@@ -53,7 +53,7 @@ def _load(kind: str, path: str, args: argparse.Namespace, offload_dir: str) -> t
     from tierlm.config import OptimConfig, parse_bytes
     from tierlm.models import hf_model_skeleton
     from tierlm.models.load import CheckpointWeights
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: large frees go back to the system
@@ -73,12 +73,12 @@ def _load(kind: str, path: str, args: argparse.Namespace, offload_dir: str) -> t
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     elif kind == "from_pretrained -> engine":
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        engine = Engine(model, OptimConfig(), options, device=torch.device("cpu"))
+        engine = build_engine(model, OptimConfig(), options, device=torch.device("cpu"))
         report = engine.report
     else:
         model = hf_model_skeleton(path)
-        engine = Engine(model, OptimConfig(), options, device=torch.device("cpu"),
-                        initial_weights=CheckpointWeights(path, model))
+        engine = build_engine(model, OptimConfig(), options, device=torch.device("cpu"),
+                              initial_weights=CheckpointWeights(path, model))
         report = engine.report
     peak = _status_bytes("VmHWM:")
     managed = None if report is None else (report.device_bytes, report.host_bytes)

@@ -40,7 +40,7 @@ from tierlm.memory.tiers import Link, Tier  # noqa: E402
 from tierlm.models import nf4  # noqa: E402
 from tierlm.models.lora import apply_lora  # noqa: E402
 from tierlm.precision import prepare_precision  # noqa: E402
-from tierlm.runtime import Engine, EngineOptions  # noqa: E402
+from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
 
 RUNS = [("lora", "fp32"), ("lora", "bf16"), ("qlora", "fp32"), ("qlora", "bf16")]
 
@@ -67,7 +67,7 @@ def run(model, method: str, precision: str, args, batches, offload: Path) -> dic
     opts = EngineOptions(policy=args.offload_policy, batch_size=args.batch_size,
                          seq_len=args.seq_len, offload_dir=str(offload),
                          base_format=base_format, **({"autocast": autocast} if autocast else {}))
-    eng = Engine(model, OptimConfig(lr=1e-3), opts, device=device)
+    eng = build_engine(model, OptimConfig(lr=1e-3), opts, device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     live = _LiveDecodes()

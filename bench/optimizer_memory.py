@@ -32,7 +32,7 @@ def child(args: argparse.Namespace) -> None:
     from tierlm.memory.tiers import Link, Tier
     from tierlm.models import build_model, preset_config
     from tierlm.optim import model_state_nbytes
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
 
     def rss(field: str) -> int:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> None:
         opts = EngineOptions(policy="tiered", device_budget_bytes=parse_bytes(args.device_budget),
                              host_budget_bytes=parse_bytes(args.host_budget), offload_dir=off,
                              batch_size=args.batch_size, seq_len=args.seq_len)
-        eng = Engine(model, optim, opts, device=torch.device("cpu"))
+        eng = build_engine(model, optim, opts, device=torch.device("cpu"))
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
         g = torch.Generator().manual_seed(0)
         for _ in range(args.steps):

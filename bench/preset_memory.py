@@ -39,7 +39,7 @@ def _build(kind: str, args: argparse.Namespace, offload_dir: str) -> tuple:
     from tierlm.config import OptimConfig
     from tierlm.models import build_model, preset_config
     from tierlm.models.init import preset_skeleton
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: large frees go back to the system
@@ -52,12 +52,12 @@ def _build(kind: str, args: argparse.Namespace, offload_dir: str) -> tuple:
     options = EngineOptions(policy=args.policy, offload_dir=offload_dir)
     t0 = time.perf_counter()
     if kind == "build_model -> engine":
-        engine = Engine(build_model(config, seed=0), OptimConfig(), options,
-                        device=torch.device("cpu"))
+        engine = build_engine(build_model(config, seed=0), OptimConfig(), options,
+                              device=torch.device("cpu"))
     else:
         model, source = preset_skeleton(config, seed=0)
-        engine = Engine(model, OptimConfig(), options, device=torch.device("cpu"),
-                        initial_weights=source)
+        engine = build_engine(model, OptimConfig(), options, device=torch.device("cpu"),
+                              initial_weights=source)
     seconds = time.perf_counter() - t0
     peak = _status_bytes("VmHWM:")
     checksum = sum(float(w.double().sum()) for w in engine.weights().values())

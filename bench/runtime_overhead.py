@@ -33,7 +33,7 @@ from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.writeback import WriteBack
 from tierlm.train.reference import ReferenceStep
@@ -117,7 +117,7 @@ def main() -> None:
                 continue
             if "placements" in kw:
                 kw = {**kw, "placements": [kw["placements"]] * n_segs}
-            eng = Engine(
+            eng = build_engine(
                 copy.deepcopy(base), optim,
                 EngineOptions(offload_dir=off, batch_size=args.batch_size, seq_len=args.seq_len,
                               micro_batches=args.micro_batches,

@@ -31,7 +31,7 @@ from tierlm.memory import Ledger, PlacementError, Tier
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 
 CPU = torch.device("cpu")
 B, T = 2, 16
@@ -253,7 +253,7 @@ def make_engine(model, tmp_path, policy, *, placement="none", order="microbatch-
     from tierlm.config import ActivationConfig
 
     acts = ActivationConfig(policy=policy, **kw)
-    return Engine(
+    return build_engine(
         model, OPTIM,
         EngineOptions(policy=placement, microbatch_order=order, grad_clip=0.05, micro_batches=2,
                       batch_size=B, seq_len=T, offload_dir=str(tmp_path), activations=acts,
@@ -333,7 +333,7 @@ def test_offload_moves_the_saved_bytes_to_host_and_back(tmp_path):
     activations, each block's `keep` bytes there and back per micro-batch."""
     layers, m = 3, 2
     model = tiny_model("llama_untied", layers=layers)
-    eng = Engine(
+    eng = build_engine(
         model, OPTIM,
         EngineOptions(policy="none", micro_batches=m, batch_size=B, seq_len=T,
                       activations=_acts("offload")),
@@ -364,8 +364,8 @@ def test_ledger_counts_activations_per_segment(tmp_path):
     per segment; the device total adds saved tensors to the tier totals."""
     layers = 2
     model = tiny_model("llama_untied", layers=layers)
-    eng = Engine(model, OPTIM, EngineOptions(policy="none", batch_size=B, seq_len=T,
-                                             activations=_acts("none")), device=CPU)
+    eng = build_engine(model, OPTIM, EngineOptions(policy="none", batch_size=B, seq_len=T,
+                                                   activations=_acts("none")), device=CPU)
     eng.step(batches(1, 1)[0], OPTIM.lr)
     seg = eng.ledger.segment_activations()
     hidden = B * T * D * F32
@@ -463,7 +463,7 @@ def test_dynamic_rule_keeps_the_last_segments_first():
 
 
 def dynamic_engine(model, budget):
-    return Engine(
+    return build_engine(
         model, OPTIM,
         EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budget,
                       activations=_acts("dynamic")),
@@ -505,7 +505,7 @@ def test_dynamic_recomputes_more_as_the_budget_shrinks_and_stays_inside_it():
     with pytest.raises(PlacementError, match="--device-budget"):
         dynamic_engine(copy.deepcopy(base), state + KEEP_BYTES // 2)
     # asked to, it offloads what does not fit instead of recomputing it
-    eng = Engine(
+    eng = build_engine(
         copy.deepcopy(base), OPTIM,
         EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budgets[2] + head,
                       activations=_acts("dynamic", dynamic_fallback="offload")),
@@ -643,7 +643,7 @@ def test_dynamic_parks_the_inputs_it_recomputes_from_on_the_host():
     hidden = B * T * D * F32
 
     def engine(budget, tier):
-        return Engine(
+        return build_engine(
             copy.deepcopy(base), OPTIM,
             EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budget,
                           activations=_acts("dynamic"), boundary_tier=tier),

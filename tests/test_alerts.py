@@ -10,7 +10,7 @@ import torch
 from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from runtime_helpers import OPTIM, batches, tiny_model
 
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.train import Trainer
 from tierlm.train.alerts import (
     Alerts,
@@ -179,7 +179,7 @@ def test_no_gpu_or_no_nvml_gives_null_fields():
 )
 def test_planned_fetches_are_what_the_engine_fetches(name, policy, order, m, resident,
                                                      tmp_path):
-    engine = Engine(
+    engine = build_engine(
         tiny_model(name, layers=3), OPTIM,
         EngineOptions(policy=policy, microbatch_order=order, resident=resident,
                       offload_dir=str(tmp_path / "off"), batch_size=2, seq_len=16,

@@ -12,7 +12,7 @@ from tierlm.config import ActivationConfig
 from tierlm.memory.placement import place
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 
 CPU = torch.device("cpu")
 STEPS, B, T = 3, 2, 16
@@ -26,7 +26,7 @@ def numels(model) -> dict[str, int]:
 def engine(model, tmp_path, **kw) -> Engine:
     opts = EngineOptions(offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T,
                          activations=FULL, **kw)
-    return Engine(model, OPTIM, opts, device=CPU)
+    return build_engine(model, OPTIM, opts, device=CPU)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_host_boundaries_refuse_kept_graphs(tmp_path):
     opts = EngineOptions(offload_dir=str(tmp_path), batch_size=B, seq_len=T, policy="none",
                          boundary_tier=Tier.HOST, activations=ActivationConfig(policy="none"))
     with pytest.raises(ValueError, match="--grad-checkpointing full"):
-        Engine(tiny_model("gpt2"), OPTIM, opts, device=CPU)
+        build_engine(tiny_model("gpt2"), OPTIM, opts, device=CPU)
 
 
 @pytest.mark.parametrize("order", ["layer-outer", "microbatch-outer"])

@@ -16,7 +16,7 @@ from tierlm.memory.placement import SegmentPlacement, chunk_ranges, staging_nume
 from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
 from tierlm.memory.tiers import TensorClass
 from tierlm.models.testing import tiny_hf_configs
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 
 CPU = torch.device("cpu")
 B, T = 2, 16
@@ -26,7 +26,7 @@ CHUNK = 1024  # elements: splits every segment of the tiny models, and groups in
 def _engine(model, tmp_path, *, chunk: int | None = None, **kw) -> Engine:
     extra = {} if chunk is None else {"staging_chunk_numel": chunk}
     opts = EngineOptions(offload_dir=str(tmp_path), batch_size=B, seq_len=T, **extra, **kw)
-    return Engine(model, OPTIM, opts, device=CPU)
+    return build_engine(model, OPTIM, opts, device=CPU)
 
 
 def _run(model, tmp_path, steps, lrs, **kw):

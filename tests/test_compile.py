@@ -20,7 +20,7 @@ from runtime_helpers import batches, tiny_model
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig, PrecisionConfig, from_dict
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.precision import prepare_precision
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.compile import (
     NoCompile,
     SegmentCompile,
@@ -71,7 +71,7 @@ def _engine(model, tmp_path, compiled, policy, acts="none", optim=OPTIM, autocas
                          batch_size=B, seq_len=T, grad_clip=1.0, chunk_loss=compiled.chunk_loss,
                          activations=ActivationConfig(policy=acts),
                          **({"autocast": autocast} if autocast else {}))
-    return Engine(model, optim, opts, device=CPU)
+    return build_engine(model, optim, opts, device=CPU)
 
 
 def _run(stepper, steps, lr=OPTIM.lr):
@@ -188,7 +188,7 @@ def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, t
                              chunk_loss=compiled.chunk_loss,
                              activations=ActivationConfig(policy="full"),
                              **({"autocast": autocast} if autocast else {}))
-        eng = Engine(model, OPTIM, opts, device=CPU)
+        eng = build_engine(model, OPTIM, opts, device=CPU)
         assert all(st.frozen for st in eng.states[1:-1])  # a frozen base streamed
         graphs, losses = [], []
         for step in steps:
@@ -234,7 +234,7 @@ def _data_parallel_runs(world, compiler, tmp: str) -> dict:
                              batch_size=B, seq_len=T, grad_clip=1.0, grad_sync=sync,
                              chunk_loss=compiled.chunk_loss,
                              activations=ActivationConfig(policy="full"))
-        engine = Engine(model, OPTIM, opts, device=CPU)
+        engine = build_engine(model, OPTIM, opts, device=CPU)
         comm.ledger = engine.ledger
         dp = DataParallelStep(engine, sync, world, comm)
         losses = [dp.step([b.tensor_split(world.size)[world.rank] for b in step], OPTIM.lr)[

@@ -15,7 +15,7 @@ from tierlm.precision import PrecisionLinear, prepare_precision
 from tierlm.precision.linear import Fp8Linear
 from tierlm.precision.matmul import ScaledMM
 from tierlm.precision.streaming import ComputeCopies
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 
 CPU = torch.device("cpu")
 ON_DEVICE = SegmentPlacement(resident=True, state_tier=Tier.DEVICE)
@@ -47,7 +47,7 @@ def run(tmp_path, mode: str, order: str, m: int, *, copies: bool, tier: Tier = T
     if not copies:
         ComputeCopies.choose_format = lambda self, st: None
     try:
-        engine = Engine(model, OPTIM, opts, device=CPU)
+        engine = build_engine(model, OPTIM, opts, device=CPU)
     finally:
         ComputeCopies.choose_format = choose
     losses = [engine.step(b, 1e-2)["loss"] for b in batches(steps, m)]

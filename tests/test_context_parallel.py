@@ -36,7 +36,7 @@ from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes, ring_kv_bytes
 from tierlm.memory.tiers import Link, Tier
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.train.reference import ReferenceStep
 
 MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads
@@ -92,7 +92,7 @@ def _engine_run(world: World, cp: int, rows: int, activations: str, name: str = 
     comm = Comm(world.size, Ledger())
     sync = DenseSync().build(comm)
     ring = build_ring(layout)
-    engine = Engine(
+    engine = build_engine(
         tiny_model(name, layers=LAYERS), OPTIM,
         EngineOptions(policy="host", grad_sync=sync, batch_size=rows // layout.dp, seq_len=T,
                       micro_batches=M, sequence_share=ZigzagShare(layout, ring),

@@ -699,7 +699,7 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
 
     from runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
 
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
     from tierlm.train.reference import ReferenceStep
 
     cpu = torch.device("cpu")
@@ -718,7 +718,7 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
         expected.append(float(-logp[mask].sum() / mask.sum()))
     ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
     # whole rows per loss chunk, and chunks of 5 tokens that cut rows (some all masked)
-    engines = [Engine(copy.deepcopy(model), OPTIM, EngineOptions(
+    engines = [build_engine(copy.deepcopy(model), OPTIM, EngineOptions(
         offload_dir=str(tmp_path / f"off{chunk}"), policy="host", batch_size=2, seq_len=16,
         micro_batches=2, grad_clip=0.0, loss_chunk_tokens=chunk,
     ), device=cpu) for chunk in (None, 5)]
@@ -754,7 +754,7 @@ def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
 
     from runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
 
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
     from tierlm.train.reference import ReferenceStep
 
     cpu = torch.device("cpu")
@@ -774,7 +774,7 @@ def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
     alone = row(b[None], torch.ones(1, 10, dtype=torch.bool))
     leaky = row(ids, only_b)  # the same row as one stream: b attends to a
     ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
-    eng = Engine(copy.deepcopy(model), OPTIM, EngineOptions(
+    eng = build_engine(copy.deepcopy(model), OPTIM, EngineOptions(
         offload_dir=str(tmp_path / "off"), policy="host", batch_size=1, seq_len=16,
         grad_clip=0.0,
     ), device=cpu)

@@ -30,7 +30,7 @@ from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes
 from tierlm.memory.tiers import Link
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 
 MODEL = "llama_tied_gqa"  # tied embeddings: the head's gradient joins the owner's before sync
 STEPS, M, B_GLOBAL, T = 4, 2, 4, 16
@@ -109,7 +109,7 @@ def _numpy(weights: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 def _dp(world: World, sync, policy: str = "none", tmp: str | None = None) -> DataParallelStep:
     comm = Comm(world.size, Ledger())
     strategy = sync.build(comm)
-    engine = Engine(
+    engine = build_engine(
         tiny_model(MODEL), OPTIM,
         EngineOptions(policy=policy, grad_sync=strategy, batch_size=B_GLOBAL // world.size,
                       seq_len=T, micro_batches=M,

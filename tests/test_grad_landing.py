@@ -16,7 +16,7 @@ from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.planner import ModelShape, TrainShape, _simulate, evaluate, usable_budgets
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import Link, TensorClass
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.runtime.landing import add_to_host
 from tierlm.runtime.schedule import GradLanding, landing_staging_numel
 
@@ -116,7 +116,7 @@ def test_the_next_chunk_is_copied_while_this_one_is_added():
 def _engine(model, tmp_path, spec: str, order: str, m: int, chunk: int | None = CHUNK) -> Engine:
     n_segs = len(ModelShape.from_config(copy.deepcopy(model.config)).names)
     extra = {} if chunk is None else {"staging_chunk_numel": chunk}
-    return Engine(model, OPTIM, EngineOptions(
+    return build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=[PLACEMENTS[spec]] * n_segs, microbatch_order=order,
         micro_batches=m, offload_dir=str(tmp_path), batch_size=B, seq_len=T, grad_clip=0.05,
         **extra),

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3
 from tierlm.models import ModelLoadError, hf_model_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.testing import tiny_hf_configs
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 
 
 def _configs() -> dict:
@@ -43,8 +43,9 @@ def _save(name: str, path, *, dtype=torch.bfloat16, max_shard_size=None, seed=0)
 def _streamed_engine(path, offload_dir, policy="host"):
     skeleton = hf_model_skeleton(path)
     source = CheckpointWeights(path, skeleton)
-    engine = Engine(skeleton, OPTIM, EngineOptions(policy=policy, offload_dir=str(offload_dir)),
-                    device=torch.device("cpu"), initial_weights=source)
+    engine = build_engine(skeleton, OPTIM,
+                          EngineOptions(policy=policy, offload_dir=str(offload_dir)),
+                          device=torch.device("cpu"), initial_weights=source)
     return engine, skeleton, source
 
 
@@ -150,9 +151,10 @@ def test_disk_run_from_streamed_load_equals_materialised(name, tmp_path):
         if streamed:
             engine, _, _ = _streamed_engine(path, tmp_path / "off-streamed", policy="disk")
         else:
-            engine = Engine(_from_pretrained(path).train(), OPTIM,
-                            EngineOptions(policy="disk", offload_dir=str(tmp_path / "off-ref")),
-                            device=torch.device("cpu"))
+            engine = build_engine(
+                _from_pretrained(path).train(), OPTIM,
+                EngineOptions(policy="disk", offload_dir=str(tmp_path / "off-ref")),
+                device=torch.device("cpu"))
         losses = [engine.step(b, 1e-2)["loss"] for b in steps]
         runs.append((losses, engine.weights()))
         engine.close()
@@ -215,11 +217,12 @@ def test_runtime_from_a_preset_initialises_one_segment_at_a_time(tmp_path):
         live.extend(weakref.ref(t) for t in values.values())
         return values
 
-    engine = Engine(skeleton, OPTIM, EngineOptions(policy="disk", offload_dir=str(tmp_path / "a")),
-                    device=torch.device("cpu"), initial_weights=counted)
-    ref = Engine(build_model(config, seed=3), OPTIM,
-                 EngineOptions(policy="disk", offload_dir=str(tmp_path / "b")),
-                 device=torch.device("cpu"))
+    engine = build_engine(skeleton, OPTIM,
+                          EngineOptions(policy="disk", offload_dir=str(tmp_path / "a")),
+                          device=torch.device("cpu"), initial_weights=counted)
+    ref = build_engine(build_model(config, seed=3), OPTIM,
+                       EngineOptions(policy="disk", offload_dir=str(tmp_path / "b")),
+                       device=torch.device("cpu"))
     try:
         assert len(segment_bytes) == len(engine.states)
         assert peak_bytes == max(segment_bytes)  # one segment, never two

@@ -29,7 +29,7 @@ from tierlm.memory.tiers import Tier
 from tierlm.models import build_model
 from tierlm.models.lora import apply_lora
 from tierlm.models.testing import tiny_hf_configs
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.train.reference import ReferenceStep
 
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ def _engine(model, tmp_path, policy, order, activations=None) -> Engine:
     opts = EngineOptions(policy=policy, microbatch_order=order, grad_clip=CLIP, micro_batches=M,
                          batch_size=2, seq_len=16, offload_dir=str(tmp_path / "offload"),
                          activations=activations)
-    return Engine(model, OPTIM, opts, device=CPU)
+    return build_engine(model, OPTIM, opts, device=CPU)
 
 
 @pytest.mark.parametrize(("name", "policy", "order", "acts"), [
@@ -181,7 +181,7 @@ def test_tiered_lora_under_bf16_matches_peft_in_bf16(policy, order, acts, tmp_pa
                          batch_size=2, seq_len=16, offload_dir=str(tmp_path / "offload"),
                          autocast=bf16_autocast, base_format="bf16",
                          activations=acts and ActivationConfig(policy="full", overrides=acts))
-    eng = Engine(copy.deepcopy(base), OPTIM, opts, device=CPU)
+    eng = build_engine(copy.deepcopy(base), OPTIM, opts, device=CPU)
     blocks = eng.states[1:-1]
     # each block's base is its bf16 compute copy and nothing else; embed and head stay fp32
     assert all(isinstance(st.compute_format, ComputeFormat) and st.master is None
@@ -237,7 +237,7 @@ def test_planner_counts_the_bf16_base(tmp_path):
     train = TrainShape(2, 16, M, "bf16")
     predicted = evaluate(shape, train, hw, placements, "microbatch-outer", True,
                          usable_budgets(hw))
-    eng = Engine(model, OPTIM, EngineOptions(
+    eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order="microbatch-outer",
         batch_size=2, seq_len=16, micro_batches=M, offload_dir=str(tmp_path),
         autocast=bf16_autocast, base_format="bf16"), device=CPU)
@@ -368,7 +368,7 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
     hw = PROFILES["cpu"]
     predicted = evaluate(shape, TrainShape(2, 16, M, "fp32"), hw, placements, order, True,
                          usable_budgets(hw))
-    eng = Engine(model, OPTIM, EngineOptions(
+    eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order=order, batch_size=2, seq_len=16,
         micro_batches=M, offload_dir=str(tmp_path)), device=CPU)
     moved = steps_match_the_plan(eng, predicted, M)

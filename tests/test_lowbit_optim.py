@@ -414,7 +414,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
 
     from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
 
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
     from tierlm.train.reference import ReferenceStep
 
     cfg = _config(name)
@@ -431,7 +431,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
         opts = EngineOptions(offload_dir=str(tmp_path / f"{policy}-{order}"), batch_size=2,
                              seq_len=16, micro_batches=m, grad_clip=clip,
                              staging_chunk_numel=1024, policy=policy, microbatch_order=order)
-        eng = Engine(copy.deepcopy(base), cfg, opts, device=torch.device("cpu"))
+        eng = build_engine(copy.deepcopy(base), cfg, opts, device=torch.device("cpu"))
         recs = [eng.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
         weights, state = eng.weights(), eng.optimizer_state()
         eng.close()

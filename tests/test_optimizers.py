@@ -24,7 +24,7 @@ from tierlm.optim import native as kernels
 from tierlm.optim.adafactor import FlatAdafactor
 from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in
 from tierlm.optim.lion import Lion
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.train.checkpoint import SafetensorsFile, write_safetensors
 from tierlm.train.reference import ReferenceStep
 
@@ -51,7 +51,7 @@ RESUMED = {
 def _engine(model, cfg: OptimConfig, tmp_path, **kw) -> Engine:
     opts = EngineOptions(offload_dir=str(tmp_path), batch_size=B, seq_len=T, micro_batches=M,
                          grad_clip=CLIP, staging_chunk_numel=CHUNK, **kw)
-    return Engine(model, cfg, opts, device=CPU)
+    return build_engine(model, cfg, opts, device=CPU)
 
 
 def _lrs(cfg: OptimConfig) -> list[float]:

@@ -17,7 +17,7 @@ from tierlm.config import LoraConfig
 from tierlm.memory.placement import SegmentPlacement, update_staging_bytes
 from tierlm.memory.tiers import Tier
 from tierlm.models.lora import apply_lora
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.runtime.schedule import grad_landing
 from tierlm.runtime.state import load_bytes
 
@@ -73,7 +73,7 @@ def staging_reserved(eng: Engine) -> int:
 ])
 def test_report_is_the_ledger_after_construction_plus_the_reserves(name, kind, policy, extra,
                                                                    tmp_path):
-    eng = Engine(_model(name, kind), OPTIM, EngineOptions(
+    eng = build_engine(_model(name, kind), OPTIM, EngineOptions(
         policy=policy, offload_dir=str(tmp_path), batch_size=2, seq_len=16, micro_batches=M,
         autocast=bf16_autocast if "bf16" in kind else contextlib.nullcontext, **extra),
         device=CPU)

@@ -13,7 +13,7 @@ from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.planner import ModelShape, TrainShape, evaluate, plan, usable_budgets
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
@@ -180,7 +180,7 @@ def test_predicted_peaks_match_the_ledger(case, tmp_path):
     predicted = evaluate(shape, train, HW, placements, order, keep, usable_budgets(HW),
                          boundary_host, readahead=readahead, writeback=writeback)
     assert bool(predicted.readahead_segments) == (readahead is not None)
-    eng = Engine(
+    eng = build_engine(
         model, OPTIM,
         EngineOptions(policy="auto", placements=placements, microbatch_order=order,
                       keep_resident_activations=keep, offload_dir=str(tmp_path),
@@ -567,7 +567,7 @@ def test_the_replay_takes_the_engines_schedule(case, tmp_path):
     model = factory()
     shape = ModelShape.from_config(copy.deepcopy(model.config))
     placements = _placements(spec, shape.names)
-    eng = Engine(model, OPTIM, EngineOptions(
+    eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order=order, offload_dir=str(tmp_path),
         batch_size=2, seq_len=16, micro_batches=m), device=CPU)
     try:
@@ -629,7 +629,7 @@ def test_a_changed_rule_changes_the_engine_and_the_plan_alike(tmp_path, monkeypa
     predicted = evaluate(shape, train, HW, placements, "layer-outer", False, usable_budgets(HW),
                          True)
     assert predicted.moved_bytes["d2h"] < before["d2h"]
-    eng = Engine(model, OPTIM, EngineOptions(
+    eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order="layer-outer",
         keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=2, seq_len=32,
         micro_batches=2, boundary_tier=Tier.HOST), device=CPU)

@@ -389,7 +389,7 @@ def test_paused_watch_records_nothing():
 def test_reference_and_tiered_runtime_agree_in_fp8(tmp_path):
     """The tiered runtime calls the same swapped modules through functional_call, recomputing
     streamed blocks; with dynamic scaling the recompute quantises exactly as the forward did."""
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
 
     base = tiny_model("llama_untied", layers=2)
     steps = batches(3, 2)
@@ -401,7 +401,7 @@ def test_reference_and_tiered_runtime_agree_in_fp8(tmp_path):
         if tiered:
             opts = EngineOptions(policy="host", offload_dir=str(tmp_path), batch_size=2,
                                  seq_len=16, micro_batches=2, autocast=autocast)
-            stepper = Engine(model, OPTIM, opts, device=CPU)
+            stepper = build_engine(model, OPTIM, opts, device=CPU)
         else:
             stepper = ReferenceStep(model, OPTIM, grad_clip=1.0, device=CPU, autocast=autocast)
         losses, stats = [], []
@@ -428,7 +428,7 @@ def streamed(mode: str, tmp_path, steps: int = 2):
     state in host RAM and their weights streamed. What crosses is the blocks' weights."""
     from tierlm.memory.placement import SegmentPlacement
     from tierlm.memory.tiers import Tier
-    from tierlm.runtime import Engine, EngineOptions
+    from tierlm.runtime import EngineOptions, build_engine
 
     model = tiny_model("llama_untied", layers=2)
     prepare_precision(model, PrecisionConfig(mode=mode), mode, CPU, log=quiet)
@@ -437,7 +437,7 @@ def streamed(mode: str, tmp_path, steps: int = 2):
     opts = EngineOptions(policy="tiered", offload_dir=str(tmp_path / mode), batch_size=2,
                          seq_len=16, placements=[on_device, from_host, from_host, on_device],
                          autocast=bf16_autocast if mode != "fp32" else contextlib.nullcontext)
-    engine = Engine(model, OPTIM, opts, device=CPU)
+    engine = build_engine(model, OPTIM, opts, device=CPU)
     losses = [engine.step(b, 1e-2)["loss"] for b in batches(steps, 1)]
     return engine, model, losses
 

@@ -33,7 +33,7 @@ from tierlm.models.nf4 import (
     quantised_names,
     round_trip,
 )
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.train.reference import ReferenceStep
 
 CPU = torch.device("cpu")
@@ -127,7 +127,7 @@ def _engine(model, tmp_path, policy, order="microbatch-outer", **kw) -> Engine:
     opts = EngineOptions(policy=policy, microbatch_order=order, grad_clip=CLIP, micro_batches=M,
                          batch_size=2, seq_len=16, offload_dir=str(tmp_path / "offload"),
                          base_format="nf4", **kw)
-    return Engine(model, OPTIM, opts, device=CPU)
+    return build_engine(model, OPTIM, opts, device=CPU)
 
 
 @pytest.mark.parametrize(("policy", "order"), [("host", "microbatch-outer"),

@@ -25,7 +25,7 @@ from tierlm.cli import main
 from tierlm.config import ConfigError, from_dict
 from tierlm.memory import disk as disk_module
 from tierlm.memory.placement import PlacementReport
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.state import as_tensor
 from tierlm.train import Trainer
 from tierlm.train import preflight as preflight_module
@@ -172,7 +172,7 @@ def _engine(tmp_path, policy="disk", layers=6, seed=0):
     model = tiny_model("llama_untied", layers=layers, seed=seed)
     opts = EngineOptions(policy=policy, offload_dir=str(tmp_path / "offload"), batch_size=2,
                          seq_len=16)
-    return model, Engine(model, OPTIM, opts, device=torch.device("cpu"))
+    return model, build_engine(model, OPTIM, opts, device=torch.device("cpu"))
 
 
 def _save(run_dir, stepper, model, step, keep=0):
@@ -768,6 +768,6 @@ def test_placement_check_runs_before_anything_is_written(tmp_path):
     opts = EngineOptions(policy="disk", offload_dir=str(tmp_path / "offload"),
                          check_placement=check)
     with pytest.raises(DiskSpaceError):
-        Engine(model, OPTIM, opts, device=torch.device("cpu"))
+        build_engine(model, OPTIM, opts, device=torch.device("cpu"))
     n_params = sum(p.numel() for p in model.parameters())
     assert seen == [(16 * n_params, False)]  # master, gradient and both moments, nothing yet

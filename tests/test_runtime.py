@@ -19,7 +19,7 @@ from tierlm.memory import PlacementError, Tier
 from tierlm.memory.placement import COMPUTE_B, SegmentPlacement, place
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime import Engine, EngineOptions
+from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.state import as_tensor
 from tierlm.runtime.writeback import WriteBack
@@ -36,7 +36,7 @@ def make_engine(model, tmp_path, **kw) -> Engine:
     opts = EngineOptions(
         offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T, **kw
     )
-    return Engine(model, OPTIM, opts, device=CPU)
+    return build_engine(model, OPTIM, opts, device=CPU)
 
 
 def tiered_budget(model, m: int, order: str) -> int:

@@ -10,7 +10,7 @@ from runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.planner import ModelShape, TrainShape, _simulate
 from tierlm.memory.tiers import Tier
-from tierlm.runtime import Action, Engine, EngineOptions, walk
+from tierlm.runtime import Action, EngineOptions, build_engine, walk
 
 CPU = torch.device("cpu")
 
@@ -63,7 +63,7 @@ def test_engine_and_replay_walk_alike(order, owner_tier, boundary, tmp_path, mon
                   + [SegmentPlacement(False, Tier.HOST)] * (n - 2)
                   + [SegmentPlacement(True, Tier.HOST)])
     walks = _logging_walks(monkeypatch)
-    eng = Engine(model, OPTIM, EngineOptions(
+    eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order=order,
         keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=2, seq_len=16,
         micro_batches=m, boundary_tier=boundary), device=CPU)

@@ -12,14 +12,14 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
 
 from tierlm.config import ActivationConfig  # noqa: E402
-from tierlm.runtime import Engine, EngineOptions  # noqa: E402
+from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = torch.device("cuda") if torch.cuda.is_available() else None
 
 
 def engine(model, policy, tmp_path, placement="host", b=2, t=16, m=2):
-    return Engine(
+    return build_engine(
         model, OPTIM,
         EngineOptions(policy=placement, micro_batches=m, batch_size=b, seq_len=t,
                       offload_dir=str(tmp_path), activations=ActivationConfig(policy=policy)),

@@ -23,7 +23,7 @@ from tierlm.distributed.sync import DelayedSync, DenseSync, TopKSync  # noqa: E4
 from tierlm.distributed.world import World  # noqa: E402
 from tierlm.memory.layout import FlatLayout  # noqa: E402
 from tierlm.memory.ledger import Ledger  # noqa: E402
-from tierlm.runtime import Engine, EngineOptions  # noqa: E402
+from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = torch.device("cuda") if torch.cuda.is_available() else None
@@ -56,7 +56,7 @@ def collective_devices(monkeypatch):
 
 
 def _engine(model, policy, tmp, **sync):
-    return Engine(
+    return build_engine(
         model, OPTIM,
         EngineOptions(policy=policy, micro_batches=2, batch_size=2, seq_len=16,
                       offload_dir=str(tmp), **sync),

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
 
-from tierlm.runtime import Engine, EngineOptions  # noqa: E402
+from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
 from tierlm.train.reference import ReferenceStep  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -27,7 +27,7 @@ def test_cuda_matches_reference(name, policy, order, tmp_path):
     ref_model = copy.deepcopy(base).to(dev)
     ref = ReferenceStep(ref_model, OPTIM, grad_clip=0.05, device=dev)
     ref_losses = [ref.step(b, OPTIM.lr)["loss"] for b in steps]
-    eng = Engine(
+    eng = build_engine(
         copy.deepcopy(base), OPTIM,
         EngineOptions(policy=policy, microbatch_order=order, grad_clip=0.05, micro_batches=2,
                       offload_dir=str(tmp_path), batch_size=2, seq_len=16),
@@ -63,7 +63,7 @@ def test_cuda_gradient_lands_through_the_staging_ring(tmp_path):
     staged = store.ledger.peak_class_bytes[(Tier.HOST, TensorClass.STAGING)]
     assert staged == 4 * landing_staging_numel(numel, chunk) == 4 * 2 * chunk
 
-    eng = Engine(tiny_model("llama_untied", layers=2), OPTIM, EngineOptions(
+    eng = build_engine(tiny_model("llama_untied", layers=2), OPTIM, EngineOptions(
         policy="host", micro_batches=2, batch_size=2, seq_len=16, staging_chunk_numel=chunk,
         offload_dir=str(tmp_path)), device=torch.device("cuda"))
     for b in batches(2, 2):

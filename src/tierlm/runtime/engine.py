@@ -1,6 +1,8 @@
 """The tiered step (ARCHITECTURE.md section 3).
 
-One optimizer step over M micro-batches runs a precomputed list of actions:
+The engine executes one StepPlan (tierlm.runtime.plan), which says where each segment's state
+lives and which activation policy it runs; it chooses nothing of its own. One optimizer step
+over M micro-batches runs a precomputed list of actions:
 
     forward(segment, micro-batches)  ->  head(micro-batches)  ->  backward(segment, micro-batches)
 
@@ -40,43 +42,29 @@ from tierlm.activations import (
     SavedTensorScope,
     chunked_cross_entropy,
     default_chunk_tokens,
-    dynamic_reserve_bytes,
-    head_workspace_bytes,
-    probe_costs,
-    resolve_policies,
     storages_of,
 )
-from tierlm.activations.chunked_loss import sum_cross_entropy
 from tierlm.activations.saved import FrozenWeights
-from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
+from tierlm.config import OptimConfig
 from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
-from tierlm.distributed.context import WHOLE_SEQUENCE, WholeSequence, ZigzagShare
-from tierlm.distributed.sync import NO_SYNC, GradSync
-from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
-    STAGING_CHUNK_NUMEL,
     PlacementReport,
     SegmentPlacement,
     chunk_ranges,
-    place,
 )
 from tierlm.memory.store import Store, nbytes_of
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.models.adapters import HeadSegment, ModelAdapter, StepContext
-from tierlm.models.frozen import FrozenBase
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
-from tierlm.optim import build_flat_optimizer
+from tierlm.models.adapters import HeadSegment, StepContext
 from tierlm.optim.flat import advance
-from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.landing import add_to_host
-from tierlm.runtime.readahead import ReadAhead, readahead_starts
+from tierlm.runtime.plan import EngineOptions, StepParts, StepPlan, plan_step
+from tierlm.runtime.readahead import readahead_starts
 from tierlm.runtime.schedule import (
     Action,
     boundary_activation_bytes,
     grad_landing,
-    micro_batches_in_flight,
     parked_inputs,
     step_schedule,
     streamed_reads,
@@ -99,7 +87,7 @@ from tierlm.runtime.state import (
 )
 from tierlm.runtime.stepper import Stepper
 from tierlm.runtime.walk import StepRules, walk_step
-from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack, Writer, deferred_copies
+from tierlm.runtime.writeback import DEFAULT_WRITEBACK, Writer, deferred_copies
 
 
 def _empty_parameter(p: torch.nn.Parameter) -> None:
@@ -112,74 +100,6 @@ def _empty_parameter(p: torch.nn.Parameter) -> None:
         )
     else:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-@dataclass(kw_only=True)
-class EngineOptions:
-    policy: str = "none"
-    """none | host | disk | tiered (see memory/placement.py)."""
-    microbatch_order: str = "microbatch-outer"
-    """microbatch-outer or layer-outer."""
-    resident: str | None = None
-    """Regex of segment names whose compute weights stay on the device."""
-    device_budget_bytes: int | None = None
-    host_budget_bytes: int | None = None
-    activation_budget_bytes: int | None = None
-    """Device bytes `dynamic` may spend on activations beyond what the ledger holds (a plan's
-    device budget less its ledger peak); None: the device budget less the placement."""
-    offload_dir: str | None = None
-    placements: list[SegmentPlacement] | None = None
-    """A placement per segment chosen by the planner; None: derive it from `policy`."""
-    grad_clip: float = 1.0
-    """Global-norm clipping bound; 0 disables it."""
-    loss_chunk_tokens: int | None = None
-    """Tokens per cross-entropy chunk at the head; None: ~16M logits per chunk."""
-    chunk_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sum_cross_entropy
-    """(logits, targets) -> a chunk's summed loss at the head: the compiled one under
-    --compile segments (tierlm.runtime.compile); the blocks compile in the model itself."""
-    batch_size: int = 1
-    seq_len: int = 1
-    micro_batches: int = 1
-    """Shape of the step, for the activation reserve in the placement."""
-    activations: ActivationConfig | None = None
-    """Activation policy per segment (tierlm.activations); None: `none` (resident segments keep
-    their graph, streamed ones recompute), or `full` when keep_resident_activations is False."""
-    keep_resident_activations: bool = True
-    boundary_tier: Tier = Tier.DEVICE
-    """Where a segment's boundary input waits between its forward and its backward: on the
-    device, or in host RAM (copied there as it is produced, dropped from the device once the
-    segment's forward has read it, brought back for its backward). On host, layer-outer holds
-    two segments' micro-batches on the device instead of every segment's. Needs the `full`
-    activation policy, or `dynamic`, which parks the inputs of the segments it recomputes: a
-    kept graph pins its input on the device."""
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    check_placement: Callable[[PlacementReport], None] = lambda report: None
-    """Called with the placement before anything is allocated or written (the trainer's
-    free-space and host-memory checks refuse an impossible run here)."""
-    grad_sync: GradSync = NO_SYNC
-    """Data parallelism (tierlm.distributed): started on each segment's complete gradient,
-    overlapping the rest of the backward, and waited for before the norm is taken."""
-    sequence_share: WholeSequence | ZigzagShare = WHOLE_SEQUENCE
-    """The tokens of each row this rank trains on (context parallel: its zig-zag share, and the
-    ring its attention runs over)."""
-    tracer: Tracer | NoTracer = NO_TRACER
-    """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
-    updates, recorded while the trainer arms it for --monitor.trace_step."""
-    staging_chunk_numel: int = STAGING_CHUNK_NUMEL
-    """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
-    1024, so chunk offsets suit O_DIRECT)."""
-    base_format: str = "fp32"
-    """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32 (its master),
-    bf16 (--finetune lora under bf16: its compute copy alone), or nf4 (--finetune qlora:
-    each base layer decodes its weight on the device per matmul); tierlm.models.frozen."""
-    readahead: ReadAhead | None = None
-    """Read disk-tier segments' master and slots into host staging during the backward, so the
-    update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
-    writeback: WriteBack | None = DEFAULT_WRITEBACK
-    """Write a disk-tier segment's master and slots back behind the step, its update ending
-    once its compute copy (or, computing from fp32, its master) is on disk; at most
-    `segments` write-backs pending (tierlm.runtime.writeback; the planner sets it). None: the
-    update writes everything back before it ends."""
 
 
 @dataclass
@@ -197,34 +117,34 @@ class Engine(Stepper):
         self,
         model: torch.nn.Module,
         optim: OptimConfig,
-        options: EngineOptions,
+        plan: StepPlan,
         *,
         device: torch.device,
         store: Store | None = None,
         initial_weights: InitialWeights = module_weights,
     ) -> None:
-        """`initial_weights`: each segment's starting weights; the default reads the model's
+        """Run `plan` (tierlm.runtime.plan: a placement per segment, an activation policy per
+        segment, the run's options) on `model`; the engine chooses none of it (`build_engine`
+        has `plan_step` choose from EngineOptions first).
+
+        `initial_weights`: each segment's starting weights; the default reads the model's
         parameters, tierlm.models.load.CheckpointWeights reads a checkpoint into a model
         whose parameters are on the meta device. Either way the parameters are emptied once
         their segment is in place."""
+        options = plan.options
+        self.plan = plan
         self.opts = options
         self.device = device
         self.chunk_numel = options.staging_chunk_numel
-        if self.chunk_numel <= 0 or self.chunk_numel % 1024:
-            raise ValueError(f"staging_chunk_numel must be a positive multiple of 1024 (4 KiB "
-                             f"of fp32, O_DIRECT's alignment), got {self.chunk_numel}")
         self.tracer = options.tracer
         self.store = store or Store(device, offload_dir=options.offload_dir, tracer=self.tracer)
         self.ledger = self.store.ledger
-        self.adapter = ModelAdapter(model)
-        # weights whose state is off the device are held, moved and computed from in the
-        # precision they compute in (tierlm.precision.streaming); a LoRA base in its bf16
-        # compute copy or NF4 bytes alone, on every tier (tierlm.models.frozen)
-        frozen_copy = options.base_format != "fp32"
-        self.compute_copies = (FrozenBase(model, options.base_format) if frozen_copy
-                               else ComputeCopies(model))
+        parts = StepParts(model, optim, options)
+        self.adapter = parts.adapter
+        self.compute_copies = parts.compute_copies
+        frozen_copy = parts.frozen_copy
         place_state = self.compute_copies.init_state if frozen_copy else init_state
-        self.optimizer = build_flat_optimizer(optim)
+        self.optimizer = parts.optimizer
         options.grad_sync.check_optimizer(self.optimizer)
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
@@ -232,102 +152,23 @@ class Engine(Stepper):
 
         segs = self.adapter.segments
         self.index = {s.name: i for i, s in enumerate(segs)}
-        # Frozen parameters (requires_grad False: a LoRA run's base) are streamed weights with
-        # no gradient and no optimizer state; the trained ones (its adapters) then live on the
-        # device, a small flat layout per segment (`self.trained`). Without frozen parameters
-        # the segment's streamed weights are what is trained.
-        self.frozen_base = any(not p.requires_grad for s in segs for _, p, _ in s.params)
-        if self.frozen_base and (options.activations and options.activations.policy
-                                 == "dynamic"):
-            raise NotSupportedYet("--grad-checkpointing dynamic with --finetune lora",
-                                  "its probe measures full-parameter segments; pick a policy")
-        layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params
-                               if not (self.frozen_base and p.requires_grad)]) for s in segs]
-        trained_layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params
-                                       if p.requires_grad]) for s in segs]
-        trained_bytes = sum(
-            (4 + 4) * lay.numel + self.optimizer.state_nbytes(lay)
-            for lay in trained_layouts if lay.numel) if self.frozen_base else 0
-        hidden_bytes = options.batch_size * options.seq_len * model.config.hidden_size * 4
-        in_flight = micro_batches_in_flight(options.micro_batches, options.microbatch_order)
-        # the owner's gradient holding the head's contribution to tied weights, one per
-        # micro-batch in flight (tierlm.runtime.walk)
-        tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
-        self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
-        tied_bytes = layouts[0].numel * 4 if self.tied_trained else 0
-        # a QLoRA matmul decodes its NF4 weight into a buffer of its own, one weight at a time
-        # (outside the ledger): room for the largest
-        decoded_bytes = max((self.compute_copies.decoded_nbytes(lay) for lay in layouts),
-                            default=0) if frozen_copy else 0
-        self.host_boundaries = options.boundary_tier == Tier.HOST
-        self.hidden_bytes = hidden_bytes  # one micro-batch's boundary input (fp32)
-        self.activation_bytes = (
-            self.boundary_activation_bytes(
-                len(segs), hidden_bytes, options.micro_batches, options.microbatch_order,
-                on_host=self.host_boundaries,
-            )
-            + in_flight * tied_bytes
-        )
-        # Activation policies: `dynamic` measures one block's activation bytes per policy (on
-        # the initial weights), reserves its minimum in the placement, and
-        # spends what the placement leaves of the device budget.
-        acts = options.activations or ActivationConfig(
-            policy="none" if options.keep_resident_activations else "full"
-        )
-        vocab = model.config.vocab_size
-        head_bytes = head_workspace_bytes(
-            self._chunk_tokens(vocab), vocab, options.batch_size * options.seq_len,
-            model.config.hidden_size,
-        )
-        costs = None
-        if acts.policy == "dynamic":
-            costs = probe_costs(
-                segs[:-1], layouts[:-1], initial_weights, self.adapter.context, device=device,
-                batch_size=options.batch_size, seq_len=options.seq_len,
-                hidden_size=model.config.hidden_size, vocab_size=vocab,
-                autocast=options.autocast,
-            )
-        # with host boundaries, `dynamic` parks the inputs of the segments it recomputes and
-        # counts the others' inputs, which their graphs keep on the device, as their cost
-        self.park_by_policy = acts.policy == "dynamic"
-        boundary_bytes = hidden_bytes if self.host_boundaries and self.park_by_policy else 0
-        self.activation_reserve_bytes = reserve = dynamic_reserve_bytes(
-            acts.policy, costs, fallback=acts.dynamic_fallback, in_flight=in_flight,
-            head_bytes=head_bytes, boundary_bytes=boundary_bytes,
-        )
-        self.report: PlacementReport = place(
-            [s.name for s in segs],
-            [lay.numel for lay in layouts],
-            policy=options.policy,
-            resident=options.resident,
-            device_budget_bytes=options.device_budget_bytes,
-            host_budget_bytes=options.host_budget_bytes,
-            # the adapters of a frozen base and their optimizer state: on the device throughout
-            activation_bytes=self.activation_bytes + reserve + trained_bytes + decoded_bytes,
-            placements=options.placements,
-            copy_bytes=[self.compute_copies.copy_nbytes(lay) for lay in layouts],
-            slot_bytes=[0 if self.frozen_base else self.optimizer.state_nbytes(lay)
-                        for lay in layouts],
-            base_copy=frozen_copy,
-            whole_update=self.optimizer.align == 0,
-            frozen=self.frozen_base,
-            chunk_numel=self.chunk_numel,
-        )
-        options.check_placement(self.report)
-        budget = options.device_budget_bytes
-        activation_budget = options.activation_budget_bytes if (
-            options.activation_budget_bytes is not None) else (
-            None if budget is None else budget - self.report.device_bytes + reserve)
-        self.activation_policies: list[str] = resolve_policies(
-            acts.policy, acts.overrides, [s.name for s in segs[:-1]],
-            [p.resident for p in self.report.placements[:-1]],
-            fallback=acts.dynamic_fallback, costs=costs, in_flight=in_flight,
-            budget_bytes=activation_budget, head_bytes=head_bytes, boundary_bytes=boundary_bytes,
-        )
-        self.activation_costs = costs  # measured per-segment bytes (dynamic only)
-        self.activation_head_bytes = head_bytes  # the head's predicted activation peak
+        self.frozen_base = parts.frozen_base
+        layouts, trained_layouts = parts.layouts, parts.trained_layouts
+        self.tied_trained = parts.tied_trained
+        self.host_boundaries = parts.host_boundaries
+        self.hidden_bytes = parts.hidden_bytes  # one micro-batch's boundary input (fp32)
+        self.activation_bytes = parts.activation_bytes
+        # what the plan chose: this engine executes it
+        self.report: PlacementReport = plan.report
+        if len(plan.placements) != len(segs):
+            raise ValueError(f"the plan places {len(plan.placements)} segments; the model has "
+                             f"{len(segs)} ({', '.join(self.index)})")
+        self.park_by_policy = plan.park_recomputed
+        self.activation_reserve_bytes = plan.activation_reserve_bytes
+        self.activation_costs = plan.activation_costs  # measured per-segment bytes (dynamic)
+        self.activation_head_bytes = parts.head_bytes  # the head's predicted activation peak
         self._make_policy = PolicyFactory(device, dropout=self.has_dropout)
-        self.set_activation_policies(self.activation_policies)
+        self.set_activation_policies(list(plan.activation_policies))
         self.states: list[SegmentState] = []
         # per segment: the state the optimizer updates (the segment's own, or its adapters on
         # the device; None: nothing of it is trained), and its frozen weights' current copy
@@ -1224,3 +1065,18 @@ class _Suffixed(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def build_engine(
+    model: torch.nn.Module,
+    optim: OptimConfig,
+    options: EngineOptions,
+    *,
+    device: torch.device,
+    store: Store | None = None,
+    initial_weights: InitialWeights = module_weights,
+) -> Engine:
+    """The engine of the plan `plan_step` chooses from `options` (tierlm.runtime.plan)."""
+    plan = plan_step(model, optim, options, device=device, initial_weights=initial_weights)
+    return Engine(model, optim, plan, device=device, store=store,
+                  initial_weights=initial_weights)

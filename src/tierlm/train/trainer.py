@@ -68,7 +68,7 @@ from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision
-from tierlm.runtime import Engine
+from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
@@ -228,7 +228,8 @@ def build_stepper(
         options.device_budget_bytes = options.host_budget_bytes = None
         if cfg.activations.policy == "dynamic":  # without a budget it would keep every graph
             options.activation_budget_bytes = plan.budgets["device"] - plan.device_peak_bytes
-    return Engine(model, cfg.optim, options, device=device, initial_weights=initial_weights)
+    return build_engine(model, cfg.optim, options, device=device,
+                        initial_weights=initial_weights)
 
 
 def runs_engine(cfg: Config, distributed: bool) -> bool:
