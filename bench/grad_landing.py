@@ -61,7 +61,7 @@ def main() -> None:
         # the held ring and a fresh one at once, at most
         assert store.ledger.peak_class_bytes[(Tier.HOST, TensorClass.STAGING)] == 8 * ring_numel
         staged = 4 * ring_numel
-        print(f"| {4 * numel / 2**20:.0f} | {d * 1e3:.1f} | {h * 1e3:.1f} | {f * 1e3:.1f} | "
+        print(f"| {4 * numel / 2**20:.0f} | {d * 1e3:.2f} | {h * 1e3:.2f} | {f * 1e3:.2f} | "
               f"{h / d:.2f} | {f / d:.2f} | {staged / 2**20:.0f} |")
 
 
