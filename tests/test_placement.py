@@ -42,8 +42,8 @@ def _copy_bytes(st) -> int | None:
 def staging_reserved(eng: Engine) -> int:
     """Host staging of the largest disk-tier update (master, slots and the gradient unless it
     waits in RAM, chunk by chunk or whole) plus the largest streamed read of a disk segment,
-    plus the largest gradient landing of a trained segment off the device, from the engine's
-    segment states."""
+    plus the gradient landings of trained segments off the device (the step's ring and the
+    largest landing's own staging), from the engine's segment states."""
     disk = [st for st in eng.states if st.tier == Tier.DISK]
     update = max((0 if st.frozen else update_staging_bytes(
         st.numel, sum(st.slot(c).nbytes(st.layout) for c in st.state_copies)
@@ -51,12 +51,14 @@ def staging_reserved(eng: Engine) -> int:
         whole=eng.optimizer.align == 0, chunk_numel=eng.chunk_numel) for st in disk), default=0)
     read = max((load_bytes(Tier.DISK, st.numel, _copy_bytes(st), eng.chunk_numel).staging_bytes
                 for st in disk), default=0)
-    # one gradient landing: the landing ring into host RAM, or a file pass's chunks and ring
-    landing = max((4 * grad_landing(st.tier, st.placement.gradient_tier, written=w, final=f)
-                   .host_staging_numel(st.numel, eng.chunk_numel)
-                   for st in eng.states if st.tier != Tier.DEVICE and not st.frozen
-                   for w in (False, True) for f in (False, True)), default=0)
-    return update + read + landing
+    # the gradient landings: the step's landing ring (the largest any landing adds through,
+    # held for the step) beside the largest file pass's chunks
+    paths = [(st.numel, grad_landing(st.tier, st.placement.gradient_tier, written=w, final=f))
+             for st in eng.states if st.tier != Tier.DEVICE and not st.frozen
+             for w in (False, True) for f in (False, True)]
+    ring = max((4 * p.ring_numel(n, eng.chunk_numel) for n, p in paths), default=0)
+    own = max((4 * p.host_staging_numel(n, eng.chunk_numel) for n, p in paths), default=0)
+    return update + read + ring + own
 
 
 @pytest.mark.parametrize(("name", "kind", "policy", "extra"), [

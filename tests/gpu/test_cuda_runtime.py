@@ -49,7 +49,7 @@ def test_cuda_gradient_lands_through_the_staging_ring(tmp_path):
     from tierlm.memory import Tier
     from tierlm.memory.store import Store
     from tierlm.memory.tiers import TensorClass
-    from tierlm.runtime.landing import add_to_host
+    from tierlm.runtime.landing import LandingRing, add_to_host
     from tierlm.runtime.schedule import landing_staging_numel
 
     chunk, numel = 1024, 5 * 1024 + 17
@@ -58,7 +58,8 @@ def test_cuda_gradient_lands_through_the_staging_ring(tmp_path):
     store = Store(torch.device("cuda"))
     host = store.alloc(Tier.HOST, TensorClass.GRAD, numel).copy_(torch.randn(numel, generator=g))
     want = host.clone().add_(dev.cpu())
-    add_to_host(store, host, dev, chunk)
+    with LandingRing(store, landing_staging_numel(numel, chunk)) as ring:
+        add_to_host(store, ring, host, dev, chunk)
     assert torch.equal(host, want)
     staged = store.ledger.peak_class_bytes[(Tier.HOST, TensorClass.STAGING)]
     assert staged == 4 * landing_staging_numel(numel, chunk) == 4 * 2 * chunk

@@ -109,18 +109,21 @@ def update_staging_bytes(
     return -(-staged_bytes * staging_numel(numel, chunk_numel) // numel)
 
 
-def landing_staging_bytes(numel: int, p: SegmentPlacement, chunk_numel: int) -> int:
-    """Host staging at the peak of any of a step's landings of a segment's gradient
-    (tierlm.runtime.schedule.grad_landing: through the landing ring into host RAM, or chunk by
-    chunk into its file); 0 for device state, whose gradient accumulates in place."""
+def landing_staging_bytes(numels: list[int], placements: list[SegmentPlacement],
+                          chunk_numel: int) -> int:
+    """Host staging a step's gradient landings hold at their peak
+    (tierlm.runtime.schedule.grad_landing): the step's landing ring, held from its first landing
+    to the sweep's end (tierlm.runtime.landing), the largest any landing of a segment off the
+    device adds through; and beside it the largest staging one landing takes for itself (a
+    file pass's chunk sets). 0 where every gradient accumulates in place on the device."""
     from tierlm.runtime.schedule import grad_landing
 
-    if p.state_tier == Tier.DEVICE:
-        return 0
-    return GRAD_B * max(
-        grad_landing(p.state_tier, p.gradient_tier, written=written, final=final)
-        .host_staging_numel(numel, chunk_numel)
-        for written in (False, True) for final in (False, True))
+    paths = [(n, grad_landing(p.state_tier, p.gradient_tier, written=written, final=final))
+             for n, p in zip(numels, placements, strict=True) if p.state_tier != Tier.DEVICE
+             for written in (False, True) for final in (False, True)]
+    ring = max((path.ring_numel(n, chunk_numel) for n, path in paths), default=0)
+    own = max((path.host_staging_numel(n, chunk_numel) for n, path in paths), default=0)
+    return GRAD_B * (ring + own)
 
 
 def _account(
@@ -136,8 +139,9 @@ def _account(
     accumulates there before it lands on the state's tier (`transient_grad`,
     tierlm.runtime.schedule); in host RAM besides, the staging of one disk-tier update and one
     streamed read of a disk-tier segment (`update_staging_bytes`, `load_bytes`), each the
-    largest of any disk segment, since one segment's update overlaps another's load, and of one
-    gradient landing (`landing_staging_bytes`), the largest of any segment off the device.
+    largest of any disk segment, since one segment's update overlaps another's load, and of the
+    gradient landings (`landing_staging_bytes`: the step's landing ring and the largest
+    landing's own staging).
 
     `copy_bytes`: per segment, its compute copy off the device (None: the fp32 master serves);
     `slot_bytes`: per segment, its optimizer's state (None: none); `frozen`: the weights are
@@ -167,9 +171,8 @@ def _account(
         + (0 if placements[s].host_grad else GRAD_B * numels[s]),
         copies[s], whole=whole_update, chunk_numel=chunk_numel) for s in on_disk), default=0)
     held[Tier.HOST] += max((loads[s].staging_bytes for s in on_disk), default=0)
-    # and one gradient landing on its way to host RAM or its file, alongside both
-    held[Tier.HOST] += max((landing_staging_bytes(n, p, chunk_numel) for n, p in
-                            zip(numels, placements, strict=True) if not frozen), default=0)
+    # and the landings on their way to host RAM or their files (the ring held), alongside both
+    held[Tier.HOST] += 0 if frozen else landing_staging_bytes(numels, placements, chunk_numel)
     return PlacementReport(placements, held[Tier.DEVICE], held[Tier.HOST], held[Tier.DISK])
 
 

@@ -581,8 +581,9 @@ class _CountingStep:
 
     def __init__(self, shape: ModelShape, placements: list[SegmentPlacement], store,
                  cache, actions: list, hidden: int, chunk_numel: int,
-                 on_action: Callable[[int, str, Any], None]) -> None:
+                 on_action: Callable[[int, str, Any], None], ring) -> None:
         self.shape, self.placements, self.store, self.cache = shape, placements, store, cache
+        self.ring = ring  # the step's landing ring (tierlm.runtime.landing.LandingRing)
         self.ledger: Ledger = store.ledger
         self.actions, self.chunk_numel, self.on_action = actions, chunk_numel, on_action
         self.streamed = [not p.resident for p in placements]
@@ -658,8 +659,11 @@ class _CountingStep:
         numel = self.shape.numels[s]
         path = grad_landing(p.state_tier, p.gradient_tier, written=self.grad_written[s],
                             final=final)
-        # host staging at the landing's peak: the ring a device gradient is added through,
-        # each file pass's chunk sets (tierlm.runtime.landing, tierlm.runtime.state)
+        # the step's landing ring, taken by the first landing that adds into host RAM and held
+        # to the sweep's end; then the landing's own host staging at its peak: each file pass's
+        # chunk sets (tierlm.runtime.landing, tierlm.runtime.state)
+        if path.ring_numel(numel, self.chunk_numel):
+            self.ring.hold()
         staged = path.host_staging_numel(numel, self.chunk_numel)
         if staged:
             self.store.free(Tier.HOST, TensorClass.STAGING,
@@ -702,7 +706,8 @@ def _simulate(
     persistent state and what a load stages and moves); this replay sets up the state before
     the sweep and counts the update after it."""
     from tierlm.runtime.cache import StreamCache, window_bytes
-    from tierlm.runtime.schedule import parked_inputs
+    from tierlm.runtime.landing import LandingRing
+    from tierlm.runtime.schedule import landing_ring_numel, parked_inputs
     from tierlm.runtime.state import load_bytes, persistent_bytes
     from tierlm.runtime.walk import StepRules, walk_step
 
@@ -758,8 +763,13 @@ def _simulate(
             if loads[s].disk_read_bytes:
                 ledger.record_move(Link.DISK_READ, loads[s].disk_read_bytes)
 
+    landings = [(p.state_tier, p.gradient_tier, numels[s])
+                if transient_grad(p.state_tier, frozen) else None
+                for s, p in enumerate(placements)]
+    ring_numel = landing_ring_numel(actions, train.micro_batches, landings, chunk_numel)
+    ring = LandingRing(store, ring_numel)  # type: ignore[arg-type]
     step = _CountingStep(shape, placements, store, cache, actions, hidden, chunk_numel,
-                         on_action)
+                         on_action, ring)
     tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     rules = StepRules(
         micro_batches=train.micro_batches,
@@ -773,7 +783,8 @@ def _simulate(
         state_tiers=[p.state_tier for p in placements],
         first_trained=not frozen,
     )
-    walk_step(step, actions, rules, ahead)
+    with ring:  # held from the first landing to the end of the sweep, as the engine does
+        walk_step(step, actions, rules, ahead)
 
     on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and slots, write master and slots

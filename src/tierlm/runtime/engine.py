@@ -58,13 +58,14 @@ from tierlm.models.adapters import HeadSegment, StepContext
 from tierlm.optim.flat import advance
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
-from tierlm.runtime.landing import add_to_host
+from tierlm.runtime.landing import LandingRing, add_to_host
 from tierlm.runtime.plan import EngineOptions, StepParts, StepPlan, plan_step
 from tierlm.runtime.readahead import readahead_starts
 from tierlm.runtime.schedule import (
     Action,
     boundary_activation_bytes,
     grad_landing,
+    landing_ring_numel,
     parked_inputs,
     step_schedule,
     streamed_reads,
@@ -443,8 +444,11 @@ class Engine(Stepper):
                 self._size_cache()
             self.cache.begin(self.stream_plan(m))
             self.param_norms = {}
-        run = _TensorStep(self, mbs, actions, names)
-        walk_step(run, actions, self.step_rules(m), readahead)
+        # every landing of the sweep adds into host RAM through this one ring (released on
+        # leaving the block, an exception included; a skipped step has landed by then)
+        with LandingRing(self.store, self.landing_ring_numel(actions, m)) as ring:
+            run = _TensorStep(self, mbs, actions, names, ring)
+            walk_step(run, actions, self.step_rules(m), readahead)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
@@ -458,6 +462,13 @@ class Engine(Stepper):
             "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
             "step_time_s": time.perf_counter() - t0,
         }
+
+    def landing_ring_numel(self, actions: list[Action], m: int) -> int:
+        """Elements of the landing ring a step of `actions` over `m` micro-batches holds
+        (tierlm.runtime.schedule.landing_ring_numel, the rule the planner's replay counts)."""
+        landings = [None if st is None or not transient_grad(st.tier, st.frozen)
+                    else (st.tier, st.placement.gradient_tier, st.numel) for st in self.trained]
+        return landing_ring_numel(actions, m, landings, self.chunk_numel)
 
     def step_rules(self, m: int) -> StepRules:
         """This engine's answers to what an m-micro-batch step's walk asks
@@ -574,9 +585,10 @@ class Engine(Stepper):
             return st.grad
         return self.store.zeros(Tier.DEVICE, TensorClass.GRAD, st.numel)
 
-    def _land_grad(self, st: SegmentState, grad: torch.Tensor, *, final: bool) -> None:
-        """Send this action's gradient towards the optimizer's tier; on the step's last
-        contribution, record the segment's norm."""
+    def _land_grad(self, st: SegmentState, grad: torch.Tensor, ring: LandingRing, *,
+                   final: bool) -> None:
+        """Send this action's gradient towards the optimizer's tier, adding it into host RAM
+        through the step's `ring`; on the step's last contribution, record the segment's norm."""
         path = grad_landing(st.tier, st.placement.gradient_tier, written=st.grad_written,
                             final=final)
         if not transient_grad(st.tier, st.frozen):  # accumulated in place on the device
@@ -585,7 +597,7 @@ class Engine(Stepper):
             return
         what = f"grad {st.seg.name}"
         if path.to_host:  # host state, or disk state's held gradient
-            add_to_host(self.store, st.grad, grad, self.chunk_numel, what)
+            add_to_host(self.store, ring, st.grad, grad, self.chunk_numel, what)
             self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             if final:
                 self._grad_complete(st, st.grad)
@@ -598,12 +610,12 @@ class Engine(Stepper):
             if final and not p.back:
                 self._grad_complete(st, grad)
                 self._finish_syncs()  # the device buffer is written out and freed next
-            self._grad_file_chunks(st, grad, add=p.add, back=p.back)
+            self._grad_file_chunks(st, grad, ring, add=p.add, back=p.back)
         self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
         st.grad_written = path.written
 
     def _grad_file_chunks(
-        self, st: SegmentState, grad: torch.Tensor, *, add: bool, back: bool
+        self, st: SegmentState, grad: torch.Tensor, ring: LandingRing, *, add: bool, back: bool
     ) -> None:
         """Between the device gradient and its file, chunk by chunk: `add`: file + device
         (the order the earlier contributions were summed in), else the device's alone; `back`:
@@ -613,7 +625,7 @@ class Engine(Stepper):
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
             staging, dev = bufs["grad"], grad.narrow(0, lo, bufs["grad"].numel())
             if add:
-                add_to_host(self.store, staging, dev, self.chunk_numel, what)
+                add_to_host(self.store, ring, staging, dev, self.chunk_numel, what)
             else:  # the file write reads the staging buffer next
                 self.store.wait_host(self.store.to_host(staging, dev, what))
             if back:
@@ -948,8 +960,9 @@ class _TensorStep:
     stores and copies on the step's micro-batches; the walk says when."""
 
     def __init__(self, eng: Engine, mbs: list[_MicroBatch], actions: list[Action],
-                 names: list[str]) -> None:
+                 names: list[str], ring: LandingRing) -> None:
         self.eng, self.mbs, self.actions, self.names = eng, mbs, actions, names
+        self.ring = ring  # the step's landing ring
         self.loss_sum = 0.0
 
     def begin(self, k: int, a: Action) -> None:
@@ -1032,7 +1045,7 @@ class _TensorStep:
     def land(self, s: int, grad: torch.Tensor, final: bool) -> None:
         trained = self.eng.trained[s]
         if trained is not None:
-            self.eng._land_grad(trained, grad, final=final)
+            self.eng._land_grad(trained, grad, self.ring, final=final)
 
 
 def _parts(st: SegmentState, copy: str, buf: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -8,6 +8,12 @@ the rule the planner's replay counts too): while the CPU adds chunk i, chunk i+1
 flight on the store's copy stream. On a CPU-only machine the copy is a memcpy and the ring
 runs in turn; either way the arithmetic is the elementwise `host += dev`, chunk by chunk, so
 the sum is bitwise what one `host.add_(dev)` gives.
+
+The ring is the step's (`LandingRing`), not the landing's: taken from the store at the step's
+first landing that adds into host RAM, sized for its largest (`landing_ring_numel`), reused by
+every later one and released when the step's sweep ends. A fresh ring per landing cost more than
+the adds it served (its pages fault in again each time; on CUDA a fresh pinned allocation is
+costlier still); the planner's replay holds the ring for the same span.
 """
 
 from __future__ import annotations
@@ -20,31 +26,63 @@ from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.runtime.schedule import landing_staging_numel
 
 
+class LandingRing:
+    """The host staging every gradient landing of one step adds through (`add_to_host`):
+    `numel` elements (tierlm.runtime.schedule.landing_ring_numel), allocated through the store
+    on the first `hold` and held until `release`. As a context manager it is released on
+    leaving the block, however the block ends. The planner's replay holds one over its counting
+    store the same way."""
+
+    def __init__(self, store: Store, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        self.store, self.numel, self.dtype = store, numel, dtype
+        self._buf: torch.Tensor | None = None
+
+    def hold(self) -> torch.Tensor:
+        """The ring's buffer, taken from the store on the first call."""
+        if self._buf is None:
+            self._buf = self.store.alloc(Tier.HOST, TensorClass.STAGING, self.numel, self.dtype)
+        return self._buf
+
+    def release(self) -> None:
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            self.store.free(Tier.HOST, TensorClass.STAGING, buf)
+
+    def __enter__(self) -> LandingRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def add_to_host(
-    store: Store, host: torch.Tensor, dev: torch.Tensor, chunk_numel: int, what: str = ""
+    store: Store, ring: LandingRing, host: torch.Tensor, dev: torch.Tensor, chunk_numel: int,
+    what: str = "",
 ) -> None:
-    """`host += dev` for a host buffer and a device tensor of the same length, through host
-    staging of `landing_staging_numel(dev.numel(), chunk_numel)` elements. Returns once every
-    chunk is added: no copy still reads `dev` (the caller may free it) or writes the staging."""
+    """`host += dev` for a host buffer and a device tensor of the same length, through the first
+    `landing_staging_numel(dev.numel(), chunk_numel)` elements of the step's `ring`. Returns
+    once every chunk is added: no copy still reads `dev` (the caller may free it) or writes the
+    ring."""
     numel = dev.numel()
     if numel == 0:
         return
+    need = landing_staging_numel(numel, chunk_numel)
+    if need > ring.numel or ring.dtype != dev.dtype:
+        raise ValueError(
+            f"landing {what or 'a gradient'} of {numel} {dev.dtype} elements needs a landing "
+            f"ring of {need} {dev.dtype} elements; the step holds {ring.numel} {ring.dtype} "
+            "(tierlm.runtime.schedule.landing_ring_numel sizes it from the step's landings)")
     ranges = chunk_ranges(numel, chunk_numel)
-    ring_t = store.alloc(Tier.HOST, TensorClass.STAGING,
-                         landing_staging_numel(numel, chunk_numel), dev.dtype)
-    ring = ring_t.split(min(numel, chunk_numel))
+    bufs = ring.hold()[:need].split(min(numel, chunk_numel))
 
     def copy(k: int):
         lo, n = ranges[k]
-        return store.to_host(ring[k % len(ring)][:n], dev.narrow(0, lo, n), what)
+        return store.to_host(bufs[k % len(bufs)][:n], dev.narrow(0, lo, n), what)
 
-    try:
-        pending = copy(0)
-        for k, (lo, n) in enumerate(ranges):
-            # the other buffer's chunk was added in the previous turn: it takes the next copy
-            following = copy(k + 1) if k + 1 < len(ranges) else None
-            store.wait_host(pending)  # the CPU reads chunk k once its copy has landed
-            host.narrow(0, lo, n).add_(ring[k % len(ring)][:n])
-            pending = following
-    finally:
-        store.free(Tier.HOST, TensorClass.STAGING, ring_t)
+    pending = copy(0)
+    for k, (lo, n) in enumerate(ranges):
+        # the other buffer's chunk was added in the previous turn: it takes the next copy
+        following = copy(k + 1) if k + 1 < len(ranges) else None
+        store.wait_host(pending)  # the CPU reads chunk k once its copy has landed
+        host.narrow(0, lo, n).add_(bufs[k % len(bufs)][:n])
+        pending = following

@@ -140,16 +140,22 @@ class GradLanding:
     passes: tuple[FilePass, ...] = ()  # disk: through host staging, in this order
     written: bool = False  # afterwards the file holds a partial sum of this step
 
+    def ring_numel(self, numel: int, chunk_numel: int) -> int:
+        """Elements of the step's landing ring (tierlm.runtime.landing.LandingRing) this landing
+        of a `numel`-element gradient adds through: the whole gradient's ring into host RAM
+        (`to_host`); one chunk's where a file pass adds the device's chunk to the file's; 0
+        where nothing is added on the host."""
+        if self.to_host:
+            return landing_staging_numel(numel, chunk_numel)
+        if any(p.add for p in self.passes):
+            return landing_staging_numel(min(numel, chunk_numel), chunk_numel)
+        return 0
+
     def host_staging_numel(self, numel: int, chunk_numel: int) -> int:
-        """Host staging elements this landing of a `numel`-element gradient holds at its peak:
-        the landing ring over the whole gradient (`to_host`); each file pass's chunk sets
-        (tierlm.runtime.state.stream_chunks) and, where the pass adds the device's chunk to the
-        file's, a landing ring over one chunk."""
-        peaks = [landing_staging_numel(numel, chunk_numel)] if self.to_host else []
-        for p in self.passes:
-            ring = landing_staging_numel(min(numel, chunk_numel), chunk_numel) if p.add else 0
-            peaks.append(staging_numel(numel, chunk_numel) + ring)
-        return max(peaks, default=0)
+        """Host staging elements this landing of a `numel`-element gradient takes for itself at
+        its peak, besides the step's landing ring (`ring_numel`): each file pass's chunk sets
+        (tierlm.runtime.state.stream_chunks)."""
+        return staging_numel(numel, chunk_numel) if self.passes else 0
 
     def moves(self, grad_bytes: int) -> list[tuple[Link, int]]:
         """(link, bytes) of each copy this landing makes, pass by pass; within a pass the
@@ -184,3 +190,31 @@ def grad_landing(state_tier: Tier, gradient_tier: Tier, *, written: bool, final:
         return GradLanding(passes=(FilePass(add=written, back=False),), written=True)
     passes = (FilePass(add=True, back=True),) if written else ()
     return GradLanding(passes=(*passes, FilePass(add=False, back=False)))
+
+
+def final_landing(a: Action, micro_batches: int) -> bool:
+    """Whether action `a` lands its segment's last gradient contribution of the step (the
+    head's and each backward's land once per action, tierlm.runtime.walk)."""
+    return a.mbs[-1] == micro_batches - 1
+
+
+def landing_ring_numel(actions: Sequence[Action], micro_batches: int,
+                       landings: Sequence[tuple[Tier, Tier, int] | None], chunk_numel: int
+                       ) -> int:
+    """Elements of the landing ring a step of `actions` holds (tierlm.runtime.landing): the
+    largest ring any of its landings adds through, landing by landing in the step's order (a
+    gradient file holds a partial sum from its segment's second landing on); 0 where none adds
+    into host RAM. `landings[s]`: segment s's state tier, gradient tier and element count
+    where its gradient lands off the device (`transient_grad`), else None."""
+    written = [False] * len(landings)
+    most = 0
+    for a in actions:
+        lands = landings[a.seg]
+        if a.kind == "fwd" or lands is None:
+            continue
+        state_tier, gradient_tier, numel = lands
+        path = grad_landing(state_tier, gradient_tier, written=written[a.seg],
+                            final=final_landing(a, micro_batches))
+        written[a.seg] = path.written
+        most = max(most, path.ring_numel(numel, chunk_numel))
+    return most

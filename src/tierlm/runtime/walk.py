@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tierlm.memory.tiers import Tier
-from tierlm.runtime.schedule import Action, grad_from_head, runs_backward
+from tierlm.runtime.schedule import Action, final_landing, grad_from_head, runs_backward
 
 Buf = Any  # a tensor in the engine, a byte count (or nothing) in the planner's replay
 
@@ -189,7 +189,7 @@ class _Walk:
                 self.borrowed[i] = tied
             self.hold_grad(i, s, dx)
             self.drop_input(i, s)
-        self.b.land(s, grad, final=a.mbs[-1] == self.rules.micro_batches - 1)
+        self.b.land(s, grad, final=final_landing(a, self.rules.micro_batches))
 
     def backward(self, a: Action, w: Buf, grad: Buf) -> None:
         """`grad` None: the owner of tied weights adopts the head's buffer of its first
@@ -213,7 +213,7 @@ class _Walk:
                 grad = target  # a fresh zeroed gradient plus `target` is `target`
             elif owns_borrowed:
                 self.b.add_grad(grad, target)
-        self.b.land(s, grad, final=a.mbs[-1] == self.rules.micro_batches - 1)
+        self.b.land(s, grad, final=final_landing(a, self.rules.micro_batches))
 
     # -- what is held between actions --
 
