@@ -132,3 +132,15 @@ def steps_match_the_plan(eng, predicted, m: int) -> dict[str, int]:
     assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
     assert moved[1] == {k: v for k, v in predicted.moved_bytes.items() if v}
     return moved[1]
+
+
+class InfGrad:
+    """Forward hook that makes the gradient at a module's output infinite while armed (fault
+    injection: the step must be skipped)."""
+
+    armed = False
+
+    def __call__(self, module, args, out):
+        if out.requires_grad and self.armed:
+            out.register_hook(lambda g: g * float("inf"))
+        return out

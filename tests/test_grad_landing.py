@@ -9,7 +9,14 @@ import threading
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
+from runtime_helpers import (
+    OPTIM,
+    InfGrad,
+    assert_close_run,
+    batches,
+    reference_run,
+    tiny_model,
+)
 
 from tierlm.memory import Tier, planner
 from tierlm.memory.hardware import PROFILES
@@ -310,17 +317,6 @@ def test_each_landing_stages_what_the_plan_counts(spec, order, tmp_path, monkeyp
         assert led.peak_tier_bytes[Tier.HOST] == predicted.host_peak_bytes
 
 
-class _InfGrad:
-    """Forward hook that makes the gradient at a module's output infinite while armed."""
-
-    armed = False
-
-    def __call__(self, module, args, out):
-        if out.requires_grad and self.armed:
-            out.register_hook(lambda g: g * float("inf"))
-        return out
-
-
 @pytest.mark.parametrize("spec", ["host", "disk"])
 def test_the_ring_is_taken_once_per_step_and_released_at_its_end(spec, tmp_path):
     """One allocation of the ring per step, however many landings add through it; the ledger's
@@ -333,7 +329,7 @@ def test_the_ring_is_taken_once_per_step_and_released_at_its_end(spec, tmp_path)
     assert ring_numel == (2 * CHUNK if spec == "host" else CHUNK)
     staging = (Tier.HOST, TensorClass.STAGING)
     watch = _watch_engine(eng)  # the ring: the one staging buffer that outlives its landing
-    hook = _InfGrad()
+    hook = InfGrad()
     model.model.layers[1].mlp.register_forward_hook(hook)
     steps = batches(3, m)
     for i, step in enumerate(steps):

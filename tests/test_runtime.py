@@ -9,6 +9,7 @@ import pytest
 import torch
 from runtime_helpers import (
     OPTIM,
+    InfGrad,
     assert_close_run,
     batches,
     reference_cases,
@@ -80,17 +81,6 @@ def test_matches_reference(references, name, policy, order, m, clip, tmp_path):
     )
     for r, ref in zip(recs, ref_recs, strict=True):
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-
-
-class InfGrad:
-    """Forward hook that makes the gradient infinite while armed (fault injection)."""
-
-    armed = False
-
-    def __call__(self, module, args, out):
-        if out.requires_grad and self.armed:
-            out.register_hook(lambda g: g * float("inf"))
-        return out
 
 
 @pytest.mark.parametrize("policy", ["none", "host", "disk"])
