@@ -41,7 +41,6 @@ from tierlm.activations import (
     RunScope,
     SavedTensorScope,
     chunked_cross_entropy,
-    default_chunk_tokens,
     storages_of,
 )
 from tierlm.activations.saved import FrozenWeights
@@ -168,6 +167,7 @@ class Engine(Stepper):
         self.activation_reserve_bytes = plan.activation_reserve_bytes
         self.activation_costs = plan.activation_costs  # measured per-segment bytes (dynamic)
         self.activation_head_bytes = parts.head_bytes  # the head's predicted activation peak
+        self.chunk_tokens = parts.chunk_tokens  # tokens per cross-entropy chunk at the head
         self._make_policy = PolicyFactory(device, dropout=self.has_dropout)
         self.set_activation_policies(list(plan.activation_policies))
         self.states: list[SegmentState] = []
@@ -500,9 +500,6 @@ class Engine(Stepper):
                                                       ring=self.opts.sequence_share.ring)
             yield out
 
-    def _chunk_tokens(self, vocab: int) -> int:
-        return self.opts.loss_chunk_tokens or default_chunk_tokens(vocab)
-
     def _head(
         self, k: int, mb: _MicroBatch, m: int, w: torch.Tensor, x: torch.Tensor,
         grad: torch.Tensor, tied: torch.Tensor | None,
@@ -537,7 +534,7 @@ class Engine(Stepper):
                 lambda h: seg.project(views, h),
                 hn_leaf.flatten(0, 1),  # (B*T, D)
                 mb.targets.flatten(),
-                chunk_tokens=self._chunk_tokens(self.adapter.model.config.vocab_size),
+                chunk_tokens=self.chunk_tokens,
                 grad_divisor=m / mb.loss_scale,
                 autocast=self.opts.autocast,
                 saved=lambda: SavedTensorScope(leaf, shared, frozen),
@@ -791,7 +788,7 @@ class Engine(Stepper):
         ids, targets = (t.to(self.device) for t in inputs_and_targets(batch))
         head = self.states[-1].seg
         t = targets.flatten()
-        step = self._chunk_tokens(self.adapter.model.config.vocab_size)
+        step = self.chunk_tokens
 
         def loss_sum(views, hn) -> float:
             hn = hn.flatten(0, 1)  # (B*T, D)
