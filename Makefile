@@ -7,8 +7,11 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 # pytest worker processes (pytest-xdist), each file's tests in one of them: alone, the suite kept
-# 1.1 of this 2-core machine's cores busy. Each worker peaks at about 3.5 GB of RSS.
+# 1.1 of this 2-core machine's cores busy. Each worker peaks at about 3.5 GB of RSS and computes
+# on TEST_THREADS threads: two workers of two threads on two cores left compiled kernels' OpenMP
+# regions waiting on descheduled threads (a compiled block timed 42x its eager time).
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 
 .PHONY: install train test lint bench clean
 
@@ -30,7 +33,8 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench train_large_model.py
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile \
+		--durations=15
 
 bench: $(STAMP)
 	$(PY) bench/step_time.py --model-size small
