@@ -240,3 +240,21 @@ def test_byte_sizes_parse(text, nbytes):
 def test_bad_byte_size_names_the_flag():
     with pytest.raises(ConfigError, match="--host-budget: '12 potatoes' is not a size"):
         parse("--offload-policy", "host", "--host-budget", "12 potatoes")
+
+
+@pytest.mark.parametrize("command", ["train", "print-config", "plan", "export"])
+def test_help_prints_every_field_doc_verbatim(command, capsys, monkeypatch):
+    """argparse %-formats help strings: a '%' in a field's docstring (--disk-endurance-tbw's
+    "warn above 1% a day") must reach the help as written, not as argparse's internals."""
+    monkeypatch.setenv("COLUMNS", "100000")  # one line per flag: docs compare unwrapped
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "option_strings" not in text and "%(" not in text
+    shown = [(k, doc) for k, _tp, _d, doc in leaf_fields() if command != "export"
+             or k == "run.export_dtype"]
+    for key, doc in shown:
+        assert doc in text, key
+    if command != "export":
+        assert "and warn above 1% a day (--disk-endurance-tbw). [default: 600.0]" in text

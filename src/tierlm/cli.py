@@ -28,13 +28,20 @@ from tierlm.config import (
 _ALIAS_FOR = {dotted: flag for flag, dotted in SEED_FLAGS.items()}
 
 
+def _field_help(doc: str, default: Any) -> str:
+    """A field's help text for argparse, which %-formats help strings (for %(default)s): a
+    literal '%' in a docstring ("warn above 1% a day") must be doubled, or argparse prints its
+    own internals in its place ('% a' is the ascii() conversion) or fails on a lone '%'."""
+    shown = "empty" if default is None else default
+    return f"{doc} [default: {shown}]".replace("%", "%%")
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file with config sections")
     seed = p.add_argument_group("common flags")
     full = p.add_argument_group("all config fields (section.key)")
     for dotted, tp, default, doc in leaf_fields():
-        shown = "empty" if default is None else default
-        help_text = f"{doc} [default: {shown}]"
+        help_text = _field_help(doc, default)
         names = [f"--{dotted}"]
         # a bare boolean flag (--trust-remote-code) means true
         switch = {"nargs": "?", "const": "true"} if tp is bool else {}
@@ -55,7 +62,7 @@ def _add_field_flag(p: argparse.ArgumentParser, dotted: str) -> None:
         if key == dotted:
             choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
             p.add_argument(_ALIAS_FOR[dotted], dest=dotted, default=default, choices=choices,
-                           metavar=None if choices else "V", help=f"{doc} [default: {default}]")
+                           metavar=None if choices else "V", help=_field_help(doc, default))
             return
     raise KeyError(dotted)
 
