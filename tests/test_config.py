@@ -258,3 +258,15 @@ def test_help_prints_every_field_doc_verbatim(command, capsys, monkeypatch):
         assert doc in text, key
     if command != "export":
         assert "and warn above 1% a day (--disk-endurance-tbw). [default: 600.0]" in text
+
+
+@pytest.mark.parametrize("flag", ["--device-budget", "--host-budget"])
+def test_budget_without_offload_policy_suggests_auto(flag, capsys):
+    """A budget alone: the error points at the policy that plans within it, and that policy
+    takes the budget."""
+    assert main(["train", flag, "1GiB", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"tierlm: error: {flag} needs the tiered runtime; add "
+                          "--offload-policy auto") and "\n" not in err
+    assert getattr(parse(flag, "1GiB", "--offload-policy", "auto").memory,
+                   flag[2:].replace("-", "_")) == "1GiB"

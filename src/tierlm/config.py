@@ -795,10 +795,17 @@ def validate(cfg: Config) -> None:
             ("--host-budget", cfg.memory.host_budget),
             ("--offload-dir", cfg.memory.offload_dir),
         ):
-            if value is not None:
+            if value is None:
+                continue
+            if flag.endswith("-budget"):  # a budget is what auto plans within
                 raise ConfigError(
-                    f"{flag} needs the tiered runtime; add --offload-policy tiered, host or disk"
+                    f"{flag} needs the tiered runtime; add --offload-policy auto (the planner "
+                    "places model state on the device, in RAM and on disk within the budgets), "
+                    "or choose it: tiered, host or disk"
                 )
+            raise ConfigError(
+                f"{flag} needs the tiered runtime; add --offload-policy tiered, host or disk"
+            )
         if cfg.memory.microbatch_order != "microbatch-outer":
             raise ConfigError(
                 "--microbatch-order layer-outer needs the tiered runtime; add "
