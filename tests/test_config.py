@@ -270,3 +270,16 @@ def test_budget_without_offload_policy_suggests_auto(flag, capsys):
                           "--offload-policy auto") and "\n" not in err
     assert getattr(parse(flag, "1GiB", "--offload-policy", "auto").memory,
                    flag[2:].replace("-", "_")) == "1GiB"
+
+
+def test_opt_and_lr_help_give_each_optimizers_usual_lr(capsys, monkeypatch):
+    """--lr has one default for every --opt: the help says what Lion and Adafactor want."""
+    monkeypatch.setenv("COLUMNS", "100000")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    opt = next(line for line in lines if line.lstrip().startswith("--opt V"))
+    lr = next(line for line in lines if line.lstrip().startswith("--lr V"))
+    assert "3-10x smaller than AdamW's" in opt  # Lion
+    assert re.search(r"Adafactor.*usual lr is 1e-2", opt)
+    assert "Adafactor's about 1e-2" in lr and "[default: 0.001]" in lr
