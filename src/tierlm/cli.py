@@ -153,7 +153,32 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
     return export_hf_from_checkpoint(path, Path(out_dir), dtype=dtype)
 
 
+_CONFIG_COMMANDS = ("train", "print-config", "plan")
+
+
+def _error(exc: Exception) -> int:
+    print(f"tierlm: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Parsing and the config's resolution and checks import neither torch nor transformers
+    # (5 s before): `--help`, print-config and a bad flag answer at once. The modules that run
+    # a command, and the errors they raise, are imported after.
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = None
+    try:
+        if args.command in _CONFIG_COMMANDS:
+            cfg = config_from_args(args)
+        if args.command == "print-config":
+            sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            return 0
+        if args.command == "train":
+            check_supported(cfg)
+    except ConfigError as exc:
+        return _error(exc)
+
     from tierlm.data import DataError
     from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
@@ -161,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     from tierlm.train.checkpoint import CheckpointError
     from tierlm.train.safety import ReliabilityError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
         if args.command == "report":
             from tierlm.train.report import report_main
@@ -184,16 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                       compile_size=args.model_size, compile_seq_len=args.seq_len,
                       cache_dir=cache_dir() / "inductor")
             return 0
-        cfg = config_from_args(args)
+        assert cfg is not None  # plan or train: resolved above
         if args.command == "plan":
             from tierlm.train.planning import print_plan
 
             return print_plan(cfg, as_json=args.json,
                               optimizer_table=not args.no_optimizer_table)
-        if args.command == "print-config":
-            sys.stdout.write(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            return 0
-        check_supported(cfg)
         from tierlm.runtime.compile import check_compile
 
         # before torchrun: refused here, not by every rank with a launcher traceback
@@ -209,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
         ConfigError, DataError, ModelLoadError, CheckpointError, PlacementError, ReliabilityError,
         Fp8ScaleError,
     ) as exc:
-        print(f"tierlm: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     except KeyboardInterrupt:
         return 130

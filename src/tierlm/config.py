@@ -784,7 +784,7 @@ def validate(cfg: Config) -> None:
                 f"--resident: {cfg.memory.resident!r} is not a regex: {exc}"
             ) from None
     if cfg.activations.overrides:
-        from tierlm.activations.spec import parse_overrides
+        from tierlm.activations.overrides import parse_overrides
 
         try:
             parse_overrides(cfg.activations.overrides)

@@ -233,9 +233,6 @@ class Offload(ActivationPolicy):
         return dx
 
 
-POLICY_NAMES = ("keep", "selective", "full", "offload")
-
-
 class PolicyFactory:
     """Builds policy objects by name for one engine (shared host pool, copier, RNG replay)."""
 

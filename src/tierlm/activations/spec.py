@@ -12,39 +12,8 @@ backward run back to back, chunk by chunk, so it always keeps; `head=keep` is ac
 
 from __future__ import annotations
 
-import re
-
 from tierlm.activations.dynamic import SegmentCosts, activation_peak_bytes, choose_policies
-from tierlm.activations.policies import POLICY_NAMES
-
-HEAD = "head"
-
-
-def parse_overrides(text: str | None) -> list[tuple[re.Pattern[str], str]]:
-    """'block.[0-3]=full,head=keep' -> [(pattern, policy)]; ValueError says what is wrong."""
-    if not text or not text.strip():
-        return []
-    out = []
-    for item in text.split(","):
-        pattern, sep, policy = item.strip().rpartition("=")
-        policy = policy.strip()
-        if not sep or not pattern.strip():
-            raise ValueError(f"{item.strip()!r} is not pattern=policy")
-        if policy not in POLICY_NAMES:
-            raise ValueError(
-                f"{item.strip()!r}: unknown policy {policy!r}; use one of {', '.join(POLICY_NAMES)}"
-            )
-        try:
-            compiled = re.compile(pattern.strip())
-        except re.error as exc:
-            raise ValueError(f"{pattern.strip()!r} is not a regex: {exc}") from None
-        if compiled.fullmatch(HEAD) and policy != "keep":
-            raise ValueError(
-                f"{item.strip()!r}: the head computes its loss and gradient in one pass, chunk by "
-                "chunk; it always keeps"
-            )
-        out.append((compiled, policy))
-    return out
+from tierlm.activations.overrides import parse_overrides
 
 
 def pinned_policies(names: list[str], overrides: str | None) -> list[str | None]:

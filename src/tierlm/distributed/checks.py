@@ -3,14 +3,13 @@ names the flag to change. Checks that need the world size live in `setup.join_wo
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tierlm.config import ConfigError, NotSupportedYet
 
 
 def validate_distributed(cfg: Any) -> None:
-    from tierlm.distributed.sync import parse_ratio_overrides, resolved_mode
-
     d = cfg.distributed
     for flag, value, low in (
         ("--nproc", d.nproc, 1),
@@ -72,3 +71,38 @@ def _validate_context_parallel(cfg: Any, mode: str) -> None:
     if cfg.data.packing == "documents":
         raise NotSupportedYet("--context-parallel with --data.packing documents",
                               "the ring's causal mask spans the whole row: use stream or off")
+
+
+def parse_ratio_overrides(text: str, flag: str = "--sparse-grad-ratio-overrides"):
+    """'embed|lm_head|norm=1.0,mlp=0.1' -> (('embed|lm_head|norm', 1.0), ('mlp', 0.1))."""
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        pattern, sep, value = item.rpartition("=")
+        try:
+            ratio = float(value)
+        except ValueError:
+            ratio = None
+        if not sep or not pattern or ratio is None or not 0 < ratio <= 1:
+            raise ConfigError(
+                f"{flag}: {item!r} is not PATTERN=RATIO with RATIO in (0, 1], e.g. "
+                "'embed|lm_head|norm=1.0,mlp=0.1'"
+            )
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"{flag}: {pattern!r} is not a regex: {exc}") from None
+        out.append((pattern, ratio))
+    return tuple(out)
+
+
+def resolved_mode(dist_cfg: Any) -> str:
+    """--grad-sync, or what the other flags imply when it is not given."""
+    if dist_cfg.grad_sync is not None:
+        return dist_cfg.grad_sync
+    if dist_cfg.sparse_grad_ratio is not None:
+        return "topk"
+    if dist_cfg.sync_every > 1:
+        return "delayed"
+    return "dense"

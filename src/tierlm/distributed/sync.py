@@ -24,7 +24,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
-from tierlm.config import ConfigError, DistributedConfig
+from tierlm.config import DistributedConfig
+from tierlm.distributed.checks import parse_ratio_overrides, resolved_mode
 from tierlm.distributed.comm import Comm, all_gather_send_bytes, all_reduce_send_bytes
 from tierlm.memory.layout import ParamSlot
 
@@ -201,30 +202,6 @@ class DelayedSync:
 SyncConfig = DenseSync | TopKSync | DelayedSync
 
 
-def parse_ratio_overrides(text: str, flag: str = "--sparse-grad-ratio-overrides"):
-    """'embed|lm_head|norm=1.0,mlp=0.1' -> (('embed|lm_head|norm', 1.0), ('mlp', 0.1))."""
-    out = []
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        pattern, sep, value = item.rpartition("=")
-        try:
-            ratio = float(value)
-        except ValueError:
-            ratio = None
-        if not sep or not pattern or ratio is None or not 0 < ratio <= 1:
-            raise ConfigError(
-                f"{flag}: {item!r} is not PATTERN=RATIO with RATIO in (0, 1], e.g. "
-                "'embed|lm_head|norm=1.0,mlp=0.1'"
-            )
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ConfigError(f"{flag}: {pattern!r} is not a regex: {exc}") from None
-        out.append((pattern, ratio))
-    return tuple(out)
-
-
 def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
     """The typed strategy config for the `distributed` section (already validated)."""
     mode = resolved_mode(dist_cfg)
@@ -240,17 +217,6 @@ def sync_config(dist_cfg: Any, max_steps: int) -> SyncConfig:
         return DelayedSync(every=dist_cfg.sync_every, final_step=max_steps,
                            moments=dist_cfg.sync_moments)
     return DenseSync(dtype=dist_cfg.grad_sync_dtype)
-
-
-def resolved_mode(dist_cfg: Any) -> str:
-    """--grad-sync, or what the other flags imply when it is not given."""
-    if dist_cfg.grad_sync is not None:
-        return dist_cfg.grad_sync
-    if dist_cfg.sparse_grad_ratio is not None:
-        return "topk"
-    if dist_cfg.sync_every > 1:
-        return "delayed"
-    return "dense"
 
 
 # -- dense ----
