@@ -517,3 +517,40 @@ def test_planner_counts_the_decode_time_per_matmul():
     lora = ModelShape.from_config(config, optim=OPTIM, lora=LORA, base_format="bf16",
                                   precision="bf16")
     assert _decode_s(lora, TrainShape(2, 16, M, "bf16"), hw, resident, True) == 0
+
+
+@pytest.mark.parametrize("method", ["qlora", "lora"])
+def test_adapter_records_whether_its_base_was_nf4(method, tmp_path):
+    """RUN_DIR/adapter says whether its base was NF4, with the block sizes and the weights, in
+    tierlm_adapter.json beside peft's files: peft loads the adapter as before, warning about no
+    key it does not know (an extra key in adapter_config.json draws "upgrade PEFT")."""
+    import json
+    import warnings
+
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftConfig, PeftModel
+
+    from tierlm.models.lora import lora_targets, prepare_finetune
+
+    model = tiny_model("llama_tied_gqa", layers=2)
+    plain = copy.deepcopy(model)
+    finetune, _ = prepare_finetune(method, model, LORA, None, seed=3)
+    adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    out = finetune.save(tmp_path, lambda: adapters)
+    notes = json.loads((out / "tierlm_adapter.json").read_text())
+    assert notes["finetune"] == method
+    quant = notes["base_model_quantization"]
+    if method == "lora":
+        assert quant is None
+    else:
+        assert (quant["format"], quant["block_size"], quant["double_quant"],
+                quant["scale_format"], quant["scale_block_size"]) == ("nf4", 64, True, "int8", 256)
+        targets = [f"{t}.weight" for t in lora_targets(plain, LORA.targets)]
+        assert targets and quant["weights"] == sorted(targets)
+        assert set(quant["weights"]) <= dict(plain.named_parameters()).keys()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = PeftConfig.from_pretrained(str(out))
+        PeftModel.from_pretrained(plain, out)
+    assert isinstance(config, PeftLoraConfig) and config.r == LORA.rank
+    assert not [w for w in caught if "Unexpected keyword" in str(w.message)]

@@ -15,6 +15,8 @@ is real or a meta skeleton, so the reference trainer and the runtime start from 
 The adapter is saved in peft's layout (`adapter_config.json` + `adapter_model.safetensors`,
 keys `base_model.model.<module>.lora_A.weight`), so `PeftModel.from_pretrained(base, dir)` loads
 it; the Hugging Face export merges it into the base (W + alpha/r * B A), tensor by tensor.
+Beside it, `tierlm_adapter.json` says what base it was trained on (`adapter_notes`: under qlora
+the NF4 quantisation and the weights it covered).
 
 --finetune qlora is the same adapters on a base whose adapted weights are NF4 (tierlm.models.nf4):
 the tiered runtime quantises them at load and each base layer decodes its own weight per matmul
@@ -33,6 +35,7 @@ it: bf16 for the blocks' linear layers (NF4 decoded to bf16 under qlora), by the
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import tempfile
@@ -188,8 +191,34 @@ class _Joined(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
+NOTES_FILE = "tierlm_adapter.json"
+
+
+def adapter_notes(model: nn.Module, finetune: str) -> dict:
+    """What an adapter directory's `tierlm_adapter.json` records beside peft's
+    `adapter_config.json`: the base the adapters were trained on. Under qlora the adapted
+    layers' base weights were NF4 (tierlm.models.nf4: blocks of 64 with absmax scales, the
+    scales double-quantised to int8 in groups of 256), so the adapters fit that base, and peft
+    on the plain base computes something else. A file of its own: peft's loader warns about
+    every key its LoraConfig lacks ("upgrade PEFT"), which would be wrong here."""
+    quantization = None
+    if finetune == "qlora":
+        from tierlm.models import nf4
+
+        quantization = {
+            "format": "nf4", "block_size": nf4.BLOCK, "double_quant": True,
+            "scale_format": "int8", "scale_block_size": nf4.SCALE_BLOCK,
+            # the base's names (without peft's base_layer): where the round trip goes
+            "weights": sorted(base_name(n) for n in nf4.quantised_names(model)),
+            "load": "replace each listed weight of the base by tierlm.models.nf4.round_trip "
+                    "of it, then PeftModel.from_pretrained(base, this directory)",
+        }
+    return {"finetune": finetune, "base_model_quantization": quantization}
+
+
 def save_adapter(out_dir: Path, model: nn.Module, lora: LoraConfig,
-                 weights: Mapping[str, torch.Tensor], base_path: str | None = None) -> Path:
+                 weights: Mapping[str, torch.Tensor], base_path: str | None = None, *,
+                 finetune: str = "lora") -> Path:
     """Write the adapters `weights` (keyed by the wrapped model's names) as a peft adapter
     directory, into a temporary sibling renamed into place."""
     from safetensors.torch import save_file
@@ -200,6 +229,7 @@ def save_adapter(out_dir: Path, model: nn.Module, lora: LoraConfig,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
+        (tmp / NOTES_FILE).write_text(json.dumps(adapter_notes(model, finetune), indent=2) + "\n")
         peft_config(model, lora, base_path).save_pretrained(str(tmp))
         save_file({peft_key(n): t.detach().to("cpu", torch.float32).contiguous()
                    for n, t in weights.items()},
@@ -230,13 +260,15 @@ class LoraFinetune:
     """--finetune lora or qlora: the model wrapped by `apply_lora`; `save` writes
     RUN_DIR/adapter."""
 
-    def __init__(self, model: nn.Module, lora: LoraConfig, base_path: str | None) -> None:
+    def __init__(self, model: nn.Module, lora: LoraConfig, base_path: str | None,
+                 method: str = "lora") -> None:
         self.model, self.lora, self.base_path = model, lora, base_path
+        self.method = method
 
     def save(self, run_dir: Path, weights: Callable[[], Mapping[str, torch.Tensor]]) -> Path:
         """`weights`: the stepper's `weights` (the adapters, by parameter name)."""
         return save_adapter(Path(run_dir) / "adapter", self.model, self.lora, weights(),
-                            self.base_path)
+                            self.base_path, finetune=self.method)
 
 
 def prepare_finetune(
@@ -256,7 +288,7 @@ def prepare_finetune(
         from tierlm.models.nf4 import quantise_in_place
 
         quantise_in_place(model)
-    return LoraFinetune(model, lora, base_path), LoraWeights(initial_weights, adapters)
+    return LoraFinetune(model, lora, base_path, method), LoraWeights(initial_weights, adapters)
 
 
 def store_frozen_as_computed(model: nn.Module) -> int:
