@@ -77,6 +77,7 @@ LIGHT = [
      "unknown policy 'bogus'"),
     (["train", "--backend", "fsdp", "--grad-checkpointing", "full"], 2, "not supported yet"),
     (["plan", "--seq-len", "0"], 2, "--seq-len: must be > 0"),
+    (["probe", "--seq-len", "64"], 2, "add --compile segments"),
 ]
 
 _PROBE = """

@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "train":
             check_supported(cfg)
+        if args.command == "probe" and args.compile == "off" and (args.model_size or args.seq_len):
+            raise ConfigError("tierlm probe: --model-size and --seq-len choose the block "
+                              "--compile segments times; add --compile segments")
     except ConfigError as exc:
         return _error(exc)
 
@@ -200,9 +203,6 @@ def main(argv: list[str] | None = None) -> int:
             from tierlm.memory.probe import run_probe
             from tierlm.train.trainer import cache_dir
 
-            if args.compile == "off" and (args.model_size or args.seq_len):
-                raise ConfigError("tierlm probe: --model-size and --seq-len choose the block "
-                                  "--compile segments times; add --compile segments")
             run_probe(args.dir, probe_path(), compile=args.compile,
                       compile_size=args.model_size, compile_seq_len=args.seq_len,
                       cache_dir=cache_dir() / "inductor")
