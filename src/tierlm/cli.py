@@ -36,6 +36,14 @@ def _field_help(doc: str, default: Any) -> str:
     return f"{doc} [default: {shown}]".replace("%", "%%")
 
 
+_CONFIG_COMMANDS = ("train", "print-config", "plan")
+
+
+def _error(exc: Exception) -> int:
+    print(f"tierlm: error: {exc}", file=sys.stderr)
+    return 2
+
+
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file with config sections")
     seed = p.add_argument_group("common flags")
@@ -153,18 +161,10 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
     return export_hf_from_checkpoint(path, Path(out_dir), dtype=dtype)
 
 
-_CONFIG_COMMANDS = ("train", "print-config", "plan")
-
-
-def _error(exc: Exception) -> int:
-    print(f"tierlm: error: {exc}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     # Parsing and the config's resolution and checks import neither torch nor transformers
-    # (5 s before): `--help`, print-config and a bad flag answer at once. The modules that run
-    # a command, and the errors they raise, are imported after.
+    # (seconds to import): `--help`, print-config and a bad flag answer at once. The modules
+    # that run a command, and the errors they raise, are imported after.
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = None
