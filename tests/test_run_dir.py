@@ -83,6 +83,33 @@ def test_resume_and_resume_auto_continue_the_run(tmp_path, capsys):
     _one_error_line(capsys.readouterr().err, "--overwrite", "--resume")
 
 
+def test_the_interrupt_message_resumes_the_interrupted_run_not_the_old_one(
+        tmp_path, capsys, monkeypatch):
+    """The issue's case: a finished 3-step run, a rerun over it interrupted at step 1; the
+    interrupt message's --resume continues from step 1 of the new run."""
+    import re
+
+    from tierlm.train.trainer import Trainer
+
+    corpus, out = tiny_corpus(tmp_path), tmp_path / "run"
+    assert main(_argv(corpus, out, steps=3)) == 0
+    step = Trainer.train_step
+
+    def interrupted_at_step_2(self):
+        if self.step == 1:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_step_2)
+    capsys.readouterr()
+    assert main(_argv(corpus, out, "--overwrite", steps=3)) == 130
+    (resume_dir,) = re.findall(r"continue with --resume (\S+)", capsys.readouterr().out)
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert main(["train", "--resume", resume_dir]) == 0
+    assert re.search(r"resumed from \S+step_00000001 at step 1\b", capsys.readouterr().out)
+    assert _steps(out) == [1, 2, 3]
+
+
 _HOLDER = """
 import sys
 from pathlib import Path
