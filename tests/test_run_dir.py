@@ -55,6 +55,15 @@ def test_rerun_into_a_run_directory_is_refused_naming_resume_and_overwrite(tmp_p
     assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
 
 
+def test_a_run_refused_before_its_first_step_can_be_rerun_with_other_flags(tmp_path, capsys):
+    """A refused plan leaves config.yaml only: trying another budget needs no --overwrite."""
+    corpus, out = tiny_corpus(tmp_path), tmp_path / "run"
+    assert main(_argv(corpus, out, "--offload-policy", "auto", "--hardware", "cpu",
+                      "--device-budget", "64KiB")) == 2
+    assert "no plan fits" in capsys.readouterr().err
+    assert main(_argv(corpus, out, "--offload-policy", "auto", "--hardware", "cpu")) == 0
+
+
 def test_overwrite_deletes_the_old_run_and_leaves_other_files(tmp_path, capsys):
     corpus, out = tiny_corpus(tmp_path), tmp_path / "run"
     assert main(_argv(corpus, out, "--save-every", "1", steps=3)) == 0

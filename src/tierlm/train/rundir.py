@@ -23,12 +23,14 @@ from pathlib import Path
 from tierlm.config import Config, ConfigError
 
 LOCK_FILE = ".lock"
-# Any of these means a run was started here: config.yaml is written first, then metrics and
-# checkpoints.
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+# Either means a run trained here. config.yaml alone does not: a run refused before its first
+# step (a budget no plan fits, too little disk) leaves only that, and the user reruns the same
+# command with other flags.
+RUN_MARKERS = ("metrics.jsonl", "checkpoints")
 # Everything a run (and `tierlm report`) writes into its directory; `--overwrite` deletes these
 # and nothing else, so a directory shared with other files (`--out .`) keeps them.
-RUN_OUTPUTS = RUN_MARKERS + ("hf", "adapter", "report", "tensorboard", "trace.json", "offload")
+RUN_OUTPUTS = RUN_MARKERS + ("config.yaml", "hf", "adapter", "report", "tensorboard",
+                             "trace.json", "offload")
 # report-vs-<other run>, and the temporary siblings of the atomic writers (.hf.tmp-..., ...)
 RUN_OUTPUT_PREFIXES = ("report-vs-", ".hf.", ".adapter.")
 
@@ -70,7 +72,7 @@ def check_new_run(run_dir: Path, cfg: Config) -> None:
     if cfg.run.resume or cfg.run.overwrite or not holds_run(run_dir):
         return
     raise ConfigError(
-        f"--out {run_dir} already holds a run (its config.yaml, metrics or checkpoints); "
+        f"--out {run_dir} already holds a run (its metrics.jsonl or checkpoints); "
         f"continue it with --resume {run_dir} (or --resume auto), or start over with "
         "--overwrite, which deletes it"
     )
@@ -182,9 +184,12 @@ def open_run_dir(run_dir: Path, cfg: Config, offload_dir: Path,
     lock = lock_run_dir(run_dir, flag)  # before anything in the directory is read or changed
     try:
         check_new_run(run_dir, cfg)
-        if cfg.run.overwrite and holds_run(run_dir):
+        if cfg.run.overwrite:
+            had_run = holds_run(run_dir)
             freed = clear_run(run_dir, (offload_dir,))
-            log(f"--overwrite: deleted the previous run in {run_dir} ({format_bytes(freed)})")
+            if had_run or freed:
+                log(f"--overwrite: deleted the previous run in {run_dir} "
+                    f"({format_bytes(freed)})")
     except BaseException:
         lock.release()
         raise
