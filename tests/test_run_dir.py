@@ -186,7 +186,7 @@ def _regular_file(tmp_path: Path) -> str:
     return str(tmp_path / "file" / "run")
 
 
-@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+@pytest.mark.parametrize("where", ["under-a-file", "a-file", "proc"])
 def test_an_unusable_out_is_one_error_line_before_the_model_is_built(where, tmp_path, capsys,
                                                                      monkeypatch):
     import tierlm.train.trainer as trainer_mod
@@ -195,11 +195,13 @@ def test_an_unusable_out_is_one_error_line_before_the_model_is_built(where, tmp_
         raise AssertionError("the model was built before --out was checked")
 
     monkeypatch.setattr(trainer_mod, "preset_config", no_model)
-    out = _regular_file(tmp_path) if where == "under-a-file" else "/proc/tierlm-test/run"
+    under_a_file = _regular_file(tmp_path)
+    out = {"under-a-file": under_a_file, "a-file": str(Path(under_a_file).parent),
+           "proc": "/proc/tierlm-test/run"}[where]
     assert main(_argv(tiny_corpus(tmp_path), Path(out))) == 2
     _one_error_line(capsys.readouterr().err, f"--out {out}")
     # the trainer checks it too, for callers of the API
-    with pytest.raises(ConfigError, match=f"--out {out}: cannot create the run directory"):
+    with pytest.raises(ConfigError, match=f"--out {out}: (cannot create|that is a file)"):
         trainer_mod.Trainer(tiny_run_cfg(Path(out), tiny_corpus(tmp_path)), log=quiet)
 
 

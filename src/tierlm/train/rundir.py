@@ -42,6 +42,9 @@ def run_dir_flag(cfg: Config) -> str:
 
 def make_run_dir(run_dir: Path, flag: str = "--out") -> None:
     """Create `run_dir` (and its parents), or say in one line why it cannot be used."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"{flag} {run_dir}: that is a file, not a directory; choose another "
+                          f"{flag}")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # /proc/x, a path under a regular file, a read-only parent
