@@ -27,8 +27,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# The demo starts over on every call: --overwrite deletes the previous demo run in runs/demo
+# (continue one instead with `tierlm train --resume runs/demo`).
 train: $(STAMP)
-	$(VENV)/bin/tierlm train --config configs/demo.yaml
+	$(VENV)/bin/tierlm train --config configs/demo.yaml --overwrite
 	$(VENV)/bin/tierlm report runs/demo
 
 test: $(STAMP)

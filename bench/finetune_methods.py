@@ -110,7 +110,7 @@ def main() -> None:
         model = work / "pretrain" / "hf"
         if not (model / "config.json").is_file():
             run_cli(["train", "--config", "configs/demo.yaml", "--out", str(model.parent),
-                     "--device", "cpu"], work / "pretrain.log")
+                     "--device", "cpu", "--overwrite"], work / "pretrain.log")
     text = held_out_plays_text(work / "held_out_plays.txt")
 
     results = {}
@@ -125,7 +125,7 @@ def main() -> None:
             "--eval-every", "0", "--train.eval_batches", str(args.eval_batches),
             "--train.sample_tokens", "0", "--precision", args.precision,
             "--offload-policy", args.offload_policy, "--out", str(run), "--device", "cpu",
-            "--seed", str(args.seed),
+            "--seed", str(args.seed), "--overwrite",  # the previous bench's run of it
         ], work / f"{method}.log")
         results[method] = {**summarise(run, wall, rss), "lr": lr}
         print(f"{method}: done in {wall:.0f} s", flush=True)

@@ -118,6 +118,7 @@ EXAMPLE_VALUES = {
     "--host-budget": "1.5GiB",
     "--offload-dir": "/tmp/off",
     "--tensorboard": "True",
+    "--overwrite": "True",
     "--keep-checkpoints": "5",
     "--max-skipped-in-a-row": "4",
     "--trust-remote-code": "True",

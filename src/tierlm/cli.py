@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # before torchrun: refused here, not by every rank with a launcher traceback
         check_compile(cfg, cfg.precision.mode)
+        from tierlm.train.rundir import precheck_run_dir
+
+        precheck_run_dir(cfg)  # before torchrun, and before any model is built
         from tierlm.distributed.world import launch_if_asked
 
         launch_if_asked(cfg.distributed.nproc, sys.argv[1:] if argv is None else argv)

@@ -364,6 +364,11 @@ class RunConfig:
     """Run directory whose newest valid checkpoint to continue from; `auto`: the newest valid
     checkpoint under --out, or a fresh start when there is none, so the same command line can
     be rerun after any crash (--resume)."""
+    overwrite: bool = False
+    """Start over in a run directory that already holds a run: its config, metrics,
+    checkpoints, report, exports and disk-tier files are deleted first (other files are left
+    alone). Without it (or --resume) such a directory is refused, so a rerun never mixes two
+    runs (--overwrite)."""
     keep_checkpoints: int = 3
     """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps
     all (--keep-checkpoints)."""
@@ -442,6 +447,7 @@ SEED_FLAGS: dict[str, str] = {
     "--eval-data": "data.eval",
     "--out": "run.out",
     "--resume": "run.resume",
+    "--overwrite": "run.overwrite",
     "--seed": "run.seed",
     "--save-every": "train.save_every",
     "--eval-every": "train.eval_every",
@@ -831,6 +837,9 @@ def validate(cfg: Config) -> None:
     _validate_lora(cfg.lora)
     if cfg.run.resume == "auto" and not cfg.run.out:
         raise ConfigError("--resume auto needs --out: the run directory to continue or start")
+    if cfg.run.resume and cfg.run.overwrite:
+        raise ConfigError(f"--overwrite deletes the run --resume {cfg.run.resume} would "
+                          "continue; give one of them")
     offload = cfg.memory.offload_dir
     if offload and not Path(offload).is_absolute() and ".." in Path(offload).parts:
         raise ConfigError(

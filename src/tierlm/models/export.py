@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import struct
 import tempfile
@@ -169,6 +170,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named directory in `parent`, with the mode the umask gives (as every
+    other directory of a run), not `tempfile.mkdtemp`'s 0700: the export it becomes is read by
+    whoever may read the rest of the run."""
+    for _ in range(100):
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free temporary name {prefix}* in {parent}")
+
+
 def publish_dir(tmp: Path, out_dir: Path) -> None:
     """Rename the complete `tmp` to `out_dir`. POSIX cannot rename over a non-empty directory,
     so an existing export is moved aside first and deleted after (a crash between the renames
@@ -224,7 +239,7 @@ def write_hf_model(
     shards = plan_shards(ordered, dtype, max_shard_bytes)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # same parent: the final rename stays on one filesystem, where it is atomic
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     try:
         weight_map: dict[str, str] = {}
         for i, shard in enumerate(shards):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from tierlm.models.export import publish_dir
+from tierlm.models.export import make_temp_dir, publish_dir
 
 # Our own progress display owns the terminal; transformers' per-shard bars only add noise.
 hf_logging.disable_progress_bar()
@@ -211,7 +210,7 @@ def export_hf(model: PreTrainedModel, tokenizer: Any | None, out_dir: str | Path
     _check_ties(model)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Same parent directory keeps the final rename on one filesystem, where it is atomic.
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp_dir = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     try:
         model.save_pretrained(tmp_dir)
         if tokenizer is not None:

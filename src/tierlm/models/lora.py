@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import tempfile
+import stat
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
@@ -223,17 +223,20 @@ def save_adapter(out_dir: Path, model: nn.Module, lora: LoraConfig,
     directory, into a temporary sibling renamed into place."""
     from safetensors.torch import save_file
 
-    from tierlm.models.export import publish_dir
+    from tierlm.models.export import make_temp_dir, publish_dir
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     try:
         (tmp / NOTES_FILE).write_text(json.dumps(adapter_notes(model, finetune), indent=2) + "\n")
         peft_config(model, lora, base_path).save_pretrained(str(tmp))
+        weights_file = tmp / "adapter_model.safetensors"
         save_file({peft_key(n): t.detach().to("cpu", torch.float32).contiguous()
-                   for n, t in weights.items()},
-                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+                   for n, t in weights.items()}, str(weights_file), metadata={"format": "pt"})
+        # save_file creates its file 0600: give it the mode the umask gave the directory
+        # (less the execute bits), as every other file of the run has
+        weights_file.chmod(stat.S_IMODE(tmp.stat().st_mode) & 0o666)
         publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -671,7 +671,8 @@ def latest_valid_checkpoint(
     if not candidates:
         raise CheckpointError(
             f"--resume {run_dir}: no checkpoints under {checkpoint_dir(run_dir)}; "
-            "start without --resume or point it at a run directory with checkpoints"
+            "start over there with --overwrite instead of --resume, or point --resume at a run "
+            "directory with checkpoints"
         )
     failed = []
     for path in reversed(candidates):

@@ -12,6 +12,14 @@ from tierlm.train.trainer import Trainer, TrainResult
 
 def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainResult:
     trainer = Trainer(cfg, log=log)
+    try:
+        return _run(trainer, cfg, log)
+    finally:
+        if trainer.run_lock is not None:  # held from the directory's claim to the last write
+            trainer.run_lock.release()
+
+
+def _run(trainer: Trainer, cfg: Config, log: Callable[[str], None]) -> TrainResult:
     if not trainer.world.is_main:
         log = quiet  # rank 0 reports and exports for the whole run
     # a resumed run starts from the last evaluation of the run it continues
@@ -30,6 +38,8 @@ def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainRes
     trainer.stepper.close()
     trainer.world.barrier()  # leave together: a rank that tears its group down early can abort
     trainer.world.close()    # another's (gloo: "terminate called without an active exception")
+    if trainer.world.is_main:  # every rank has closed its files: the disk tier's can go
+        trainer.offload.remove(log)
     log(f"run directory: {result.run_dir}")
     log(f"checkpoint:    {result.final_checkpoint}")
     log(f"HF export:     {hf_dir}")

@@ -94,6 +94,7 @@ from tierlm.train.planning import (
 )
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
+from tierlm.train.rundir import OffloadDir, open_run_dir
 from tierlm.train.safety import (
     DeferredInterrupt,
     MemoryWatch,
@@ -267,15 +268,26 @@ class Trainer:
         cfg = replace(cfg, precision=replace(cfg.precision, mode=choice.mode))
         # --compile segments covers fp32 and bf16, LoRA/QLoRA and the runtime's data parallel
         check_compile(cfg, choice.mode)
-        self.cfg = cfg
         self.precision = choice.mode
-        run_dir, resume_ckpt = self.world.main_first(
+        # rank 0 names the directory (a default one by the clock), then creates, locks and
+        # claims it before anything in it is read or written (--overwrite clears it here); the
+        # other ranks write into the directory rank 0 holds
+        resume_dir = cfg.run.resume not in (None, "auto")
+        self.run_dir = self.world.from_main(
+            Path(cfg.run.resume if resume_dir else cfg.run.out) if resume_dir or cfg.run.out
+            else default_run_dir(cfg)
+        )
+        offload_dir = resolve_offload_dir(cfg.memory.offload_dir, self.run_dir)
+        self.run_lock = (open_run_dir(self.run_dir, cfg, offload_dir, log)
+                         if self.world.is_main else None)
+        self.offload = OffloadDir.note(offload_dir, self.run_dir)  # deleted at a normal end
+        # the directory is claimed: config.yaml and the checkpoints record no --overwrite, so
+        # that a resume of this run never clears it
+        cfg = replace(cfg, run=replace(cfg.run, overwrite=False))
+        self.cfg = cfg
+        _, resume_ckpt = self.world.main_first(
             lambda: resume_point(cfg.run.resume, cfg.run.out, log)
         )
-        self.run_dir = self.world.from_main(
-            run_dir or (Path(cfg.run.out) if cfg.run.out else default_run_dir(cfg))
-        )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.world.is_main:
             (self.run_dir / "config.yaml").write_text(
                 (f"# {choice.describe()}\n" if choice.why else "")
