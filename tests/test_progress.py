@@ -54,6 +54,15 @@ def test_line_progress_says_name_done_of_total_eta_and_the_end():
                      "export bfloat16 to out: 1.00 GiB in 0:00:10 (102.40 MiB/s)"]
 
 
+def test_a_phase_ended_by_an_error_does_not_say_done():
+    lines: list[str] = []
+    with pytest.raises(OSError), LineProgress(lines.append, clock=Clock()).phase(
+            "save checkpoint (step 3)", 2**20, "bytes") as phase:
+        phase.advance(2**19)
+        raise OSError(28, "No space left on device")
+    assert lines[-1] == "save checkpoint (step 3): stopped after 512.00 KiB in 0:00:00"
+
+
 def test_progress_is_lines_off_a_terminal(tmp_path):
     with (tmp_path / "log").open("w") as f:
         assert isinstance(open_progress(print, stream=f), LineProgress)

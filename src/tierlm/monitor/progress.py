@@ -43,7 +43,7 @@ def done_of_total(done: float, total: float, unit: Unit) -> str:
 
 class Phase(Protocol):
     def advance(self, n: float = 1) -> None: ...
-    def close(self) -> None: ...
+    def close(self, *, failed: bool = False) -> None: ...
     def __enter__(self) -> Phase: ...
     def __exit__(self, *exc: object) -> None: ...
 
@@ -67,8 +67,8 @@ class _PhaseBase:
     def __enter__(self) -> _PhaseBase:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)  # an error ends it: not "done"
 
     def _count(self, n: float) -> None:
         self.done += n
@@ -80,10 +80,11 @@ class _PhaseBase:
             return None
         return (self.total - self.done) * elapsed / self.done
 
-    def finished_text(self) -> str:
+    def finished_text(self, failed: bool = False) -> str:
         elapsed = self.clock() - self.t0
         amount = fmt_amount(self.done, self.unit)
-        text = f"{self.name}: {amount if self.unit == 'bytes' else f'{amount} {self.unit}'}"
+        text = f"{self.name}: {'stopped after ' if failed else ''}"
+        text += f"{amount if self.unit == 'bytes' else f'{amount} {self.unit}'}"
         text += f" in {fmt_duration(elapsed)}"
         if self.unit == "bytes" and elapsed > 0:
             text += f" ({fmt_amount(self.done / elapsed, 'bytes')}/s)"
@@ -109,10 +110,10 @@ class LinePhase(_PhaseBase):
                    f"{fmt_duration(now - self.t0)} elapsed, eta "
                    f"{'-' if eta is None else fmt_duration(eta)}")
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         if not self.closed:
             self.closed = True
-            self.write(self.finished_text())
+            self.write(self.finished_text(failed))
 
 
 class LineProgress:
@@ -142,11 +143,11 @@ class RichPhase(_PhaseBase):
         self.bar.update(self.task, completed=self.done, total=self.total or None,
                         amount=done_of_total(self.done, self.total, self.unit))
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         if not self.closed:
             self.closed = True
             self.bar.remove_task(self.task)
-            self.owner.phase_closed(self.finished_text())
+            self.owner.phase_closed(self.finished_text(failed))
 
 
 class RichProgress:
@@ -179,6 +180,11 @@ class RichProgress:
                         transient=True)
 
     def host(self, view: Any) -> None:
+        if view is not None and self._bar is not None:
+            # a console shows one Live display: a phase left open (a load that did not read
+            # every tensor) gives the screen to the view; its task goes on uncounted
+            self._bar.stop()
+            self._bar = None
         self.view = view
 
     def bar_for_phase(self) -> Any:
@@ -206,7 +212,7 @@ class NoPhase:
     def advance(self, n: float = 1) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         pass
 
     def __enter__(self) -> NoPhase:
