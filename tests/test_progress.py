@@ -222,3 +222,19 @@ def test_report_leaves_out_an_empty_fetch_panel_and_plots_peak_rss(tmp_path):
     assert (lines["rss_peak_bytes/a"][:, 1] == 950).all()  # MiB
     labels = {ln.get_label() for ax in memory.axes for ln in ax.lines}
     assert {"process peak RSS", "process RSS at step end"} <= labels
+
+
+def test_end_lines_without_a_plan_give_the_measured_rates():
+    """The reference trainer has no plan: its run still ends with its step time and both
+    tokens/s."""
+    from tierlm.train.planning import prediction_lines
+
+    rec = {"measured_step_time_s": 0.25, "measured_tokens_per_s": 512.0,
+           "measured_trained_tokens_per_s": 256.0}
+    assert prediction_lines(rec) == ["step time (median): measured 0.250 s",
+                                     "tokens/s (median): measured 512",
+                                     "trained tokens/s (median): measured 256"]
+    rec.update(predicted_step_time_s=0.5, predicted_disk_bytes=2**20, measured_disk_bytes=2**21)
+    assert prediction_lines(rec)[:2] == [
+        "disk tier bytes: predicted 1.0 MiB, measured 2.0 MiB (2.00x)",
+        "step time (median): predicted 0.500 s, measured 0.250 s (0.50x)"]

@@ -447,7 +447,10 @@ def prediction_lines(rec: dict[str, Any]) -> list[str]:
                             ("tokens_per_s", "tokens/s (median)", "{:,.0f}"),
                             ("trained_tokens_per_s", "trained tokens/s (median)", "{:,.0f}")):
         measured, predicted = rec.get(f"measured_{key}"), rec.get(f"predicted_{key}")
-        if measured is None or predicted is None:
+        if measured is None:
+            continue
+        if predicted is None:  # the reference trainer: no plan to compare with
+            lines.append(f"{label}: measured {fmt.format(measured)}")
             continue
         ratio = f" ({measured / predicted:.2f}x)" if predicted else ""
         lines.append(f"{label}: predicted {fmt.format(predicted)}, measured "

@@ -603,8 +603,9 @@ class Trainer:
         compiles, faults pages in and fills the stream cache), logged and recorded."""
         steps = self._step_rates[1:] or self._step_rates
         measured = {k: statistics.median(r[k] for r in steps) for k in RATE_KEYS} if steps else {}
-        rec = prediction_record(self.plan, self.stepper.engine, self.step, measured,
-                                self.predicted)
+        rec = (prediction_record(self.plan, self.stepper.engine, self.step, measured,
+                                 self.predicted) if self.plan is not None
+               else {"step": self.step, **{f"measured_{k}": v for k, v in measured.items()}})
         self.metrics.write(rec)
         for line in prediction_lines(rec):
             self.log(line)
@@ -656,8 +657,7 @@ class Trainer:
         if self.step == cfg.max_steps or cfg.eval_every and self.step % cfg.eval_every == 0:
             run_eval()
         progress.close()
-        if self.plan is not None:
-            self._report_prediction()
+        self._report_prediction()  # without a plan (reference trainer): the measured rates
         result.final_checkpoint = self.save()
         if self.world.is_main:  # --finetune lora: RUN_DIR/adapter in peft's format
             self.finetune.save(self.run_dir, self.stepper.weights)
