@@ -603,6 +603,8 @@ class Trainer:
         compiles, faults pages in and fills the stream cache), logged and recorded."""
         steps = self._step_rates[1:] or self._step_rates
         measured = {k: statistics.median(r[k] for r in steps) for k in RATE_KEYS} if steps else {}
+        if self.plan is None and not measured:
+            return  # a resumed run that had no step left to take
         rec = (prediction_record(self.plan, self.stepper.engine, self.step, measured,
                                  self.predicted) if self.plan is not None
                else {"step": self.step, **{f"measured_{k}": v for k, v in measured.items()}})
