@@ -238,3 +238,32 @@ def test_end_lines_without_a_plan_give_the_measured_rates():
     assert prediction_lines(rec)[:2] == [
         "disk tier bytes: predicted 1.0 MiB, measured 2.0 MiB (2.00x)",
         "step time (median): predicted 0.500 s, measured 0.250 s (0.50x)"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_phases_are_bars_inside_the_live_view():
+    """Evaluation and checkpoints during training are tasks of the live view's own bar (rich
+    13, which pyproject allows, shows one Live display at a time); outside it a phase draws its
+    own bar. Each finished phase leaves one line."""
+    from tierlm.train.live import RichView
+
+    screen = Terminal()
+    progress = open_progress(print, stream=screen)
+    left_open = progress.phase("load weights from src", 100, "bytes")  # never finished
+    view = RichView(4, 0, screen, progress)  # takes the screen from the phase left open
+    with progress.phase("eval (step 0)", 3, "batches") as phase:
+        assert [t.description for t in view.bar.tasks] == ["train", "eval (step 0)"]
+        for _ in range(3):
+            phase.advance()
+    assert [t.description for t in view.bar.tasks] == ["train"]
+    view.close()
+    left_open.close()
+    with progress.phase("export float32 to hf", 2**20, "bytes") as phase:
+        phase.advance(2**20)
+    text = screen.getvalue()
+    assert "eval (step 0): 3 batches in 0:00:00" in text
+    assert "export float32 to hf: 1.00 MiB in 0:00:00" in text
