@@ -183,11 +183,11 @@ def test_failed_export_leaves_no_half_written_dir(tmp_path, monkeypatch):
     real = export_mod._write_shard
     calls = []
 
-    def failing(path, tensors, dtype):
+    def failing(path, tensors, dtype, *progress):
         calls.append(path)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        real(path, tensors, dtype)
+        real(path, tensors, dtype, *progress)
 
     monkeypatch.setattr(export_mod, "_write_shard", failing)
     with pytest.raises(OSError):

@@ -18,7 +18,9 @@ from tierlm.train.monitor import read_metrics
 
 # The fields issue H asks for, by what they show.
 FIELDS = {
-    "progress": ["step", "loss", "lr", "grad_norm", "skipped", "skipped_steps", "tokens_per_s"],
+    "progress": ["step", "loss", "lr", "grad_norm", "skipped", "skipped_steps", "tokens_per_s",
+                 "trained_tokens_per_s", "predicted_step_time_s", "predicted_tokens_per_s",
+                 "predicted_trained_tokens_per_s"],
     "time": ["step_time_s", "compute_s", "transfer_wait_s", "update_wait_s"],
     "numerics": ["loss_var", "fp8_underflow_rate", "fp8_overflow_rate", "fp8_underflow_by_layer"],
     "memory": [*(f"{t}_{k}" for t in Tier for k in ("bytes", "peak_bytes", "step_peak_bytes")),

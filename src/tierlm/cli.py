@@ -147,7 +147,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
-    from tierlm.train.checkpoint import export_hf_from_checkpoint, latest_valid_checkpoint
+    from tierlm.monitor.progress import open_progress
+    from tierlm.train.checkpoint import (
+        checkpoint_export_dtype,
+        export_hf_from_checkpoint,
+        latest_valid_checkpoint,
+    )
     from tierlm.train.safety import return_freed_buffers
 
     return_freed_buffers()  # each chunk's buffers go back to the kernel, as in a run
@@ -157,8 +162,14 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
         path = latest_valid_checkpoint(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"export: {path} is not a tierlm checkpoint (no config.json)")
+    # what was read, in which dtype, to where: a run directory names no single checkpoint
+    dtype_name = str(checkpoint_export_dtype(path, dtype)).removeprefix("torch.")
+    print(f"export: checkpoint {path} as {dtype_name} (--export-dtype {dtype}) to {out_dir}")
     # streamed from the checkpoint's files: the model is never built in RAM
-    return export_hf_from_checkpoint(path, Path(out_dir), dtype=dtype)
+    out = export_hf_from_checkpoint(path, Path(out_dir), dtype=dtype,
+                                    progress=open_progress(print))
+    print(f"exported checkpoint {path} as {dtype_name} to {out}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(args.runs, args.out)
         if args.command == "export":
-            out = _export(args.checkpoint, args.out_dir, getattr(args, "run.export_dtype"))
-            print(f"exported to {out}")
+            _export(args.checkpoint, args.out_dir, getattr(args, "run.export_dtype"))
             return 0
         if args.command == "probe":
             from tierlm.memory.hardware import probe_path

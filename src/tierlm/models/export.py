@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tierlm.crashpoints import crash_point
+from tierlm.monitor.progress import NO_PHASE, NO_PROGRESS, Phase, Progress
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -131,7 +132,8 @@ def plan_shards(
     return shards
 
 
-def _write_shard(path: Path, tensors: list[SourceTensor], dtype: torch.dtype) -> None:
+def _write_shard(path: Path, tensors: list[SourceTensor], dtype: torch.dtype,
+                 progress: Phase = NO_PHASE) -> None:
     """One safetensors file, header first (from shapes alone), then each tensor's values cast
     chunk by chunk: at most a chunk of the source and its cast are in RAM."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -156,6 +158,7 @@ def _write_shard(path: Path, tensors: list[SourceTensor], dtype: torch.dtype) ->
                 piece = piece.reshape(-1).to(out).contiguous()
                 f.write(memoryview(piece.view(torch.uint8).numpy()))
                 written += piece.numel()
+                progress.advance(piece.numel() * piece.element_size())
             if written != t.numel:
                 raise ValueError(f"{t.name}: its source gave {written} of {t.numel} values")
         f.flush()
@@ -211,6 +214,7 @@ def write_hf_model(
     dtype: torch.dtype,
     files: Iterable[Path] = (),
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Progress = NO_PROGRESS,
 ) -> Path:
     """Write a Hugging Face model directory from `tensors` (keyed by parameter name, tied
     tensors once) and the model's `config` (config.json's contents) in `dtype`, with `files`
@@ -218,6 +222,7 @@ def write_hf_model(
 
     With tied embeddings `lm_head.weight` is left out, as `save_pretrained` does (it must equal
     the input embedding if it is there at all). An existing `out_dir` is replaced atomically.
+    `progress` shows the weights' bytes written, as a phase named after `out_dir`.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -240,14 +245,17 @@ def write_hf_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # same parent: the final rename stays on one filesystem, where it is atomic
     tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")
+    total_bytes = sum(_nbytes(t, dtype) for t in ordered)
+    dtype_name = str(dtype).removeprefix("torch.")
     try:
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards):
-            name = ("model.safetensors" if len(shards) == 1
-                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-            _write_shard(tmp / name, shard, dtype)
-            weight_map.update((t.name, name) for t in shard)
-            crash_point("export-shard")
+        with progress.phase(f"export {dtype_name} to {out_dir}", total_bytes, "bytes") as phase:
+            weight_map: dict[str, str] = {}
+            for i, shard in enumerate(shards):
+                name = ("model.safetensors" if len(shards) == 1
+                        else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+                _write_shard(tmp / name, shard, dtype, phase)
+                weight_map.update((t.name, name) for t in shard)
+                crash_point("export-shard")
         if len(shards) > 1:
             index = {
                 "metadata": {"total_parameters": sum(t.numel for t in ordered),
@@ -257,7 +265,6 @@ def write_hf_model(
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         # transformers 5 reads `dtype`; files from older versions may carry `torch_dtype`
-        dtype_name = str(dtype).removeprefix("torch.")
         config_out = {**config, "dtype": dtype_name}
         if "torch_dtype" in config_out:
             config_out["torch_dtype"] = dtype_name

@@ -20,6 +20,7 @@ headers alone, so a wrong checkpoint fails before any tier is written.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from transformers import PreTrainedModel
 
 from tierlm.models.adapters import Segment
 from tierlm.models.hf import ModelLoadError
+from tierlm.monitor.progress import NO_PROGRESS, Phase, Progress
 
 # patterns transformers drops silently besides the model's own `_keys_to_ignore_on_load_unexpected`
 # (rotary tables and position ids that older checkpoints stored as persistent buffers)
@@ -55,6 +57,10 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     return {key: files[name] for key, name in weight_map.items()}
 
 
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # safetensors' names
+
+
 def _model_key(key: str, model_keys: set[str], prefix: str) -> str:
     """transformers' rule (core_model_loading.rename_source_key): strip the base model prefix
     when the model knows the key without it, add it when the model knows the key with it."""
@@ -69,10 +75,16 @@ def _model_key(key: str, model_keys: set[str], prefix: str) -> str:
 class CheckpointWeights:
     """The runtime's per-segment source of initial weights (runtime.state.InitialWeights), read
     from the safetensors checkpoint at `path` for `model` (a skeleton or a full module: only
-    its names and shapes are used)."""
+    its names and shapes are used). `progress` shows the bytes read: a phase that opens at the
+    first read and closes when every parameter has been read once (a tensor read again, by
+    `--grad-checkpointing dynamic`'s probe, counts once)."""
 
-    def __init__(self, path: str | Path, model: PreTrainedModel) -> None:
+    def __init__(self, path: str | Path, model: PreTrainedModel, *,
+                 progress: Progress = NO_PROGRESS) -> None:
         self.path = Path(path)
+        self._progress = progress
+        self._phase: Phase | None = None
+        self._unread: set[str] = set()
         key_files = checkpoint_files(self.path)
         headers: dict[str, tuple[tuple[int, ...], str]] = {}  # key -> (shape, dtype)
         for file in sorted(set(key_files.values())):
@@ -115,6 +127,11 @@ class CheckpointWeights:
                     f"{tuple(p.shape)}; the weights do not match config.json"
                 )
             self._source[name] = (key, key_files[key])
+        self._unread = set(self._source)
+        self._file_bytes = {name: math.prod(headers[key][0]) * _DTYPE_BYTES.get(headers[key][1], 4)
+                            for name, (key, _) in self._source.items()}
+        self.nbytes = sum(self._file_bytes.values())
+        """Bytes of the parameters' tensors in the checkpoint's files."""
 
     def __call__(self, seg: Segment) -> Mapping[str, torch.Tensor]:
         return _SegmentTensors(self, [name for name, _, _ in seg.params])
@@ -124,9 +141,18 @@ class CheckpointWeights:
         a handle kept open would keep every page read through its mapping resident, and the
         whole checkpoint would end up counted in the process's memory."""
         key, file = self._source[name]
+        if self._phase is None:
+            self._phase = self._progress.phase(f"load weights from {self.path}", self.nbytes,
+                                               "bytes")
         with safe_open(file, framework="pt", device="cpu") as f:
             # a copy in fp32 before the mapping goes away (bf16/fp16 widen exactly)
-            return f.get_tensor(key).to(torch.float32, copy=True)
+            tensor = f.get_tensor(key).to(torch.float32, copy=True)
+        if name in self._unread:
+            self._unread.discard(name)
+            self._phase.advance(self._file_bytes[name])
+            if not self._unread:
+                self._phase.close()
+        return tensor
 
 
 class _SegmentTensors(Mapping[str, torch.Tensor]):

@@ -20,7 +20,7 @@ from tierlm.precision.linear import (
     PrecisionLinear,
     probe_fp32_out_mm,
 )
-from tierlm.precision.matmul import select_matmul
+from tierlm.precision.matmul import Emulated, emulation_note, select_matmul
 from tierlm.precision.policy import LayerChoice, classify, linear_dims, scaling_label, table
 from tierlm.precision.scaling import DelayedScaling, DynamicScaling, FixedScaling
 from tierlm.precision.watch import Fp8ScaleError, Fp8Watch, NoFp8Watch
@@ -82,4 +82,6 @@ def prepare_precision(
         head += (f"; fp8 matmuls via {mm.name}, E4M3 weights/activations, E5M2 gradients, "
                  f"activation and gradient scaling {scaling_label(cfg)}, weights dynamic")
     log(head + "\n" + table(choices))
+    if isinstance(mm, Emulated):  # said once at the start: the run is slower, not faster
+        log(emulation_note(device, cfg.fp8_emulate))
     return Fp8Watch(fp8_layers, cfg, log) if fp8_layers else NoFp8Watch()

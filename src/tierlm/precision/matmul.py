@@ -92,6 +92,20 @@ def scaled_mm_works(device: torch.device) -> bool:
         return False
 
 
+def emulation_note(device: torch.device, emulate: bool) -> str:
+    """The line a run under the emulation prints: it checks fp8 numerics, it does not speed
+    anything up (an fp32 GEMM plus the casts: slower than bf16)."""
+    if emulate:
+        why = "--fp8-emulate"
+    elif device.type != "cuda":
+        why = f"device {device.type} has no fp8 units"
+    else:
+        why = (f"{torch.cuda.get_device_name(device)} has no fp8 units torch._scaled_mm runs "
+               "on")
+    return (f"precision: fp8 is emulated ({why}): the fp8 values are multiplied in fp32, a "
+            "check of fp8 numerics with no speed-up (slower than bf16)")
+
+
 def select_matmul(device: torch.device, emulate: bool) -> Fp8Matmul:
     """The kernel where the device has fp8 units and the build runs it, else the emulation."""
     if emulate or device.type != "cuda" or not scaled_mm_works(device):

@@ -70,6 +70,7 @@ from tierlm.models.export import (
     source_dtype,
     write_hf_model,
 )
+from tierlm.monitor.progress import NO_PHASE, NO_PROGRESS, Phase, Progress
 from tierlm.runtime.state import opened
 from tierlm.runtime.stepper import Shard
 
@@ -356,12 +357,13 @@ def _shard_file(kind: str, shard: str) -> str:
 def _write_contents(
     tmp: Path, shards: Iterable[Shard], model_config: Any, tokenizer: Any, state: TrainState,
     manifest: dict[str, dict[str, Any]], tensor_format: dict[str, Any] | None = None,
-    generation_config: Any = None,
+    generation_config: Any = None, progress: Phase = NO_PHASE,
 ) -> None:
     names: dict[str, list[str]] = {}  # each safetensors file's tensor names, for state.json
 
     def record(name: str, sha_size: tuple[str, int]) -> None:
         manifest[name] = {"sha256": sha_size[0], "size_bytes": sha_size[1]}
+        progress.advance(sha_size[1])
         crash_point("checkpoint-file")
 
     for shard, weights, optim in shards:  # one shard in memory at a time
@@ -449,6 +451,7 @@ def save_checkpoint(
     weights: Mapping[str, torch.Tensor] | None = None,
     optimizer_state: Mapping[str, torch.Tensor] | None = None,
     generation_config: Any = None,
+    progress: Phase = NO_PHASE,
 ) -> Path:
     """Write a complete checkpoint for `state.step` atomically and return its directory.
 
@@ -458,6 +461,7 @@ def save_checkpoint(
     that fails (disk full, I/O error) removes its temporary directory and raises
     CheckpointWriteError; the checkpoints already there are never touched by a failed write.
     Whole-state `weights` and `optimizer_state` dicts are accepted too, as one shard.
+    `progress` is advanced by the bytes of each file written.
     """
     if shards is None:
         shards = [("", weights or {}, optimizer_state or {})]
@@ -471,7 +475,7 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         _write_contents(tmp, shards, model_config, tokenizer, state, written,
-                        generation_config=generation_config)
+                        generation_config=generation_config, progress=progress)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
@@ -887,9 +891,26 @@ def _parameter_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
+def checkpoint_export_dtype(path: Path, dtype: str = "auto") -> torch.dtype:
+    """The dtype `export_hf_from_checkpoint` writes: `dtype` (`--export-dtype`), where `auto`
+    is the dtype of the weights the run started from (state.json's `source_dtype`; from a
+    checkpoint written before it was recorded, the run's --model if still there)."""
+    state = read_state(path)
+    source = state.get("source_dtype")
+    run_config = state.get("run_config") or {}
+    lora = (run_config.get("train") or {}).get("finetune") in ("lora", "qlora")
+    if source is None and not lora:
+        run_model = run_config.get("model") or {}
+        source = source_dtype(run_model["path"]) if run_model.get("path") else None
+    try:
+        return export_dtype(dtype, source)
+    except ValueError as exc:
+        raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
+
+
 def export_hf_from_checkpoint(
     path: Path, out_dir: Path, *, dtype: str = "auto",
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: Progress = NO_PROGRESS,
 ) -> Path:
     """A Hugging Face model directory made from a verified checkpoint, streamed.
 
@@ -899,7 +920,7 @@ def export_hf_from_checkpoint(
     `tierlm.models.export.write_hf_model`, next to config.json (recording that dtype), the
     tokenizer and generation_config.json. No more than a chunk of a tensor is in RAM (an FSDP
     run's dcp shards: about a GiB of full tensors at a time). Written into a temporary sibling
-    and renamed into place, like the checkpoint itself.
+    and renamed into place, like the checkpoint itself. `progress` shows the bytes written.
     """
     verify_checkpoint(path)
     manifest = _manifest(path)
@@ -910,7 +931,8 @@ def export_hf_from_checkpoint(
         raise CheckpointError(f"checkpoint {path}: config.json is unreadable: {exc}") from None
     run_config = state.get("run_config") or {}
     if (run_config.get("train") or {}).get("finetune") in ("lora", "qlora"):
-        return _export_lora(path, out_dir, state, config, manifest, dtype, max_shard_bytes)
+        return _export_lora(path, out_dir, state, config, manifest, dtype, max_shard_bytes,
+                            progress)
     weights: TensorFiles | DCPTensors
     if state.get("tensors") == "dcp":
         weights = DCPTensors(path, "model.", 0)
@@ -925,20 +947,16 @@ def export_hf_from_checkpoint(
                if isinstance(weights, DCPTensors) else _file_sources(weights))
     others = [path / n for n in sorted(manifest)
               if not (_NOT_EXPORTED.fullmatch(n) or _MODEL_SHARD.fullmatch(n))]
-    source = state.get("source_dtype")
-    if source is None:  # written before it was recorded: the run's --model, if still there
-        run_model = (state.get("run_config") or {}).get("model") or {}
-        source = source_dtype(run_model["path"]) if run_model.get("path") else None
     try:
         return write_hf_model(out_dir, sources, config=config, files=others,
-                              dtype=export_dtype(dtype, source),
-                              max_shard_bytes=max_shard_bytes)
+                              dtype=checkpoint_export_dtype(path, dtype),
+                              max_shard_bytes=max_shard_bytes, progress=progress)
     except ValueError as exc:  # what the checkpoint holds cannot be exported as asked
         raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
 
 
 def _export_lora(path: Path, out_dir: Path, state: dict, config: dict, manifest: dict,
-                 dtype: str, max_shard_bytes: int) -> Path:
+                 dtype: str, max_shard_bytes: int, progress: Progress) -> Path:
     """A LoRA run's checkpoint holds its adapters only: the export is the base (--model, or the
     preset from --seed) with them merged in (W + alpha/r * B A), tensor by tensor."""
     from tierlm.models.lora import merged_sources
@@ -949,8 +967,8 @@ def _export_lora(path: Path, out_dir: Path, state: dict, config: dict, manifest:
     try:
         return write_hf_model(out_dir, merged_sources(state["run_config"], path, adapters),
                               config=config, files=others,
-                              dtype=export_dtype(dtype, state.get("source_dtype")),
-                              max_shard_bytes=max_shard_bytes)
+                              dtype=checkpoint_export_dtype(path, dtype),
+                              max_shard_bytes=max_shard_bytes, progress=progress)
     except ValueError as exc:
         raise CheckpointError(f"export of checkpoint {path}: {exc}") from exc
 

@@ -1,7 +1,8 @@
 """The live view of a run: a rich panel on a terminal, plain lines everywhere else.
 
 Both views show the same things from the step record: step / total and ETA, loss (its variance
-over the last steps and the latest held-out loss), tokens/s, the step time split into compute,
+over the last steps and the latest held-out loss), tokens/s (all tokens, and trained ones: those
+with a loss; each beside the plan's prediction), the step time split into compute,
 transfer wait and update wait, peak bytes per tier, swap rates per link, skipped steps and
 alerts. `open_view` picks the terminal view only when the stream is a TTY, so CI logs and files
 get one line every `every` steps.
@@ -56,13 +57,21 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _rate(rec: dict[str, Any], key: str) -> str:
+    """A tokens/s field, beside the plan's prediction where the run has one."""
+    text = _num(rec.get(key), ",.0f") + " tok/s"
+    if rec.get(f"predicted_{key}") is not None:
+        text += f" (plan {rec[f'predicted_{key}']:,.0f})"
+    return text
+
+
 def summary_parts(rec: dict[str, Any], eval_rec: dict[str, Any] | None,
                   alert_counts: dict[str, int]) -> dict[str, str]:
     """The view's rows as text: loss, time, memory, moves, health."""
     loss = f"{_num(rec['loss'], '.4f')}  var {_num(rec.get('loss_var'), '.3g')}"
     if eval_rec is not None:
         loss += f"  eval {eval_rec['eval_loss']:.4f} (step {eval_rec['step']})"
-    loss += f"  {rec['tokens_per_s']:,.0f} tok/s"
+    loss += f"  {_rate(rec, 'tokens_per_s')}, trained {_rate(rec, 'trained_tokens_per_s')}"
     parts = rec["compute_s"] + rec["transfer_wait_s"] + rec["update_wait_s"]
     time_row = (
         f"step {rec['step_time_s']:.3f}s = compute {rec['compute_s']:.3f}"
@@ -126,33 +135,29 @@ class LineView:
 class RichView:
     """A progress bar and a table of the latest step, redrawn in place."""
 
-    def __init__(self, total: int, start: int, stream: TextIO) -> None:
+    def __init__(self, total: int, start: int, stream: TextIO, phases: Any = None) -> None:
         from rich.console import Console, Group
         from rich.live import Live
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
         from rich.table import Table
+
+        from tierlm.monitor.progress import RichProgress
 
         self._table_cls = Table
         self._group_cls = Group
         self.console = Console(file=stream)
-        self.bar = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=self.console,
-        )
-        self.task = self.bar.add_task("train", total=total, completed=start)
+        self.total = total
+        self.bar = RichProgress.new_bar(self.console)
+        self.task = self.bar.add_task("train", total=total, completed=start,
+                                      amount=f"{start}/{total} steps")
         self.table = self._rows({"loss": "waiting for the first step"})
         self._last: tuple[dict[str, Any], dict[str, int]] | None = None
         self.live = Live(self._render(), console=self.console, refresh_per_second=4,
                          get_renderable=self._render)
         self.live.start()
+        # evaluation, checkpoints and other phases of the run show as tasks of our bar
+        self.phases = phases
+        if phases is not None:
+            phases.host(self)
 
     def _rows(self, parts: dict[str, str]):
         table = self._table_cls.grid(padding=(0, 2))
@@ -170,7 +175,8 @@ class RichView:
 
     def update(self, rec: dict[str, Any], eval_rec: dict[str, Any] | None,
                alert_counts: dict[str, int]) -> None:
-        self.bar.update(self.task, completed=rec["step"])
+        self.bar.update(self.task, completed=rec["step"],
+                        amount=f"{rec['step']}/{self.total} steps")
         self.table = self._rows(summary_parts(rec, eval_rec, alert_counts))
         self._last = (rec, alert_counts)
 
@@ -180,12 +186,17 @@ class RichView:
             self.table = self._rows(summary_parts(rec, eval_rec, counts))
 
     def close(self) -> None:
+        if self.phases is not None:
+            self.phases.host(None)
         self.live.refresh()
         self.live.stop()
 
 
-def open_view(total: int, start: int, *, stream: TextIO | None = None, every: int = 10):
+def open_view(total: int, start: int, *, stream: TextIO | None = None, every: int = 10,
+              phases: Any = None):
+    """`phases`: the run's progress (tierlm.monitor.progress); the terminal view draws its
+    phases (evaluation, checkpoints) while it is open."""
     stream = stream or sys.stdout
     if stream.isatty():
-        return RichView(total, start, stream)
+        return RichView(total, start, stream, phases)
     return LineView(total, start, stream, every)

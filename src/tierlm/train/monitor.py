@@ -19,6 +19,7 @@ import torch
 
 from tierlm.config import Config, ConfigError
 from tierlm.memory.tiers import Link
+from tierlm.monitor.progress import NO_PROGRESS, Progress
 from tierlm.runtime.stepper import Stepper
 from tierlm.train.alerts import (
     Alert,
@@ -159,8 +160,10 @@ class Monitor:
         every: int = 10,
         log: Callable[[str], None] = print,
         summaries: list[Callable[[], str | None]] = (),
+        phases: Progress = NO_PROGRESS,
     ) -> None:
         self.summaries = list(summaries)
+        self.phases = phases  # the run's progress: its terminal view draws it while open
         self.metrics = metrics
         self.probes = probes
         self.alerts = alerts
@@ -183,7 +186,8 @@ class Monitor:
                 self.alerts.check(rec)
 
     def start(self, total_steps: int, start_step: int, stream: TextIO | None = None) -> Monitor:
-        self.view = open_view(total_steps, start_step, stream=stream, every=self.every)
+        self.view = open_view(total_steps, start_step, stream=stream, every=self.every,
+                              phases=self.phases)
         return self
 
     def log(self, message: str) -> None:
@@ -239,6 +243,7 @@ def build_monitor(
     metrics: MetricsLog,
     *,
     log: Callable[[str], None] = print,
+    phases: Progress = NO_PROGRESS,
 ) -> Monitor:
     gpu = open_gpu_sampler(device)
     probes: list[Probe] = [
@@ -264,7 +269,8 @@ def build_monitor(
         detectors.append(GpuThrottle())
     sinks = (TensorBoardSink(run_dir / "tensorboard"),) if cfg.monitor.tensorboard else ()
     monitor = Monitor(metrics, probes, Alerts(detectors), sinks=sinks,
-                      every=cfg.monitor.log_every, log=log, summaries=summaries)
+                      every=cfg.monitor.log_every, log=log, summaries=summaries,
+                      phases=phases)
     if metrics.path.exists():
         monitor.replay(read_metrics(metrics.path))
     return monitor

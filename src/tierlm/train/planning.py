@@ -368,9 +368,48 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     )
 
 
-def prediction_record(p: Plan, engine: Any | None, step: int) -> dict[str, Any]:
+def predicted_rates(p: Plan | None, tokens_per_step: int, trained_share: float
+                    ) -> dict[str, float | None]:
+    """The plan's step time and tokens/s for the whole run (`tokens_per_step`: all ranks),
+    both all tokens and trained ones (tokens with a loss: `trained_share` of them, measured on
+    the training data; the planner times every token, masked or not). None without a plan (the
+    reference trainer)."""
+    if p is None:
+        return dict.fromkeys(("predicted_step_time_s", "predicted_tokens_per_s",
+                              "predicted_trained_tokens_per_s"))
+    tokens_per_s = tokens_per_step / p.step_s
+    return {"predicted_step_time_s": p.step_s, "predicted_tokens_per_s": tokens_per_s,
+            "predicted_trained_tokens_per_s": tokens_per_s * trained_share}
+
+
+def plan_start_lines(p: Plan, rates: dict[str, float | None], trained_share: float
+                     ) -> list[str]:
+    """What a run on the tiered runtime says of its plan before the first step: where each
+    segment's state lives, which compute weights stay on the device, and the predicted step
+    time and tokens/s (all and trained)."""
+    from tierlm.memory.planner import _short
+
+    counts = p.tier_counts()
+    resident = p.resident_names()
+    n = len(p.placements)
+    return [
+        f"plan: state of {n} segments: {counts['device']} on device, {counts['host']} in host "
+        f"RAM, {counts['disk']} on disk; compute weights resident on the device: "
+        f"{_short(resident)}; streamed: {n - len(resident)}; micro-batch order {p.order}",
+        f"plan: predicted step {p.step_s:.3f} s (bottleneck: {p.bottleneck}), "
+        f"{rates['predicted_tokens_per_s']:,.0f} tok/s, trained "
+        f"{rates['predicted_trained_tokens_per_s']:,.0f} tok/s ({trained_share:.1%} of the "
+        "tokens have a loss)",
+    ]
+
+
+def prediction_record(p: Plan, engine: Any | None, step: int,
+                      measured: dict[str, float] | None = None,
+                      rates: dict[str, float | None] | None = None) -> dict[str, Any]:
     """Predicted vs measured peak bytes per tier (measured: the engine's ledger; on CUDA also
-    torch.cuda.max_memory_allocated)."""
+    torch.cuda.max_memory_allocated), and with `rates` (`predicted_rates`) and `measured` (the
+    run's median `step_time_s`, `tokens_per_s`, `trained_tokens_per_s`) the step time and
+    tokens/s beside them."""
     from tierlm.memory.tiers import Tier
 
     rec: dict[str, Any] = {"step": step, "predicted_device_total_bytes": p.device_total_bytes,
@@ -384,20 +423,36 @@ def prediction_record(p: Plan, engine: Any | None, step: int) -> dict[str, Any]:
                    measured_disk_bytes=led.tier_bytes(Tier.DISK))
     if torch.cuda.is_available():
         rec["measured_cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    rec.update(rates or {})
+    rec.update({f"measured_{k}": v for k, v in (measured or {}).items()})
     return rec
 
 
 def prediction_lines(rec: dict[str, Any]) -> list[str]:
-    """The run's closing lines of `prediction_record`: predicted vs measured peak per tier."""
+    """The run's closing lines of `prediction_record`: predicted vs measured peak per tier,
+    step time and tokens/s (all and trained)."""
     lines = []
-    for tier in ("device", "host"):
-        measured = rec.get(f"measured_{tier}_peak_bytes")
-        predicted = rec[f"predicted_{tier}_peak_bytes"]
-        if measured is None:
+    for tier, key in (("device", "peak_bytes"), ("host", "peak_bytes"), ("disk", "bytes")):
+        measured = rec.get(f"measured_{tier}_{key}")
+        predicted = rec.get(f"predicted_{tier}_{key}")
+        if measured is None or predicted is None:
             continue
         # a tier the plan leaves empty: a ratio to nothing would read as a misprediction
         ratio = (f"{measured / predicted:.2f}x" if predicted
                  else "as planned" if not measured else "none planned")
-        lines.append(f"peak {tier} bytes: predicted {predicted / 2**20:.1f} MiB, measured "
+        label = f"peak {tier} bytes" if key == "peak_bytes" else f"{tier} tier bytes"
+        lines.append(f"{label}: predicted {predicted / 2**20:.1f} MiB, measured "
                      f"{measured / 2**20:.1f} MiB ({ratio})")
+    for key, label, fmt in (("step_time_s", "step time (median)", "{:.3f} s"),
+                            ("tokens_per_s", "tokens/s (median)", "{:,.0f}"),
+                            ("trained_tokens_per_s", "trained tokens/s (median)", "{:,.0f}")):
+        measured, predicted = rec.get(f"measured_{key}"), rec.get(f"predicted_{key}")
+        if measured is None:
+            continue
+        if predicted is None:  # the reference trainer: no plan to compare with
+            lines.append(f"{label}: measured {fmt.format(measured)}")
+            continue
+        ratio = f" ({measured / predicted:.2f}x)" if predicted else ""
+        lines.append(f"{label}: predicted {fmt.format(predicted)}, measured "
+                     f"{fmt.format(measured)}{ratio}")
     return lines

@@ -161,7 +161,8 @@ def memory_figure(runs: list[Any]) -> Figure:
         for t in Tier if has(runs, f"{t}_step_peak_bytes")
         and any(series(r.steps, f"{t}_step_peak_bytes")[1].max(initial=0) > 0 for r in runs)
     ]
-    process = [("rss_bytes", "process RSS")]
+    # the peak is the summary table's number; the RSS at each step's end shows what was freed
+    process = [("rss_peak_bytes", "process peak RSS"), ("rss_bytes", "process RSS at step end")]
     if has(runs, "cuda_max_allocated_bytes"):
         process.append(("cuda_max_allocated_bytes", "CUDA max allocated"))
     panels.append(("process", process))
@@ -180,7 +181,8 @@ def memory_figure(runs: list[Any]) -> Figure:
             tag = f" ({run.name})" if len(runs) > 1 else ""
             for j, (key, label) in enumerate(keys):
                 x, y = series(run.steps, key)
-                color = TIER_COLOR[tier] if tier is not None else ["0.25", "tab:purple"][j]
+                color = (TIER_COLOR[tier] if tier is not None
+                         else ["0.25", "0.6", "tab:purple"][j])
                 _line(ax, x, y / scale, f"{key}/{run.name}", color=color, ls=RUN_STYLE[i],
                       lw=1.6, label=label + tag)
             if tier is None:
@@ -204,10 +206,12 @@ def memory_figure(runs: list[Any]) -> Figure:
 
 
 def moves_figure(runs: list[Any]) -> Figure:
-    """Swap rate per link (bytes moved / step time), segments fetched vs plan, and PCIe
-    utilisation where NVML knew the link's peak."""
+    """Swap rate per link (bytes moved / step time), segments fetched vs plan (when any were
+    fetched or planned), and PCIe utilisation where NVML knew the link's peak."""
     panels = ["rates"]
-    if has(runs, "segments_fetched"):
+    # a plan that streams nothing (everything resident) has no fetches to draw: a flat zero
+    if any(series(r.steps, k)[1].max(initial=0) > 0 for r in runs
+           for k in ("segments_fetched", "segments_fetched_planned")):
         panels.append("fetches")
     if has(runs, "pcie_h2d_util"):
         panels.append("pcie")

@@ -114,8 +114,13 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         e = run.evals[-1]
         rows.append(("final held-out loss (perplexity)",
                      f"{e['eval_loss']:.4f} ({e['eval_ppl']:.2f}) at step {e['step']}"))
-    tps = _median(run, "tokens_per_s")
-    rows.append(("tokens/s (median)", "-" if tps is None else f"{tps:,.0f}"))
+    for key, label in (("tokens_per_s", "tokens/s (median)"),
+                       ("trained_tokens_per_s", "trained tokens/s (median)")):
+        tps, planned = _median(run, key), _median(run, f"predicted_{key}")
+        if tps is None and key != "tokens_per_s":
+            continue  # a run recorded before trained tokens/s was
+        text = "-" if tps is None else f"{tps:,.0f}"
+        rows.append((label, text + ("" if planned is None else f" (plan {planned:,.0f})")))
     parts = [_median(run, k) for k in ("step_time_s", "compute_s", "transfer_wait_s",
                                        "update_wait_s")]
     if parts[0] is not None:
@@ -182,9 +187,11 @@ _CAPTIONS = {
                  "(update wait).",
     "memory": "Bytes each tier held (the peak within each step, from the ledger) against the "
               "budget and the planner's predicted peak; the process panel shows the resident "
-              "set (and CUDA's allocated bytes on a GPU).",
+              "set, its peak so far (the summary's number) and at each step's end (and CUDA's "
+              "allocated bytes on a GPU).",
     "moves": "Swap rates: bytes moved per second of step on each link, and segments fetched to "
-             "the device per step against the schedule's plan.",
+             "the device per step against the schedule's plan (left out when the plan streams "
+             "nothing).",
     "fp8_underflow": "Share of values that underflowed to zero when cast to fp8, per layer.",
     "trace": "The traced step (--monitor.trace_step, RUN_DIR/trace.json; open it in "
              "ui.perfetto.dev for names and sizes): measured lanes above, the planner's "

@@ -12,6 +12,7 @@ import datetime as dt
 import functools
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,7 @@ from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
+from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision
@@ -87,7 +89,9 @@ from tierlm.train.planning import (
     cap_gpu_memory,
     finetune_precision,
     plan_auto,
+    plan_start_lines,
     predict_for_engine,
+    predicted_rates,
     prediction_lines,
     prediction_record,
     resolve_precision,
@@ -130,6 +134,20 @@ def default_run_dir(cfg: Config) -> Path:
     name = Path(cfg.model.path).name if cfg.model.path else cfg.model.size
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{name}-{stamp}"
+
+
+RATE_KEYS = ("step_time_s", "tokens_per_s", "trained_tokens_per_s")
+
+
+def trained_share(seqs: object, rows_at_a_time: int = 4096) -> float:
+    """The share of the tokens a step processes that carry a loss, over the training sequences:
+    1 for plain text; below it where masks (prompts, padding) leave tokens untrained."""
+    if isinstance(seqs, PackedSequences):
+        return 1.0
+    n = len(seqs)
+    trained = sum(trained_targets(seqs.get(torch.arange(i, min(n, i + rows_at_a_time))))
+                  for i in range(0, n, rows_at_a_time))
+    return trained / max(1, n * seqs.seq_len)
 
 
 @dataclass
@@ -251,6 +269,8 @@ class Trainer:
         if not self.world.is_main:
             log = quiet  # rank 0 logs, writes metrics and checkpoints for the whole run
         self.log = log
+        # loading, evaluation, checkpoints, export, sampling: one progress display, chosen here
+        self.progress = open_progress(log) if self.world.is_main else NO_PROGRESS
         if cfg.train.finetune != "full" and self.world.distributed:
             raise NotSupportedYet(f"--finetune {cfg.train.finetune} under torchrun",
                                   "LoRA runs in one process")
@@ -347,7 +367,8 @@ class Trainer:
                 else load_hf_model(cfg.model.path, device="cpu", trust_remote_code=trust)
             )
             if streamed:  # names and shapes checked against the files' headers here
-                initial_weights = source = CheckpointWeights(cfg.model.path, self.model)
+                initial_weights = source = CheckpointWeights(cfg.model.path, self.model,
+                                                             progress=self.progress)
                 if source.unexpected:
                     log(f"checkpoint tensors the model does not use (skipped): "
                         f"{', '.join(source.unexpected)}")
@@ -377,6 +398,7 @@ class Trainer:
             check_token_stream(eval_ids, vocab, corpus.eval, eos, "held-out data")
         self.model.train()
         self.n_params = count_params(self.model)
+        self.n_trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         # names and shapes of what checkpoints hold (a LoRA run's adapters only): a checkpoint
         # of another model size has the same names
         self.param_names = {n: tuple(p.shape) for n, p in self.model.named_parameters()
@@ -395,9 +417,11 @@ class Trainer:
             self.world, cfg.distributed.context_parallel,
         )
         self.eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
+        optim_state_bytes = model_state_nbytes(self.model, cfg.optim)
+        self.checkpoint_bytes = 4 * self.n_trained + optim_state_bytes  # fp32 masters + state
         preflight = Preflight(cfg, self.run_dir, n_params=self.n_params,
                               device_is_cpu=self.device.type == "cpu",
-                              optim_state_bytes=model_state_nbytes(self.model, cfg.optim),
+                              optim_state_bytes=optim_state_bytes,
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
@@ -454,16 +478,27 @@ class Trainer:
             resume_from_step=self.step if resume_ckpt is not None else None,
         ) if self.world.is_main else NullMetrics()
         self.monitor = build_monitor(cfg, self.stepper, self.device, self.run_dir, self.metrics,
-                                     log=log) if self.world.is_main else NullMonitor()
+                                     log=log, phases=self.progress
+                                     ) if self.world.is_main else NullMonitor()
         self.tokens_per_step = (  # all ranks together
             cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * self.row_groups
         )
+        # the planner times every token; the data decides how many of them have a loss
+        share = trained_share(train_seqs)
+        self.predicted = predicted_rates(self.plan, self.tokens_per_step, share)
+        self._step_rates: list[dict[str, float]] = []  # this process's steps, for the end
+        trained = ("" if self.n_trained == self.n_params else
+                   f" ({self.n_trained / 1e6:.2f}M trained by --finetune {cfg.train.finetune}, "
+                   f"{self.n_trained / self.n_params:.2%})")
         log(
-            f"model: {self.model.config.model_type}, {self.n_params / 1e6:.1f}M params, "
+            f"model: {self.model.config.model_type}, {self.n_params / 1e6:.1f}M params{trained}, "
             f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
             f"{cfg.data.seq_len} tokens; device {self.device}; "
             f"offload policy {cfg.memory.offload_policy}; run dir {self.run_dir}"
         )
+        if self.plan is not None:
+            for line in plan_start_lines(self.plan, self.predicted, share):
+                log(line)
 
     @property
     def skipped_steps(self) -> int:
@@ -487,11 +522,14 @@ class Trainer:
             "loss": out["loss"],
             "lr": lr,
             "grad_norm": out["grad_norm"],
-            "tokens_per_s": loss_tokens / step_time_s,
+            "tokens_per_s": self.tokens_per_step / step_time_s,  # every token processed
+            "trained_tokens_per_s": loss_tokens / step_time_s,  # tokens with a loss
             "loss_tokens": loss_tokens,
             "step_time_s": step_time_s,
             "skipped": out["skipped"],
+            **self.predicted,
         }
+        self._step_rates.append({k: rec[k] for k in RATE_KEYS})
         for key in ("sweep_s", "compute_s", "update_wait_s", "transfer_wait_s",
                     "kv_send_bytes", "net_send_bytes"):
             if key in out:
@@ -505,11 +543,14 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         total_nll, total_tokens = 0.0, 0
-        with self.fp8.paused():  # held-out data must not move fp8 scales
+        with (self.fp8.paused(),  # held-out data must not move fp8 scales
+              self.progress.phase(f"eval (step {self.step})", len(self.eval_set),
+                                  "batches") as phase):
             for batch in self.eval_set:
                 n = trained_targets(batch)
                 total_nll += self.stepper.eval_loss(batch) * n
                 total_tokens += n
+                phase.advance()
         eval_loss = total_nll / total_tokens
         # exp overflows past ~709: a diverged run reports an infinite perplexity, not a crash
         ppl = math.exp(eval_loss) if eval_loss < 700 else math.inf
@@ -522,13 +563,16 @@ class Trainer:
         RNG keeps the training RNG intact, and every rank draws the same tokens."""
         ids = inputs_and_targets(self.eval_set[0])[0][:1, :16].cpu()
         gen = torch.Generator(device="cpu").manual_seed(self.cfg.run.seed)
-        for _ in range(max_new_tokens):
-            with self.fp8.paused():  # held-out text must not move fp8 scales
-                logits = self.stepper.next_token_logits(ids[:, -self.cfg.data.seq_len :]).cpu()
-            top = torch.topk(logits / 0.8, k=min(40, logits.numel()))
-            probs = torch.softmax(top.values, dim=-1)
-            choice = top.indices[torch.multinomial(probs, 1, generator=gen)]
-            ids = torch.cat([ids, choice.view(1, 1)], dim=1)
+        with self.progress.phase("sampling", max_new_tokens, "tokens") as phase:
+            for _ in range(max_new_tokens):
+                with self.fp8.paused():  # held-out text must not move fp8 scales
+                    logits = self.stepper.next_token_logits(
+                        ids[:, -self.cfg.data.seq_len :]).cpu()
+                top = torch.topk(logits / 0.8, k=min(40, logits.numel()))
+                probs = torch.softmax(top.values, dim=-1)
+                choice = top.indices[torch.multinomial(probs, 1, generator=gen)]
+                ids = torch.cat([ids, choice.view(1, 1)], dim=1)
+                phase.advance()
         return self.tokenizer.decode(ids[0].tolist())
 
     def save(self) -> Path | None:
@@ -551,19 +595,31 @@ class Trainer:
                 tokenizer=self.tokenizer, state=state, keep=self.cfg.run.keep_checkpoints,
                 generation_config=getattr(self.model, "generation_config", None),
             )
-        return save_checkpoint(
-            self.run_dir,
-            shards=self.stepper.state_shards(),  # one segment in RAM at a time
-            model_config=self.model.config,
-            tokenizer=self.tokenizer,
-            state=state,
-            keep=self.cfg.run.keep_checkpoints,
-            generation_config=getattr(self.model, "generation_config", None),
-        )
+        # the total is the state's size as set up (the files add headers, RNG, tokenizer)
+        with self.progress.phase(f"save checkpoint (step {self.step})",
+                                 self.checkpoint_bytes, "bytes") as phase:
+            return save_checkpoint(
+                self.run_dir,
+                shards=self.stepper.state_shards(),  # one segment in RAM at a time
+                model_config=self.model.config,
+                tokenizer=self.tokenizer,
+                state=state,
+                keep=self.cfg.run.keep_checkpoints,
+                generation_config=getattr(self.model, "generation_config", None),
+                progress=phase,
+            )
 
     def _report_prediction(self) -> None:
-        """Predicted (planner) vs measured (ledger) peak bytes per tier, logged and recorded."""
-        rec = prediction_record(self.plan, self.stepper.engine, self.step)
+        """Predicted (planner) vs measured (ledger) peak bytes per tier, step time and tokens/s
+        (medians of this process's steps, the first left out when there are others: it
+        compiles, faults pages in and fills the stream cache), logged and recorded."""
+        steps = self._step_rates[1:] or self._step_rates
+        measured = {k: statistics.median(r[k] for r in steps) for k in RATE_KEYS} if steps else {}
+        if self.plan is None and not measured:
+            return  # a resumed run that had no step left to take
+        rec = (prediction_record(self.plan, self.stepper.engine, self.step, measured,
+                                 self.predicted) if self.plan is not None
+               else {"step": self.step, **{f"measured_{k}": v for k, v in measured.items()}})
         self.metrics.write(rec)
         for line in prediction_lines(rec):
             self.log(line)
@@ -615,8 +671,7 @@ class Trainer:
         if self.step == cfg.max_steps or cfg.eval_every and self.step % cfg.eval_every == 0:
             run_eval()
         progress.close()
-        if self.plan is not None:
-            self._report_prediction()
+        self._report_prediction()  # without a plan (reference trainer): the measured rates
         result.final_checkpoint = self.save()
         if self.world.is_main:  # --finetune lora: RUN_DIR/adapter in peft's format
             self.finetune.save(self.run_dir, self.stepper.weights)
