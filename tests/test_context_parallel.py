@@ -160,7 +160,9 @@ def test_ring_equals_one_process_over_the_full_sequences(world, cp, name):
     assert grad_sync_bytes(shape, train) == all_reduce
     for run in runs:
         assert run["kv_send_bytes"] == M * kv == planned
-        assert run["net_send_bytes"] == M * kv + all_reduce
+        # and the step's trained-token count (one int64) and the logged loss (2 float64)
+        assert run["net_send_bytes"] == (M * kv + all_reduce + all_reduce_send_bytes(8, world)
+                                         + all_reduce_send_bytes(16, world))
         assert run["eval"] == pytest.approx(ref["eval"], rel=1e-5)
 
 

@@ -189,7 +189,6 @@ class ZigzagShare:
         return ids[:, mine], targets[:, mine], mine.unsqueeze(0).expand(ids.shape[0], -1)
 
 
-
 # -- one block: output and log-sum-exp, and its backward ----
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:

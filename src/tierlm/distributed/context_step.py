@@ -92,10 +92,9 @@ class ContextParallelStep(Stepper):
         self.comm.ledger.reset_step()
         with ref.clock.measure():
             shares = [self._share(batch) for batch in batches]
-            tokens = torch.tensor(sum(int((t != IGNORE_INDEX).sum()) for _, t, _ in shares))
-            dist.all_reduce(tokens)  # every rank's share of every row group's rows
-            total = max(int(tokens), 1)
-            divisor = total / self.layout.dp  # the gradients are summed, then divided by dp
+            tokens = sum(int((t != IGNORE_INDEX).sum()) for _, t, _ in shares)
+            # every rank's tokens over dp: the gradients are summed, then divided by dp
+            divisor = self.comm.token_divisor(tokens, averaged_over=self.layout.dp)
             nll_sum = torch.zeros((), device=ref.device)
             for inputs, targets, positions in shares:
                 nll = self._share_nll(inputs, targets, positions)
@@ -110,10 +109,9 @@ class ContextParallelStep(Stepper):
                 ref.optimizer.step()
             ref.optimizer.zero_grad(set_to_none=True)
         kv_send_bytes = self.ring.sent_bytes
-        world_nll = nll_sum.to("cpu", torch.float64)
-        dist.all_reduce(world_nll)
-        return {"loss": float(world_nll) / total, "loss_tokens": total, "loss_divisor": total,
-                "grad_norm": grad_norm, "skipped": skipped,
+        out = self.comm.step_loss({"loss": nll_sum.item() / divisor, "loss_divisor": divisor,
+                                   "loss_tokens": tokens})
+        return {**out, "grad_norm": grad_norm, "skipped": skipped,
                 "compute_s": ref.clock.take(), "kv_send_bytes": kv_send_bytes,
                 "net_send_bytes": kv_send_bytes + self.comm.ledger.moved_bytes[Link.NET_SEND]}
 
