@@ -160,7 +160,9 @@ def test_ring_equals_one_process_over_the_full_sequences(world, cp, name):
     assert grad_sync_bytes(shape, train) == all_reduce
     for run in runs:
         assert run["kv_send_bytes"] == M * kv == planned
-        assert run["net_send_bytes"] == M * kv + all_reduce
+        # and the step's trained-token count (one int64) and the logged loss (2 float64)
+        assert run["net_send_bytes"] == (M * kv + all_reduce + all_reduce_send_bytes(8, world)
+                                         + all_reduce_send_bytes(16, world))
         assert run["eval"] == pytest.approx(ref["eval"], rel=1e-5)
 
 
@@ -189,9 +191,10 @@ def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activa
         shape, train,
         [SegmentPlacement(resident=r, state_tier=Tier.HOST) for r in runs[0]["resident"]],
         keep_resident=activations == "none")
-    # plus the gradient all-reduce, per segment over every rank, as the planner counts it, and
-    # the logged loss's mean (one float64)
-    others = grad_sync_bytes(shape, train) + all_reduce_send_bytes(8, world)
+    # plus the gradient all-reduce, per segment over every rank, as the planner counts it, the
+    # step's trained-token count (one int64) and the logged loss (its sum and tokens, 2 float64)
+    others = (grad_sync_bytes(shape, train) + all_reduce_send_bytes(8, world)
+              + all_reduce_send_bytes(16, world))
     for run in runs:
         _assert_equal(run, ref)
         assert run["kv_send_bytes"] == M * (kv + recompute_kv) == planned

@@ -532,9 +532,13 @@ def test_chat_trains_exactly_the_assistant_tokens(tmp_path, chat_tok):
             elif run:
                 runs.append(run)
                 run = []
+        if run:  # the last turn ends the example
+            runs.append(run)
         assert runs == expected
-        # ... and the example's closing eos (the separator) is not trained
-        assert ids[-1] == chat_tok.eos_token_id and not mask[-1]
+        # ... and the template's own closing eos (its end of turn, then a newline) ends the
+        # example: no second eos after it
+        nl = chat_tok("\n", add_special_tokens=False)["input_ids"]
+        assert ids[-1 - len(nl):] == [chat_tok.eos_token_id, *nl]
     everything = _encode(tmp_path / "chat.jsonl", chat_tok, train_on="all")
     assert torch.equal(everything.tokens, enc.tokens) and bool(everything.trained.all())
 
@@ -705,7 +709,7 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
     cpu = torch.device("cpu")
     model = tiny_model(name)
     g = torch.Generator().manual_seed(0)
-    batches, expected = [], []
+    batches, expected, sums, counts = [], [], [], []
     for _ in range(2):  # two micro-batches, different trained counts
         ids = torch.randint(0, VOCAB, (2, 17), generator=g)
         trained = torch.rand(2, 17, generator=g) < 0.3
@@ -716,6 +720,9 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
         logp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
         mask = trained[:, 1:]
         expected.append(float(-logp[mask].sum() / mask.sum()))
+        sums.append(float(-logp[mask].sum()))
+        counts.append(int(mask.sum()))
+    assert counts[0] != counts[1]
     ref = ReferenceStep(copy.deepcopy(model), OPTIM, grad_clip=0.0, device=cpu)
     # whole rows per loss chunk, and chunks of 5 tokens that cut rows (some all masked)
     engines = [build_engine(copy.deepcopy(model), OPTIM, EngineOptions(
@@ -726,7 +733,8 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
         for batch, want in zip(batches, expected, strict=True):
             assert stepper.eval_loss(batch) == pytest.approx(want, rel=1e-6)
         rec = stepper.step(batches, 1e-2)
-        assert rec["loss"] == pytest.approx(sum(expected) / 2, rel=1e-6)
+        # the step's mean over all its trained tokens, not the mean of the two means
+        assert rec["loss"] == pytest.approx(sum(sums) / sum(counts), rel=1e-6)
     # Same sums in the same order: the weights after the step agree. (Chunks of 5 sum in
     # another order, and Adam's first step turns that rounding into ~1e-5 on tiny gradients,
     # as it does on plain batches.)
@@ -841,3 +849,81 @@ def dataclasses_replace(obj, **kw):
     import dataclasses
 
     return dataclasses.replace(obj, **kw)
+
+
+# ---- chat templates that end a turn with the tokenizer's eos -----------------------------------
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _chatml_tok(eos_is_end_of_turn: bool):
+    """A byte-level BPE with ChatML's markers as special tokens and its chat template; eos is
+    `<|im_end|>` (as in Qwen's chat tokenizers) or stays `<|endoftext|>`."""
+    texts = [m["content"] for c in CHATS for m in c["messages"]] * 5
+    tok = train_bpe_tokenizer(texts + ["user assistant system"], 400)
+    if eos_is_end_of_turn:
+        tok.add_special_tokens({"eos_token": "<|im_end|>",
+                                "additional_special_tokens": ["<|im_start|>"]})
+    else:
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.fixture(scope="module")
+def chatml_tok():
+    return _chatml_tok(eos_is_end_of_turn=True)
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+@pytest.mark.parametrize("packing", ["stream", "documents", "off"])
+def test_chatml_eos_is_not_appended_after_the_templates_own(tmp_path, chatml_tok, packing,
+                                                            train_on):
+    """eos = <|im_end|>: each example is exactly the template's rendering ("...<|im_end|>\n"),
+    never "...<|im_end|>\n<|im_end|>", in every packing mode's rows and in the summary."""
+    from tierlm.data.examples import resolve_schema
+    from tierlm.data.finetune import load_finetune_data
+
+    write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    # off: rows long enough for whole examples, so that their ends are in the rows
+    data = _data_cfg(tmp_path / "chat.jsonl", seq_len=96 if packing == "off" else 16,
+                     packing=packing, eval_fraction=0.2, train_on=train_on)
+    got = load_finetune_data(data, resolve_schema(data), chatml_tok)
+    assert getattr(got.train, "truncated", 0) == 0
+    eos = chatml_tok.eos_token_id
+    (nl,) = chatml_tok("\n", add_special_tokens=False)["input_ids"]
+    assert chatml_tok.pad_token_id != eos  # padding (packing off) cannot hide a doubled eos
+    # the rows the model trains on (this packing's) ...
+    for seqs in (got.train, got.eval):
+        ids = seqs.get(torch.arange(len(seqs)))[:, 0]  # (rows, seq_len+1)
+        doubled = (ids[:, :-2] == eos) & (ids[:, 1:-1] == nl) & (ids[:, 2:] == eos)
+        assert not doubled.any(), packing
+    # ... from examples that are the template's rendering exactly
+    chats = iter(CHATS)
+    for enc in got.encoded.values():
+        for i in range(len(enc)):
+            a, b = int(enc.offsets[i]), int(enc.offsets[i + 1])
+            ids, trained = enc.tokens[a:b].tolist(), enc.trained[a:b].tolist()
+            rendered = chatml_tok.apply_chat_template(next(chats)["messages"], tokenize=False)
+            assert chatml_tok.decode(ids) == rendered  # nothing added, nothing lost
+            assert ids[-2:] == [eos, nl]
+            assert trained[-2]  # the last assistant turn's end: the model learns to stop
+    summary = "\n".join(got.summary)
+    assert "<|im_end|>\n]]<|im_end|>" not in summary and "<|im_end|>\n]]" in summary
+
+
+def test_eos_still_closes_examples_whose_template_ends_with_another_token(tmp_path):
+    """ChatML markers with eos <|endoftext|> (a base model's): the template's end of turn is not
+    eos, so eos still separates the examples, untrained under train_on assistant."""
+    tok = _chatml_tok(eos_is_end_of_turn=False)
+    write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    enc = _encode(tmp_path / "chat.jsonl", tok)
+    end, (nl,) = tok.convert_tokens_to_ids("<|im_end|>"), tok("\n", add_special_tokens=False)[
+        "input_ids"]
+    for i in range(len(enc)):
+        b = int(enc.offsets[i + 1])
+        assert enc.tokens[b - 3 : b].tolist() == [end, nl, tok.eos_token_id]
+        assert enc.trained[b - 3 : b].tolist() == [True, True, False]

@@ -152,9 +152,12 @@ def _as_torch(weights: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in weights.items()}
 
 
-# What one rank sends per step besides its strategy's bytes (the same counter carries both): the
-# logged loss's mean, one float64 all-reduced, 2 (W-1)/W x 8 bytes at W = 2.
-LOSS_MEAN_SENT = 8
+# What one rank sends per step besides its strategy's bytes (the same counter carries both), an
+# all-reduce of n bytes sending 2 (W-1)/W x n = n at W = 2: the logged loss (the summed token
+# loss and the trained tokens, two float64), and under a sync that averages gradients (dense,
+# top-k) the step's trained-token count (one int64) that the loss is divided by.
+LOSS_SENT = 16
+LOSS_MEAN_SENT = LOSS_SENT + 8
 
 
 def _dense_sent() -> int:
@@ -381,8 +384,8 @@ def test_delayed_ranks_agree_exactly_at_multiples_of_k():
     for step, (a, b) in enumerate(zip(d0, d1, strict=True), start=1):
         assert (a == b) == (step % 2 == 0), f"step {step}"
     # bytes only when weights are averaged: the fp32 weights, all-reduced like a dense sync
-    assert ranks[0]["sent"] == [LOSS_MEAN_SENT, _dense_sent() + LOSS_MEAN_SENT] * 2
-    per_step = sum(s - LOSS_MEAN_SENT for s in ranks[0]["sent"]) / STEPS
+    assert ranks[0]["sent"] == [LOSS_SENT, _dense_sent() + LOSS_SENT] * 2
+    per_step = sum(s - LOSS_SENT for s in ranks[0]["sent"]) / STEPS
     assert _planned_sent(DelayedSync(every=2)) == per_step
 
 
@@ -432,10 +435,10 @@ def test_delayed_can_average_the_adamw_moments_with_the_weights(tmp_path):
     assert r0["average-disk"]["moments"] == r0["average-none"]["moments"]
     # a sync sends the fp32 weights, plus each moment in bf16 (half the weights' bytes each)
     local, average = (r0[f"{m}-none"]["sent"][1] for m in ("local", "average"))
-    assert local == _dense_sent() + LOSS_MEAN_SENT
+    assert local == _dense_sent() + LOSS_SENT
     assert average - local == 2 * _dense_sent() // 2
     for m in ("local", "average"):  # every second step; the planner's mean per step
-        sent = sum(s - LOSS_MEAN_SENT for s in r0[f"{m}-none"]["sent"]) / 4
+        sent = sum(s - LOSS_SENT for s in r0[f"{m}-none"]["sent"]) / 4
         assert _planned_sent(DelayedSync(every=2, moments=m)) == sent, m
 
 

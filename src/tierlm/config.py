@@ -78,7 +78,8 @@ class DataConfig:
     chat_template: str | None = None
     """Jinja chat template file for chat data; empty: the model tokenizer's own template."""
     packing: Literal["stream", "documents", "off"] = "stream"
-    """stream: examples joined by eos and cut into seq_len rows (an example may see the one
+    """stream: examples joined by eos (none added after an example the chat template already
+    ends with eos) and cut into seq_len rows (an example may see the one
     before it); documents: the same rows, each example attending only to itself (per-example
     positions, block-diagonal causal mask); off: one example per row, padded, longer ones
     truncated to their first seq_len+1 tokens."""

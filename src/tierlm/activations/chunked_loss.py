@@ -5,8 +5,8 @@ and autograd keeps their log-softmax and builds their gradient as well. Here the
 into chunks: each chunk's logits, loss and gradient are computed and released before the next
 chunk starts, so at most one chunk's worth exists at any time. The gradient reaches the hidden
 states and the output projection's weights through autograd, accumulated over chunks, and the
-loss is the same mean over all trained tokens (targets equal to -100 are skipped, as
-F.cross_entropy skips them).
+loss is the same sum over all trained tokens (targets equal to -100 are skipped, as
+F.cross_entropy skips them) over the same divisor.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.activations.saved import SavedTensorScope
-from tierlm.data.batch import IGNORE_INDEX
+from tierlm.data.batch import IGNORE_INDEX, local_divisor
 from tierlm.memory.ledger import Ledger
 
 
@@ -38,25 +38,27 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     *,
     chunk_tokens: int,
-    grad_divisor: int = 1,
+    divisor: float | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     saved: Callable[[], SavedTensorScope] | None = None,
     ledger: Ledger | None = None,
     segment: str = "head",
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
-    """Mean cross-entropy of `project(h)` (logits) against `targets`; backpropagates its
-    gradient divided by `grad_divisor` (the micro-batch count) into whatever `h` and `project`
-    depend on.
+    """Summed cross-entropy of `project(h)` (logits) against `targets` over `divisor`;
+    backpropagates it into whatever `h` and `project` depend on and returns its value.
 
     `h`: (N, D) hidden states, a tensor requiring grad; `targets`: (N,) token ids, -100 where
-    the loss does not look (the mean divides by the others).
+    the loss does not look. `divisor`: None, the trained targets here (the mean); a step of
+    several micro-batches passes the step's trained-token count, so that the micro-batches'
+    gradients add up to that of the step's mean over all its tokens (tierlm.data.batch).
     `saved`/`ledger`: count each chunk's saved tensors in the ledger while the chunk lives.
     `loss_of(logits, targets)`: the chunk's summed loss (None: fp32 F.cross_entropy; --compile
     segments passes its compiled form, tierlm.runtime.compile).
     """
     loss_of = loss_of or sum_cross_entropy
-    n_trained = int((targets != IGNORE_INDEX).sum())
+    if divisor is None:
+        divisor = local_divisor(int((targets != IGNORE_INDEX).sum()))
     total = 0.0
     for c0 in range(0, targets.numel(), chunk_tokens):
         scope = saved() if saved is not None else None
@@ -64,12 +66,12 @@ def chunked_cross_entropy(
             with scope.hooks() if scope is not None else contextlib.nullcontext():
                 with autocast():
                     logits = project(h[c0 : c0 + chunk_tokens])  # (chunk, V)
-                loss = loss_of(logits, targets[c0 : c0 + chunk_tokens]) / n_trained
+                loss = loss_of(logits, targets[c0 : c0 + chunk_tokens]) / divisor
                 del logits  # the loss saved its log-softmax; the logits can go now
             held = scope.bytes if scope is not None and ledger is not None else 0
             if held:
                 ledger.hold_activation(segment, "saved", held)
-            (loss / grad_divisor).backward()
+            loss.backward()
         if held:
             ledger.release_activation(segment, "saved", held)
         total += loss.item()

@@ -8,6 +8,11 @@ mean runs over trained targets only. Packing by documents adds a third row, (B, 
 token's position within its example; a position that does not follow its predecessor by one
 starts a new example, and transformers' mask builders turn those resets into a block-diagonal
 causal mask, so no example attends to another.
+
+The loss of an optimizer step is the mean over every trained target of the step: the summed
+token losses of all its micro-batches (and, data parallel, all ranks) over their count, so that
+a micro-batch weighs what its trained tokens weigh (with loss masks, micro-batches differ in
+count; a mean of micro-batch means would count a short answer's tokens more than a long one's).
 """
 
 from __future__ import annotations
@@ -36,3 +41,10 @@ def trained_targets(batch: torch.Tensor) -> int:
     if batch.dim() == 2:
         return batch[:, 1:].numel()
     return int((batch[:, 1, 1:] != IGNORE_INDEX).sum())
+
+
+def local_divisor(trained: int) -> float:
+    """The divisor of one process's summed step loss: its trained targets (at least 1, so a step
+    without any gives loss 0, not NaN). Data parallel syncs divide by the world's instead
+    (tierlm.distributed.comm.Comm.token_divisor)."""
+    return float(max(trained, 1))

@@ -7,7 +7,9 @@ prompt), a prompt/completion pair as prompt + completion (the completion). The s
 tokenized once, with offsets, and a token is trained when its characters overlap a trained span,
 so the mask follows the model's own tokenization of the whole example. Each example ends with
 eos, trained for prompt/completion (the model learns to stop) and under `train_on all`; a
-conversation's end of turn is the template's own tokens.
+conversation's end of turn is the template's own tokens. An example the template already ends
+with eos (ChatML whose eos is its end of turn, before a trailing newline) gets no second one
+(`_ends_with_eos`).
 """
 
 from __future__ import annotations
@@ -308,17 +310,37 @@ def _tokenize(
         [r.text for r in batch], add_special_tokens=False, return_offsets_mapping=True,
         return_attention_mask=False, verbose=False,
     )
+    eos = tokenizer.eos_token_id
     ids_out, mask_out = [], []
     for r, ids, offs in zip(batch, enc["input_ids"], enc["offset_mapping"], strict=True):
-        ids_t = torch.tensor([*ids, tokenizer.eos_token_id], dtype=torch.int64)
         offs_t = torch.tensor(offs, dtype=torch.int64).reshape(-1, 2)  # (tokens, 2) chars
+        closed = _ends_with_eos(r.text, ids, offs_t, eos)
+        ids_t = torch.tensor(ids if closed else [*ids, eos], dtype=torch.int64)
         mask = torch.zeros(ids_t.numel(), dtype=torch.bool)
         for s, e in r.spans:
-            mask[:-1] |= (offs_t[:, 1] > s) & (offs_t[:, 0] < e)
-        mask[-1] = r.eos_trained
+            mask[: len(ids)] |= (offs_t[:, 1] > s) & (offs_t[:, 0] < e)
+        if not closed:
+            mask[-1] = r.eos_trained
         ids_out.append(ids_t)
         mask_out.append(mask)
     return ids_out, mask_out
+
+
+def _ends_with_eos(text: str, ids: list[int], offs: torch.Tensor, eos: int) -> bool:
+    """Whether the rendered example already ends with eos, so that none is appended.
+
+    A chat template whose end of turn is the tokenizer's eos (ChatML with eos `<|im_end|>`)
+    closes the example itself, and usually adds a newline after it: "...<|im_end|>\n". Another
+    eos there would teach the model doubled end markers. The rule: take the last token that
+    starts before the text's trailing whitespace (tokens lying wholly in that whitespace, such
+    as the template's newline, are skipped; they stay in the example, as the template renders
+    them at inference too); the example is closed when that token is eos. When anything else
+    ends the text, the example gets its eos as before: so does a template whose end of turn is
+    another token (Llama 3's `<|eot_id|>` with eos `<|end_of_text|>`), where the eos separates
+    examples."""
+    body_chars = len(text.rstrip())
+    before = (offs[:, 0] < body_chars).nonzero()  # tokens starting inside the body
+    return before.numel() > 0 and ids[int(before[-1, 0])] == eos
 
 
 def show_example(tokenizer: Any, ids: torch.Tensor, trained: torch.Tensor,

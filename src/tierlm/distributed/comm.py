@@ -68,6 +68,29 @@ class Comm:
         self._count(0, _nbytes(t))
         dist.recv(t, src)
 
+    def token_divisor(self, local_tokens: int, averaged_over: int | None = None) -> float:
+        """The divisor of this rank's summed step loss when a sync averages the gradients of
+        `averaged_over` ranks (None: every rank): the trained tokens of every rank's whole step
+        over that count, so the averaged gradient is the one of the world's summed token loss
+        over its token count, however the tokens fall between ranks and micro-batches. One
+        int64 all-reduce, before the step's forward."""
+        t = torch.tensor([local_tokens], dtype=torch.int64)
+        self.all_reduce_sum(t)
+        return float(max(int(t[0]), 1)) / (averaged_over or self.size)
+
+    def step_loss(self, out: dict[str, float]) -> dict[str, float]:
+        """A rank's step output with the world's loss: every rank's summed token loss over
+        every rank's trained tokens ("loss_tokens" becomes the world's count too). Two float64
+        all-reduced."""
+        nll, tokens = self.sum_of([out["loss"] * out["loss_divisor"], out["loss_tokens"]])
+        return {**out, "loss": nll / max(tokens, 1.0), "loss_tokens": int(tokens)}
+
+    def sum_of(self, values: list[float]) -> list[float]:
+        """Element-wise sum over ranks of a few scalars."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce_sum(t)
+        return t.tolist()
+
     def mean_of(self, values: list[float]) -> list[float]:
         """Element-wise mean over ranks of a few scalars (losses for the log)."""
         t = torch.tensor(values, dtype=torch.float64)

@@ -160,18 +160,16 @@ class WholeSequence:
     def take(self, ids, targets, positions):
         return ids, targets, positions
 
-    def loss_scale(self, targets: torch.Tensor) -> float:
-        return 1.0
-
 
 WHOLE_SEQUENCE = WholeSequence()
 
 
 @dataclass
 class ZigzagShare:
-    """This rank's zig-zag share of every row, and the factor that turns its local mean token
-    loss into its share of the CP group's mean, times cp (so a mean over all ranks, as the data
-    parallel sync takes, is a sum over the CP group and a mean over the row groups)."""
+    """This rank's zig-zag share of every row. Its loss needs no factor of its own: the engine
+    divides each rank's summed token loss by the trained tokens of every rank's step over the
+    world size (tierlm.distributed.comm.Comm.token_divisor), so the data-parallel mean of the
+    gradients over all ranks, CP and row groups alike, is that of the whole step's mean."""
 
     layout: ContextLayout
     ring: Ring
@@ -189,13 +187,6 @@ class ZigzagShare:
         mine = zigzag_positions(ids.shape[1], self.layout.cp, self.layout.cp_rank)
         mine = mine.to(ids.device)
         return ids[:, mine], targets[:, mine], mine.unsqueeze(0).expand(ids.shape[0], -1)
-
-    def loss_scale(self, targets: torch.Tensor) -> float:
-        """cp x (this rank's targets) / (the CP group's): 1.0 when no target is masked."""
-        counts = torch.tensor([float((targets != -100).sum())])
-        local = float(counts[0])
-        dist.all_reduce(counts, group=self.ring.group)
-        return self.layout.cp * local / float(counts[0]) if counts[0] > 0 else 1.0
 
 
 # -- one block: output and log-sum-exp, and its backward ----

@@ -4,12 +4,12 @@ Each rank runs the whole (resident) model on its share of each row (tierlm.distr
 says which tokens, and how attention sees the rest through the ring). What makes the ranks
 together equal one process over the full sequences and the whole global batch:
 
-- the loss is token-weighted over the CP group: each rank divides its summed token losses by
-  the group's total target count, so the group's gradients sum to the full sequence's;
+- the loss is token-weighted over the whole step: each rank divides its summed token losses
+  by the trained targets of every rank's step (all micro-batches, all row groups) over the
+  data-parallel size, the count all-reduced once before the forward;
 - weight gradients are summed over every rank (all-reduce) and divided by the data-parallel
-  size: a sum over the CP ranks of one row group, a mean over the row groups, as data parallel
-  averages its ranks;
-- the logged loss is the same sum and mean of the per-rank shares.
+  size, so they are those of the whole step's summed token loss over its token count;
+- the logged loss is every rank's summed token loss over that count.
 
 Every rank then steps with the same gradient and keeps the same weights, so checkpoints,
 evaluation and sampling read rank 0's, as the reference step gives them.
@@ -60,16 +60,24 @@ class ContextParallelStep(Stepper):
 
     # -- this rank's share of a batch ----
 
-    def _nll(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed token loss of this rank's share of `batch`, target count of the CP group)."""
+    def _share(self, batch: torch.Tensor):
+        """(B, T/N) inputs, targets and global positions (RoPE reads them) of this rank's
+        share of `batch`."""
         batch = batch.to(self.ref.device)
         inputs, targets = inputs_and_targets(batch)  # (B, T)
-        # (B, T/N) each, positions global: RoPE reads them
-        inputs, targets, positions = self.share.take(inputs, targets, position_ids(batch))
+        return self.share.take(inputs, targets, position_ids(batch))
+
+    def _share_nll(self, inputs, targets, positions) -> torch.Tensor:
+        """Summed token loss of this rank's share."""
         with self.ref.autocast():
             logits = self.ref.model(input_ids=inputs, position_ids=positions, use_cache=False,
                                     cp_ring=self.ring).logits  # (B, T/N, V)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+    def _nll(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss of this rank's share of `batch`, target count of the CP group)."""
+        inputs, targets, positions = self._share(batch)
+        nll = self._share_nll(inputs, targets, positions)
         tokens = (targets != IGNORE_INDEX).sum().to(torch.float32)
         dist.all_reduce(tokens, group=self.ring.group)
         return nll, tokens
@@ -83,12 +91,15 @@ class ContextParallelStep(Stepper):
         self.ring.sent_bytes = 0
         self.comm.ledger.reset_step()
         with ref.clock.measure():
-            loss_sum = torch.zeros((), device=ref.device)
-            for batch in batches:
-                nll, tokens = self._nll(batch)
-                loss = nll / tokens  # this rank's share of the row group's mean token loss
-                (loss / len(batches)).backward()
-                loss_sum += loss.detach()
+            shares = [self._share(batch) for batch in batches]
+            tokens = sum(int((t != IGNORE_INDEX).sum()) for _, t, _ in shares)
+            # every rank's tokens over dp: the gradients are summed, then divided by dp
+            divisor = self.comm.token_divisor(tokens, averaged_over=self.layout.dp)
+            nll_sum = torch.zeros((), device=ref.device)
+            for inputs, targets, positions in shares:
+                nll = self._share_nll(inputs, targets, positions)
+                (nll / divisor).backward()
+                nll_sum += nll.detach()
             self._sum_gradients()
             grad_norm = torch.nn.utils.clip_grad_norm_(ref.params, ref.clip_norm).item()
             skipped = not math.isfinite(grad_norm)
@@ -98,8 +109,9 @@ class ContextParallelStep(Stepper):
                 ref.optimizer.step()
             ref.optimizer.zero_grad(set_to_none=True)
         kv_send_bytes = self.ring.sent_bytes
-        (loss,) = self._world_mean([loss_sum.item() / len(batches)])
-        return {"loss": loss, "grad_norm": grad_norm, "skipped": skipped,
+        out = self.comm.step_loss({"loss": nll_sum.item() / divisor, "loss_divisor": divisor,
+                                   "loss_tokens": tokens})
+        return {**out, "grad_norm": grad_norm, "skipped": skipped,
                 "compute_s": ref.clock.take(), "kv_send_bytes": kv_send_bytes,
                 "net_send_bytes": kv_send_bytes + self.comm.ledger.moved_bytes[Link.NET_SEND]}
 
@@ -111,12 +123,6 @@ class ContextParallelStep(Stepper):
         flat /= self.layout.dp
         for p, g in zip(self.ref.params, _unflatten_dense_tensors(flat, grads), strict=True):
             p.grad = g.to(p.dtype)
-
-    def _world_mean(self, values: list[float]) -> list[float]:
-        """Sum over the CP ranks (their shares), mean over the row groups."""
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return (t / self.layout.dp).tolist()
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

@@ -8,7 +8,8 @@ bitwise identical; delayed sync averages weights after the step instead.
 This wrapper is a `Stepper` (tierlm.runtime.stepper) like the engine, and forwards each of its
 calls explicitly: the engine's ledger, stream cache and placement are its capabilities
 (`engine` is the wrapped engine, so the planner's prediction is checked in data-parallel runs
-too). It adds what spans ranks: the logged loss is the mean over ranks, evaluation
+too). It adds what spans ranks: the logged loss is every rank's summed token loss over every
+rank's trained tokens (as the synced gradient is: the sync's `loss_divisor`), evaluation
 splits each batch's rows over the ranks, and checkpoints gather the state that differs between
 ranks (error-feedback residuals; under delayed sync every rank's weights and moments) into
 rank 0's checkpoint under `dp.rank<r>.` keys in the optimizer files.
@@ -78,8 +79,7 @@ class DataParallelStep(Stepper):
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
         out = self.engine.step(batches, lr)
         self.strategy.after_step(self.engine, out["skipped"])
-        (out["loss"],) = self.comm.mean_of([out["loss"]])
-        return out
+        return self.comm.step_loss(out)
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean token loss of `batch`, its rows split over the ranks."""

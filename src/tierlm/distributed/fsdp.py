@@ -128,7 +128,10 @@ class FSDPStep(Stepper):
         del full
         for p in originals:
             p.data = torch.empty(0, dtype=p.dtype)
-        self.ref = ReferenceStep(self.model, optim, grad_clip=grad_clip, device=device)
+        # the reduce-scatter averages gradients over the ranks: each divides its summed token
+        # loss by the world's trained tokens over the world size
+        self.ref = ReferenceStep(self.model, optim, grad_clip=grad_clip, device=device,
+                                 loss_divisor=comm.token_divisor)
 
     def _take_rank0_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Every rank's shards from rank 0's full state dict, tensor by tensor (collective), and
@@ -147,9 +150,7 @@ class FSDPStep(Stepper):
         self.ref.skipped_steps = value
 
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
-        out = self.ref.step(batches, lr)
-        (out["loss"],) = self.comm.mean_of([out["loss"]])
-        return out
+        return self.comm.step_loss(self.ref.step(batches, lr))
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         """Mean token loss of `batch`, its rows split over the ranks (each forward is

@@ -3,6 +3,10 @@
 A strategy is chosen by the type of its config (`DenseSync`, `TopKSync`, `DelayedSync`; none in
 a single process) and built once at setup; the runtime then calls it unconditionally:
 
+- `loss_divisor(local_tokens)`: what the step divides this rank's summed token loss by, asked
+  once before the step's forward with this rank's trained targets of the whole step: the rank's
+  own count where gradients stay local, the world's count over the world size where they are
+  averaged, so the synced gradient is that of the world's mean token loss (tierlm.data.batch).
 - `start(segment, grad, slots)`: the engine calls this the moment a segment's gradient for the
   step is complete (all micro-batches in). It starts the exchange (asynchronously, so the rest
   of the backward overlaps it) and returns a `Pending` whose `wait()` leaves the synced gradient
@@ -24,7 +28,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
-from tierlm.config import DistributedConfig
+from tierlm.config import ConfigError, DistributedConfig
+from tierlm.data.batch import local_divisor
 from tierlm.distributed.checks import parse_ratio_overrides, resolved_mode
 from tierlm.distributed.comm import Comm, all_gather_send_bytes, all_reduce_send_bytes
 from tierlm.memory.layout import ParamSlot
@@ -53,6 +58,8 @@ DONE = Pending()
 
 
 class GradSync(Protocol):
+    def loss_divisor(self, local_tokens: int) -> float: ...
+
     def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending: ...
 
 
@@ -60,6 +67,10 @@ class NoSync:
     """A single process, or a strategy that never touches gradients: nothing to exchange."""
 
     engine_state_per_rank = False
+
+    def loss_divisor(self, local_tokens: int) -> float:
+        """Gradients stay this rank's (one process; delayed sync's local steps): its own mean."""
+        return local_divisor(local_tokens)
 
     def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
         return DONE
@@ -225,6 +236,9 @@ class DenseAllReduce(NoSync):
     def __init__(self, comm: Comm, wire_dtype: torch.dtype) -> None:
         self.comm = comm
         self.wire_dtype = wire_dtype
+
+    def loss_divisor(self, local_tokens: int) -> float:
+        return self.comm.token_divisor(local_tokens)  # the sum below is divided by the size
 
     def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
         w = self.comm.size

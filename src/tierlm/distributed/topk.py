@@ -91,6 +91,9 @@ class TopK(NoSync):
 
     # -- the exchange ----
 
+    def loss_divisor(self, local_tokens: int) -> float:
+        return self.comm.token_divisor(local_tokens)  # what is sent is averaged over ranks
+
     def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
         plan = self.plan(segment, slots)
         self.slots[segment] = slots

@@ -45,7 +45,7 @@ from tierlm.activations import (
 )
 from tierlm.activations.saved import FrozenWeights
 from tierlm.config import OptimConfig
-from tierlm.data.batch import inputs_and_targets, position_ids, trained_targets
+from tierlm.data.batch import IGNORE_INDEX, inputs_and_targets, position_ids, trained_targets
 from tierlm.memory.placement import (
     PlacementReport,
     SegmentPlacement,
@@ -109,7 +109,6 @@ class _MicroBatch:
     positions: torch.Tensor | None = None  # (B, T) for packed examples; None: 0..T-1
     ctx: StepContext | None = None
     saved: dict[int, object] = field(default_factory=dict)  # activation policy handles
-    loss_scale: float = 1.0  # context parallel: this rank's share of the group's mean loss
 
 
 class Engine(Stepper):
@@ -436,8 +435,12 @@ class Engine(Stepper):
                 # the embed segment reads the positions (GPT-2's are learned); the full context
                 # replaces this one once the embedding exists
                 mbs.append(_MicroBatch(ids, targets, positions,
-                                       ctx=self.adapter.embed_context(ids, positions),
-                                       loss_scale=share.loss_scale(targets)))
+                                       ctx=self.adapter.embed_context(ids, positions)))
+            # the step's loss is its summed token loss over the step's trained tokens, known
+            # before the forward: every micro-batch's (this rank's share of each row, under
+            # context parallel), and every rank's where the sync averages gradients
+            tokens = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in mbs)
+            divisor = self.opts.grad_sync.loss_divisor(tokens)
             actions = self.schedule(m)
             readahead = self.readahead_plan(actions)
             if self.compute_copies.enabled:
@@ -447,13 +450,15 @@ class Engine(Stepper):
         # every landing of the sweep adds into host RAM through this one ring (released on
         # leaving the block, an exception included; a skipped step has landed by then)
         with LandingRing(self.store, self.landing_ring_numel(actions, m)) as ring:
-            run = _TensorStep(self, mbs, actions, names, ring)
+            run = _TensorStep(self, mbs, actions, names, ring, divisor)
             walk_step(run, actions, self.step_rules(m), readahead)
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
         return {
-            "loss": run.loss_sum / m,
+            "loss": run.loss_sum,  # the step's summed token loss over `divisor`
+            "loss_tokens": tokens,  # trained targets of this rank's step
+            "loss_divisor": divisor,
             "grad_norm": grad_norm,
             "skipped": skipped,
             "sweep_s": sweep_s,  # forward + backward, including waits for weights
@@ -501,13 +506,13 @@ class Engine(Stepper):
             yield out
 
     def _head(
-        self, k: int, mb: _MicroBatch, m: int, w: torch.Tensor, x: torch.Tensor,
+        self, k: int, mb: _MicroBatch, divisor: float, w: torch.Tensor, x: torch.Tensor,
         grad: torch.Tensor, tied: torch.Tensor | None,
     ) -> tuple[float, torch.Tensor]:
-        """The loss of one micro-batch of an m-micro-batch step and its gradient at the head's
-        input `x`, chunk by chunk over tokens, so the full (tokens x vocab) logits never exist
-        at once. The head's gradient accumulates in `grad`, the borrowed weights' in `tied`
-        (None without trained ties)."""
+        """The summed token loss of one micro-batch over `divisor` (the step's, see
+        tierlm.data.batch) and its gradient at the head's input `x`, chunk by chunk over tokens,
+        so the full (tokens x vocab) logits never exist at once. The head's gradient
+        accumulates in `grad`, the borrowed weights' in `tied` (None without trained ties)."""
         s = len(self.states) - 1
         st = self.states[s]
         seg: HeadSegment = st.seg  # type: ignore[assignment]
@@ -530,12 +535,12 @@ class Engine(Stepper):
         self.ledger.hold_activation(seg.name, "saved", held)
         shared |= storages_of(hn_leaf)
         with self.clock.measure():
-            loss = mb.loss_scale * chunked_cross_entropy(
+            loss = chunked_cross_entropy(
                 lambda h: seg.project(views, h),
                 hn_leaf.flatten(0, 1),  # (B*T, D)
                 mb.targets.flatten(),
                 chunk_tokens=self.chunk_tokens,
-                grad_divisor=m / mb.loss_scale,
+                divisor=divisor,
                 autocast=self.opts.autocast,
                 saved=lambda: SavedTensorScope(leaf, shared, frozen),
                 ledger=self.ledger,
@@ -957,9 +962,10 @@ class _TensorStep:
     stores and copies on the step's micro-batches; the walk says when."""
 
     def __init__(self, eng: Engine, mbs: list[_MicroBatch], actions: list[Action],
-                 names: list[str], ring: LandingRing) -> None:
+                 names: list[str], ring: LandingRing, divisor: float) -> None:
         self.eng, self.mbs, self.actions, self.names = eng, mbs, actions, names
         self.ring = ring  # the step's landing ring
+        self.divisor = divisor  # of the step's summed token loss
         self.loss_sum = 0.0
 
     def begin(self, k: int, a: Action) -> None:
@@ -987,7 +993,7 @@ class _TensorStep:
 
     def head(self, k: int, a: Action, i: int, w: torch.Tensor, x: torch.Tensor,
              grad: torch.Tensor, tied: torch.Tensor | None) -> torch.Tensor:
-        loss, dx = self.eng._head(k, self.mbs[i], len(self.mbs), w, x, grad, tied)
+        loss, dx = self.eng._head(k, self.mbs[i], self.divisor, w, x, grad, tied)
         self.loss_sum += loss
         return dx
 

@@ -53,7 +53,9 @@ class Stepper(ABC):
     @abstractmethod
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
         """One optimizer step over the micro-batches `batches` (each (B, T+1) token ids):
-        {"loss", "grad_norm", "skipped", "compute_s", ...}."""
+        {"loss", "grad_norm", "skipped", "compute_s", ...}. "loss" is the step's mean over its
+        trained tokens: every micro-batch's (and every rank's) summed token loss over their
+        count, the normalisation its gradient used too (tierlm.data.batch)."""
 
     @abstractmethod
     def eval_loss(self, batch: torch.Tensor) -> float:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tierlm.config import OptimConfig
-from tierlm.data.batch import inputs_and_targets, position_ids
+from tierlm.data.batch import inputs_and_targets, local_divisor, position_ids, trained_targets
 from tierlm.optim import build_optimizer
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.stepper import Stepper
@@ -31,7 +31,11 @@ class ReferenceStep(Stepper):
         grad_clip: float,
         device: torch.device,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        loss_divisor: Callable[[int], float] = local_divisor,
     ) -> None:
+        """`loss_divisor(trained targets of the step)`: what the step's summed token loss is
+        divided by (tierlm.data.batch): its own count in one process; FSDP and context parallel
+        ask every rank's (tierlm.distributed.comm.Comm.token_divisor)."""
         self.model = model
         self.device = device
         self.optimizer = build_optimizer(model, optim)
@@ -39,10 +43,16 @@ class ReferenceStep(Stepper):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.clip_norm = grad_clip if grad_clip > 0 else math.inf
         self.autocast = autocast
+        self.loss_divisor = loss_divisor
         self.skipped_steps = 0
         self.clock = compute_clock(device)  # the whole step is compute: nothing is streamed
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean token loss of `batch`."""
+        return self._nll(batch) / local_divisor(trained_targets(batch))
+
+    def _nll(self, batch: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of `batch`."""
         inputs, targets = inputs_and_targets(batch)  # (B, T); targets -100 where masked
         positions = position_ids(batch)
         # Packed examples: transformers builds the block-diagonal mask from the positions only
@@ -50,17 +60,20 @@ class ReferenceStep(Stepper):
         packed = {} if positions is None else {"position_ids": positions, "use_cache": False}
         with self.autocast():
             logits = self.model(input_ids=inputs, **packed).logits  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
     def step(self, batches: list[torch.Tensor], lr: float) -> dict[str, float]:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with self.clock.measure():
-            loss_sum = torch.zeros((), device=self.device)
+            # the step's mean over all its trained tokens, not a mean of micro-batch means
+            tokens = sum(trained_targets(b) for b in batches)
+            divisor = self.loss_divisor(tokens)
+            nll_sum = torch.zeros((), device=self.device)
             for batch in batches:
-                loss = self._loss(batch.to(self.device, non_blocking=True))
-                (loss / len(batches)).backward()
-                loss_sum += loss.detach()
+                nll = self._nll(batch.to(self.device, non_blocking=True))
+                (nll / divisor).backward()
+                nll_sum += nll.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm).item()
             skipped = not math.isfinite(grad_norm)
             if skipped:
@@ -68,8 +81,8 @@ class ReferenceStep(Stepper):
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum.item() / len(batches), "grad_norm": grad_norm,
-                "skipped": skipped, "compute_s": self.clock.take()}
+        return {"loss": nll_sum.item() / divisor, "loss_tokens": tokens, "loss_divisor": divisor,
+                "grad_norm": grad_norm, "skipped": skipped, "compute_s": self.clock.take()}
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
