@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from comparisons import comparison_module
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tierlm.data import (
@@ -496,20 +497,11 @@ def write_parquet(path, records):
 
 
 def write_saved_dataset(directory, records):
-    """The layout datasets' save_to_disk writes, made with pyarrow (datasets is not installed)."""
-    import pyarrow as pa
-
-    directory.mkdir()
-    table = pa.Table.from_pylist(records)
-    with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink:
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            for batch in table.to_batches(max_chunksize=4):
-                writer.write_batch(batch)
-    (directory / "dataset_info.json").write_text(json.dumps({"features": {}}))
-    (directory / "state.json").write_text(json.dumps({
-        "_data_files": [{"filename": "data-00000-of-00001.arrow"}],
-        "_fingerprint": "0", "_format_type": None, "_split": None,
-    }))
+    """`datasets.Dataset.save_to_disk`'s directory (the reader does not import datasets; the
+    test writes with the real thing so that the layout it reads is not our imitation)."""
+    datasets = comparison_module("datasets")
+    # small shards, so that the reader goes through several Arrow files
+    datasets.Dataset.from_list(records).save_to_disk(str(directory), num_shards=2)
 
 
 def test_chat_trains_exactly_the_assistant_tokens(tmp_path, chat_tok):
@@ -638,10 +630,14 @@ def test_bad_records_in_tables_name_the_row(tmp_path, chat_tok):
     write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": 5}])
     with pytest.raises(DataError, match=r"pc\.jsonl:1: field 'completion' is int"):
         _encode(tmp_path / "pc.jsonl", chat_tok)
-    (tmp_path / "dd").mkdir()
-    (tmp_path / "dd" / "dataset_dict.json").write_text("{}")
-    with pytest.raises(DataError, match=r"point --data \(data.train\) at one split"):
+    datasets = comparison_module("datasets")
+    split = datasets.Dataset.from_list(CHATS)
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"splits: test, train\); point --data \(data.train\) "
+                                        r"at one split, e\.g\. .*dd/test"):
         _encode(tmp_path / "dd", chat_tok)
+    enc = _encode(tmp_path / "dd" / "train", chat_tok)  # one split reads as a saved Dataset
+    assert len(enc) == len(CHATS)
 
 
 def test_chat_without_a_template_names_the_flag(tmp_path, small_tok):
