@@ -28,6 +28,7 @@ from tierlm.runtime.compile import (
     check_compile,
     compiled_graphs,
     inductor_cache_dir,
+    kernels_key,
 )
 from tierlm.train.reference import ReferenceStep
 
@@ -56,14 +57,40 @@ def test_inductor_cache_under_tierlm_unless_the_user_chose_one(monkeypatch, tmp_
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     ours, mine = tmp_path / "ours", tmp_path / "mine"
+    keyed = ours / f"kernels-{kernels_key()}"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-    assert inductor_cache_dir(ours) == ours
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    assert inductor_cache_dir(ours) == keyed
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(keyed)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    assert inductor_cache_dir(ours) == ours
+    assert inductor_cache_dir(ours) == keyed
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(mine))
     assert inductor_cache_dir(ours) == mine
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine)
+
+
+@pytest.mark.parametrize("change", ["torch", "code"])
+def test_kernels_of_another_torch_or_other_code_go_to_another_folder(change, monkeypatch,
+                                                                     tmp_path):
+    """The kernel cache is shared by runs and clones: its folder is keyed by the library
+    versions and the source of the code that builds the graphs (tierlm.cache_keys)."""
+    import tierlm.cache_keys as keys
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    before = inductor_cache_dir(tmp_path)
+    if change == "code":
+        files = []
+        real_digest = keys.source_digest
+        monkeypatch.setattr(keys, "source_digest",
+                            lambda *f: files.extend(f) or real_digest(*f) + "edit")
+    else:
+        versions = tuple((n, v + "+other" if n == "torch" else v)
+                         for n, v in keys.library_versions())
+        monkeypatch.setattr(keys, "library_versions", lambda: versions)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    after = inductor_cache_dir(tmp_path)
+    assert after.parent == before.parent == tmp_path and after != before
+    if change == "code":  # the module that compiles and the loss it compiles
+        assert {Path(f).name for f in files} == {"compile.py", "chunked_loss.py"}
 
 
 def _engine(model, tmp_path, compiled, policy, acts="none", optim=OPTIM, autocast=None):

@@ -326,6 +326,37 @@ def test_encoded_corpus_is_cached_and_keyed_by_tokenizer_and_text(tmp_path, smal
     assert torch.equal(retrained, encode_documents(other, docs)) and changed.numel() > 0
 
 
+@pytest.mark.parametrize("change", ["tokenizers", "transformers", "torch", "code"])
+def test_cached_tokenizer_and_tokens_miss_after_an_upgrade_or_a_code_change(
+        change, tmp_path, small_texts, small_tok, monkeypatch):
+    """A tokenizers (or transformers, torch) release, or other code in tierlm.data.tokenizer,
+    may give other ids for the same text: the caches shared by runs and clones are keyed by
+    them, so a stale entry is never read back (tierlm.cache_keys)."""
+    import tierlm.cache_keys as keys
+
+    docs = [Document("a", "To be, or not to be"), Document("b", SAMPLE)]
+    load_or_train_tokenizer(small_texts, 300, tmp_path / "tok")
+    encode_documents_cached(small_tok, docs, tmp_path / "ids")
+    if change == "code":
+        real_digest = keys.source_digest
+        monkeypatch.setattr(keys, "source_digest", lambda *files: real_digest(*files) + "edit")
+    else:
+        versions = tuple((n, v + ".post1" if n == change else v)
+                         for n, v in keys.library_versions())
+        monkeypatch.setattr(keys, "library_versions", lambda: versions)
+    trained, encoded = [], []
+    real_train = tokenizer_module.train_bpe_tokenizer
+    real_encode = tokenizer_module.encode_documents
+    monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer",
+                        lambda *a: trained.append(1) or real_train(*a))
+    monkeypatch.setattr(tokenizer_module, "encode_documents",
+                        lambda *a: encoded.append(1) or real_encode(*a))
+    load_or_train_tokenizer(small_texts, 300, tmp_path / "tok")
+    encode_documents_cached(small_tok, docs, tmp_path / "ids")
+    assert trained == [1] and encoded == [1]
+    assert len(list((tmp_path / "tok").iterdir())) == len(list((tmp_path / "ids").iterdir())) == 2
+
+
 def test_check_token_ids_names_first_bad_id():
     check_token_ids(torch.tensor([0, 5, 9]), 10, "corpus x")
     with pytest.raises(DataError) as info:
