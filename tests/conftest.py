@@ -6,7 +6,8 @@ import pytest
 import torch
 
 # Trained tokenizers and encoded corpora, kept between sessions as the compile tests' kernels
-# are: entries are keyed by their content (texts, vocab size, tokenizer) and written atomically,
+# are: entries are keyed by their content (texts, vocab size, tokenizer), the library versions
+# and the producing code (tierlm.cache_keys) and written atomically,
 # so sessions (and clones) share them safely; training and encoding them again costs seconds
 # per corpus and vocab size in every session.
 SHARED_DATA_CACHE = Path(tempfile.gettempdir()) / f"tierlm-test-data-{os.getuid()}"

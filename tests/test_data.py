@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from comparisons import comparison_module
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tierlm.data import (
@@ -325,6 +326,37 @@ def test_encoded_corpus_is_cached_and_keyed_by_tokenizer_and_text(tmp_path, smal
     assert torch.equal(retrained, encode_documents(other, docs)) and changed.numel() > 0
 
 
+@pytest.mark.parametrize("change", ["tokenizers", "transformers", "torch", "code"])
+def test_cached_tokenizer_and_tokens_miss_after_an_upgrade_or_a_code_change(
+        change, tmp_path, small_texts, small_tok, monkeypatch):
+    """A tokenizers (or transformers, torch) release, or other code in tierlm.data.tokenizer,
+    may give other ids for the same text: the caches shared by runs and clones are keyed by
+    them, so a stale entry is never read back (tierlm.cache_keys)."""
+    import tierlm.cache_keys as keys
+
+    docs = [Document("a", "To be, or not to be"), Document("b", SAMPLE)]
+    load_or_train_tokenizer(small_texts, 300, tmp_path / "tok")
+    encode_documents_cached(small_tok, docs, tmp_path / "ids")
+    if change == "code":
+        real_digest = keys.source_digest
+        monkeypatch.setattr(keys, "source_digest", lambda *files: real_digest(*files) + "edit")
+    else:
+        versions = tuple((n, v + ".post1" if n == change else v)
+                         for n, v in keys.library_versions())
+        monkeypatch.setattr(keys, "library_versions", lambda: versions)
+    trained, encoded = [], []
+    real_train = tokenizer_module.train_bpe_tokenizer
+    real_encode = tokenizer_module.encode_documents
+    monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer",
+                        lambda *a: trained.append(1) or real_train(*a))
+    monkeypatch.setattr(tokenizer_module, "encode_documents",
+                        lambda *a: encoded.append(1) or real_encode(*a))
+    load_or_train_tokenizer(small_texts, 300, tmp_path / "tok")
+    encode_documents_cached(small_tok, docs, tmp_path / "ids")
+    assert trained == [1] and encoded == [1]
+    assert len(list((tmp_path / "tok").iterdir())) == len(list((tmp_path / "ids").iterdir())) == 2
+
+
 def test_check_token_ids_names_first_bad_id():
     check_token_ids(torch.tensor([0, 5, 9]), 10, "corpus x")
     with pytest.raises(DataError) as info:
@@ -496,20 +528,11 @@ def write_parquet(path, records):
 
 
 def write_saved_dataset(directory, records):
-    """The layout datasets' save_to_disk writes, made with pyarrow (datasets is not installed)."""
-    import pyarrow as pa
-
-    directory.mkdir()
-    table = pa.Table.from_pylist(records)
-    with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink:
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            for batch in table.to_batches(max_chunksize=4):
-                writer.write_batch(batch)
-    (directory / "dataset_info.json").write_text(json.dumps({"features": {}}))
-    (directory / "state.json").write_text(json.dumps({
-        "_data_files": [{"filename": "data-00000-of-00001.arrow"}],
-        "_fingerprint": "0", "_format_type": None, "_split": None,
-    }))
+    """`datasets.Dataset.save_to_disk`'s directory (the reader does not import datasets; the
+    test writes with the real thing so that the layout it reads is not our imitation)."""
+    datasets = comparison_module("datasets")
+    # small shards, so that the reader goes through several Arrow files
+    datasets.Dataset.from_list(records).save_to_disk(str(directory), num_shards=2)
 
 
 def test_chat_trains_exactly_the_assistant_tokens(tmp_path, chat_tok):
@@ -642,10 +665,14 @@ def test_bad_records_in_tables_name_the_row(tmp_path, chat_tok):
     write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": 5}])
     with pytest.raises(DataError, match=r"pc\.jsonl:1: field 'completion' is int"):
         _encode(tmp_path / "pc.jsonl", chat_tok)
-    (tmp_path / "dd").mkdir()
-    (tmp_path / "dd" / "dataset_dict.json").write_text("{}")
-    with pytest.raises(DataError, match=r"point --data \(data.train\) at one split"):
+    datasets = comparison_module("datasets")
+    split = datasets.Dataset.from_list(CHATS)
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"splits: test, train\); point --data \(data.train\) "
+                                        r"at one split, e\.g\. .*dd/test"):
         _encode(tmp_path / "dd", chat_tok)
+    enc = _encode(tmp_path / "dd" / "train", chat_tok)  # one split reads as a saved Dataset
+    assert len(enc) == len(CHATS)
 
 
 def test_chat_without_a_template_names_the_flag(tmp_path, small_tok):
@@ -690,7 +717,8 @@ def test_large_jsonl_streams_with_bounded_rss(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "big.jsonl")],
-                         capture_output=True, text=True, env=env, timeout=120, check=True)
+                         capture_output=True, text=True, env=env, timeout=900,  # a hang guard
+                         check=True)
     rec = json.loads(out.stdout)
     assert rec["file_bytes"] > 70e6
     # reading it whole would hold the bytes, the text and its lines: several times the file

@@ -60,7 +60,8 @@ def _rank_main(fn, rank: int, world: int, port: int, queue) -> None:
             w.close()
 
 
-def run_ranks(fn, world: int = 2, timeout_s: float = 150.0) -> list:
+def run_ranks(fn, world: int = 2, timeout_s: float = 900.0) -> list:
+    """`fn(world)` on `world` forked ranks; `timeout_s` guards against a hang, not a duration."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

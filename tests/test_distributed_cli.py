@@ -19,7 +19,8 @@ from tierlm.train.checkpoint import load_checkpoint
 
 def _train(args: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tierlm", "train", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ))
+    # the timeout guards against a hang only (the runs take seconds to a minute)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 

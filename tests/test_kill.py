@@ -29,6 +29,8 @@ from tierlm.train.checkpoint import list_checkpoints, load_checkpoint, verify_ch
 
 ROOT = Path(__file__).parent.parent
 MAX_STEPS = 30
+# against a hang only, not a duration: a run takes seconds, several times that on a loaded machine
+HANG_GUARD_S = 900
 
 
 def _command(out: Path, data: Path) -> list[str]:
@@ -68,7 +70,7 @@ def _launch(out: Path, data: Path, env: dict, log: Path, crash_at: str | None = 
                             stdout=log.open("a"), stderr=subprocess.STDOUT)
 
 
-def _wait(proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> int:
+def _wait(proc: subprocess.Popen, log: Path, timeout_s: float = HANG_GUARD_S) -> int:
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -84,7 +86,7 @@ def _kill_at_random_time(out, data, env, log, rng) -> int:
     resumed_at = int(ckpts[-1].name.split("_")[1]) if ckpts else 0
     target = resumed_at + rng.randint(1, 6) if ckpts else rng.randint(4, 9)
     proc = _launch(out, data, env, log)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_GUARD_S
     while not _trained_past(out, target - 1) and proc.poll() is None:
         assert time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.005)

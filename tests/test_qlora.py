@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from comparisons import comparison_module
 from runtime_helpers import (
     OPTIM,
     batches,
@@ -77,15 +78,12 @@ def test_round_trip_error_within_the_bound_per_block(numel):
     assert torch.equal(round_trip(x), y)
 
 
-def test_matches_torchao_nf4_when_installed():
+def test_matches_torchao_nf4():
     """torchao's NF4Tensor (the module moved in 0.18) picks the same level for every weight
     but ties, and its dequantised values differ only by its own rounding of the double-quantised
     scales (measured with torchao 0.18: 99.994% of codes equal, median difference 2e-4 of the
     block's absmax)."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor as nf4
-    except ImportError:
-        nf4 = pytest.importorskip("torchao.dtypes.nf4tensor")
+    nf4 = comparison_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
     x = torch.randn(64 * 256 * 2, generator=torch.Generator().manual_seed(0))
     theirs = nf4.to_nf4(x.view(128, 256), block_size=BLOCK, scaler_block_size=SCALE_BLOCK)
     theirs = theirs.get_original_weight().reshape(-1).float()

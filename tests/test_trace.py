@@ -126,8 +126,10 @@ def test_disk_run_traces_every_action_and_transfer(traced):
     spans = [(a["ts"], a["ts"] + a["dur"]) for a in by_lane["step"] if a["cat"] == "action"]
     assert all(any(t0 - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= t1 + 1e-3 for t0, t1 in spans)
                for e in by_lane["compute"])
+    # the same clock readings (tierlm.runtime.clock): equal but for the trace's rounding of
+    # each end to the nanosecond
     compute_s = sum(e["dur"] for e in by_lane["compute"]) / 1e6
-    assert compute_s == pytest.approx(rec["compute_s"], rel=0.05)
+    assert compute_s == pytest.approx(rec["compute_s"], abs=1e-9 * (len(by_lane["compute"]) + 1))
     assert trace["otherData"]["measured_s"]["compute_s"] == rec["compute_s"]
     placement = trace["otherData"]["placement"]
     assert [p["segment"] for p in placement] == seg_names

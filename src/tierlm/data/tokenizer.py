@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from tierlm.cache_keys import producer_key
 from tierlm.data.corpus import DataError, Document
 
 EOS_TOKEN = "<|endoftext|>"
@@ -67,9 +69,16 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedToke
     )
 
 
+def _producer_key() -> str:
+    """The versions of torch, tokenizers and transformers and this module's source: another
+    release may train or encode other ids from the same texts (tierlm.cache_keys)."""
+    return producer_key(sys.modules[__name__])
+
+
 def _cache_key(texts: Sequence[str], vocab_size: int) -> str:
     digest = hashlib.sha256()
     digest.update(f"tierlm-bpe-v{_CACHE_FORMAT_VERSION}\0vocab={vocab_size}\0".encode())
+    digest.update(f"{_producer_key()}\0".encode())
     for text in texts:
         data = text.encode("utf-8")
         # Length prefixes keep ["ab", "c"] and ["a", "bc"] apart.
@@ -157,10 +166,12 @@ def encode_documents_cached(
     tok: PreTrainedTokenizerFast, docs: Sequence[Document], cache_dir: Path
 ) -> torch.Tensor:
     """`encode_documents`, kept in `cache_dir` between runs. The key is the tokenizer's own
-    serialisation, its eos id and every document's text, so a change to any of them encodes
-    again; a corpus is otherwise encoded once, not at every start (Shakespeare: 3.5 s each)."""
+    serialisation, its eos id, every document's text and the producing code and libraries
+    (`_producer_key`), so a change to any of them encodes again; a corpus is otherwise encoded
+    once, not at every start (Shakespeare: 3.5 s each)."""
     digest = hashlib.sha256()
     digest.update(f"tierlm-tokens-v1\0{type(tok).__name__}\0{tok.eos_token_id}\0".encode())
+    digest.update(f"{_producer_key()}\0".encode())
     digest.update(tok.backend_tokenizer.to_str().encode("utf-8"))
     for doc in docs:
         data = doc.text.encode("utf-8")

@@ -43,12 +43,13 @@ What it does not cover, refused in `check_compile` with a message naming --compi
 
 Compilation is lazy: the first step compiles (the trainer logs a line before it), later runs
 read the kernels from the inductor cache (`TORCHINDUCTOR_CACHE_DIR`, under tierlm's cache dir
-unless the environment sets it).
+in a folder keyed by the torch version and this code, unless the environment sets it).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +57,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from tierlm.activations import chunked_loss
 from tierlm.activations.chunked_loss import sum_cross_entropy
+from tierlm.cache_keys import producer_key
 from tierlm.config import NotSupportedYet
 
 if TYPE_CHECKING:
@@ -92,15 +95,23 @@ class NoCompile:
         return {}
 
 
+def kernels_key() -> str:
+    """The key of the kernels compiled here: the library versions and the source of the code
+    that builds the graphs (this module and the chunk loss it compiles); tierlm.cache_keys."""
+    return producer_key(sys.modules[__name__], chunked_loss)
+
+
 def inductor_cache_dir(cache_dir: Path) -> Path:
-    """Point inductor's kernel cache at `cache_dir` unless the user chose one: importing
-    torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's own default (a temporary directory,
-    lost on reboot), so only a different value is an explicit choice, and it wins."""
+    """Point inductor's kernel cache at a folder of `cache_dir` named by `kernels_key()` (the
+    cache is shared by runs and clones: another torch, or other code, gets its own), unless the
+    user chose one: importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's own
+    default (a temporary directory, lost on reboot), so only a different value is an explicit
+    choice, and it wins."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if env is None or os.path.abspath(env) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env = str(cache_dir)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = env = str(cache_dir / f"kernels-{kernels_key()}")
     return Path(env)
 
 

@@ -459,6 +459,10 @@ class Trainer:
             weights_finite=lambda: self.world.all_agree(all_finite(self.stepper.state_shards())),
         )
 
+        # the training random stream (dropout; peft's lora_dropout) starts from --seed, whatever
+        # the build above drew (a --model checkpoint draws nothing, a preset's segments draw as
+        # the runtime asks); a resume replaces it with the checkpoint's state below
+        torch.manual_seed(cfg.run.seed)
         self.step = 0
         if resume_ckpt is not None:
             weights, optim, state = load_checkpoint(resume_ckpt)
