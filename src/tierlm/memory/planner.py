@@ -1350,11 +1350,9 @@ def plan(
                 for keep, host in ((True, False), (False, False), (False, True))
                 if park_boundaries or not host]
     for order, keep, host in variants:
-        placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
-                                     train.precision, parked_bytes(shape, train, order, host))
         # the write-back inside the update: _disk_options tries deferring it
-        candidate = _evaluate(shape, train, hw, placements, order, keep, budgets, host,
-                              writeback=None)
+        candidate = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
+                               order, keep, host, budgets)
         # grow the device share greedily while it fits and is not slower
         for upgrade in ("resident", "state"):
             for i in _priority(shape.names):
@@ -1366,9 +1364,7 @@ def plan(
                     trial[i] = SegmentPlacement(True, Tier.DEVICE)
                 else:
                     continue
-                trial = _host_then_disk(shape, trial, budgets, train.precision,
-                                        parked_bytes(shape, train, order, host))
-                p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, writeback=None)
+                p = _fill_host(shape, train, hw, trial, order, keep, host, budgets)
                 if p.fits and p.step_s <= candidate.step_s * 1.0001:
                     candidate = p
         candidate = _disk_options(shape, train, hw, candidate, budgets)
@@ -1403,16 +1399,15 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
         return candidate
     order, keep, host = (candidate.order, candidate.keep_resident_activations,
                          candidate.boundary_on_host)
-    parked = parked_bytes(shape, train, order, host)
     largest = max(shape.update_state_bytes(s) for s in range(len(shape.numels)))
     replays: dict = {}  # the sweep does not depend on the write-back: replayed once
     best = candidate
     for host_grads in (False, True):
-        placements = _host_then_disk(shape, candidate.placements, budgets, train.precision,
-                                     parked, host_grads)
-        disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(placements)
+        base = _fill_host(shape, train, hw, candidate.placements, order, keep, host, budgets,
+                          host_grads=host_grads, replays=replays)
+        disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(base.placements)
                          if p.state_tier == Tier.DISK)
-        n_disk = sum(p.state_tier == Tier.DISK for p in placements)
+        n_disk = sum(p.state_tier == Tier.DISK for p in base.placements)
         limits = sorted({n_disk if n is None else min(n, n_disk) for n in WRITEBACK_SEGMENTS})
         for share in (None, *READAHEAD_EXTRA_SHARES):
             extra = 0 if share is None else int(share * disk_state)
@@ -1422,15 +1417,9 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
                 # the read-ahead's share reserved; then, where the pending write-backs do not
                 # fit beside it, theirs too
                 for reserve in dict.fromkeys((extra, extra + (segments or 0) * largest)):
-                    trial = placements if not reserve else _host_then_disk(
-                        shape, candidate.placements, budgets, train.precision,
-                        parked + reserve, host_grads)
-                    key = (tuple(trial), share)
-                    if key not in replays:
-                        replays[key] = _replay(shape, train, trial, order, keep, host,
-                                               STAGING_CHUNK_NUMEL, ra)
-                    p = _evaluate(shape, train, hw, trial, order, keep, budgets, host,
-                                  readahead=ra, writeback=wb, replay=replays[key])
+                    p = _fill_host(shape, train, hw, candidate.placements, order, keep, host,
+                                   budgets, reserve=reserve, host_grads=host_grads,
+                                   readahead=ra, writeback=wb, replays=replays)
                     if p.fits and p.step_s < best.step_s * 0.9999:
                         best = p
                     if p.fits:
@@ -1457,12 +1446,18 @@ def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool
 
 def _host_then_disk(
     shape: ModelShape, placements, budgets, precision: str = "fp32", parked: int = 0,
-    host_grads: bool = False,
+    host_grads: bool = False, extra: int = 0,
+    ring_bytes: Callable[[list[SegmentPlacement]], int] = lambda placements: 0,
 ) -> list[SegmentPlacement]:
     """Give host RAM to non-device state (and its compute copy, in bf16/fp8) while it fits;
     spill the last blocks first (their update is needed last by the next forward, so disk
     latency hides best there). `host_grads`: a spilled segment keeps its gradient in host RAM
-    (no gradient byte touches the disk); `parked`: host bytes reserved for other uses."""
+    (no gradient byte touches the disk); `parked`: host bytes reserved for other uses;
+    `extra`: segments spilled, in the same order, beyond those this estimate spills (the
+    estimate leaves out staging only the replay knows: `_fill_host` backs off by it);
+    `ring_bytes`: the gradients' landing ring under a placement, held beside the state through
+    the sweep (the estimate takes the larger of it and the update's staging: a lower bound
+    of the replay's peak)."""
     from tierlm.runtime.state import load_bytes  # the engine's loader rule (it imports memory)
 
     placements = [
@@ -1470,12 +1465,10 @@ def _host_then_disk(
         for p in placements
     ]
     grad_tier = Tier.HOST if host_grads and not shape.frozen else None
-    order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
-    order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
-    held = [shape.state_bytes(i) + (shape.wire_bytes(i, precision) or 0)
-            for i in range(len(shape.numels))]
+    held = [_host_held_bytes(shape, i, precision) for i in range(len(shape.numels))]
     host_state = parked + sum(
         h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
+
     def staging(i: int) -> int:  # one disk update + one streamed read in flight
         wire = shape.wire_bytes(i, precision)
         # the engine's loader: fp32 state streams through chunks, a compute copy is staged whole
@@ -1483,14 +1476,92 @@ def _host_then_disk(
         return shape.update_staging(i, wire, host_grad=grad_tier is not None) + read
 
     spilled = 0
-    for i in order:
-        if host_state + spilled <= budgets["host"]:
-            break
+    for i in _spill_order(shape):
+        if host_state + spilled <= budgets["host"] and (
+                host_state + ring_bytes(placements) <= budgets["host"]):
+            if extra <= 0:
+                break
+            extra -= placements[i].state_tier == Tier.HOST
         if placements[i].state_tier == Tier.HOST:
             placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK, grad_tier)
             host_state -= held[i] - (0 if grad_tier is None else GRAD_B * shape.numels[i])
             spilled = max(spilled, staging(i))
     return placements
+
+
+@functools.lru_cache(maxsize=4096)
+def _segment_ring_numel(n_segments: int, micro_batches: int, order: str, frozen: bool, s: int,
+                        p: SegmentPlacement, numel: int) -> int:
+    """Elements of the landing ring segment `s`'s own gradient landings need under placement
+    `p` (tierlm.runtime.schedule.landing_ring_numel over its landings alone): the step's ring
+    is the largest of these."""
+    from tierlm.runtime.schedule import landing_ring_numel, step_schedule
+
+    if not transient_grad(p.state_tier, frozen):
+        return 0
+    landings: list = [None] * n_segments
+    landings[s] = (p.state_tier, p.gradient_tier, numel)
+    actions = step_schedule(n_segments, micro_batches, order, first_trained=not frozen)
+    return landing_ring_numel(actions, micro_batches, landings, STAGING_CHUNK_NUMEL)
+
+
+def _spill_order(shape: ModelShape) -> list[int]:
+    """The order in which `_host_then_disk` moves segments' state from host RAM to disk: the
+    head, then the blocks from the last one back, the embedding last."""
+    last = len(shape.names) - 1
+    order = [i for i in range(last + 1) if shape.names[i] != "head"][::-1]
+    return [last] + order if shape.names[last] == "head" else order
+
+
+def _host_held_bytes(shape: ModelShape, s: int, precision: str) -> int:
+    """Host RAM that segment `s`'s state (and its compute copy, in bf16/fp8) holds there."""
+    return shape.state_bytes(s) + (shape.wire_bytes(s, precision) or 0)
+
+
+def _fill_host(
+    shape: ModelShape, train: TrainShape, hw: HardwareProfile, device_choice, order: str,
+    keep: bool, host: bool, budgets: dict[str, int], *, reserve: int = 0,
+    host_grads: bool = False, readahead: ReadAhead | None = None,
+    writeback: WriteBack | None = None, replays: dict | None = None,
+) -> Plan:
+    """The plan of `device_choice` (which segments are resident, which keep their state on the
+    device) with the rest of the state in host RAM as far as the replay says it fits, the
+    remainder on disk. `_host_then_disk` spills by an estimate (held state plus one update's
+    and one read's staging); the replay also counts what only the engine's walk shows (the
+    gradients' landing ring, a forward's read beside an update's chunks, the boundary inputs
+    parked meanwhile, pending write-backs), so while the replayed host peak is over the
+    budget one segment more goes to disk, in the same order. `reserve`: host bytes kept free
+    for the read-ahead and the write-back; `replays`: a cache of `_replay`s by placement and
+    read-ahead, shared by callers that try several write-backs on one sweep."""
+    replays = {} if replays is None else replays
+    parked = parked_bytes(shape, train, order, host) + reserve
+    segments = (len(shape.names), train.micro_batches, order, shape.frozen)
+
+    def ring_bytes(placements: list[SegmentPlacement]) -> int:  # the replay's own rule
+        return GRAD_B * max(_segment_ring_numel(*segments, s, p, shape.numels[s])
+                            for s, p in enumerate(placements))
+
+    extra = 0
+    while True:
+        trial = _host_then_disk(shape, device_choice, budgets, train.precision, parked,
+                                host_grads, extra, ring_bytes)
+        key = (tuple(trial), order, keep, host, readahead)
+        if key not in replays:
+            replays[key] = _replay(shape, train, trial, order, keep, host, STAGING_CHUNK_NUMEL,
+                                   readahead)
+        p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, readahead=readahead,
+                      writeback=writeback, replay=replays[key])
+        over = p.host_peak_bytes - budgets["host"]
+        if over <= 0 or not any(pl.state_tier == Tier.HOST for pl in trial):
+            return p
+        # spill the next segments, in order, until the bytes they free cover the overshoot
+        # (at least one; what they stage instead the replay checks)
+        freed = 0
+        for i in _spill_order(shape):
+            if trial[i].state_tier == Tier.HOST and freed < over:
+                extra += 1
+                freed += _host_held_bytes(shape, i, train.precision) - (
+                    GRAD_B * shape.numels[i] if host_grads and not shape.frozen else 0)
 
 
 def _what_would_fit(shape, train, hw, p: Plan, budgets) -> list[str]:
