@@ -1336,9 +1336,35 @@ def plan(
     host_budget: int | None = None,
     orders: tuple[str, ...] = ("microbatch-outer", "layer-outer"),
     park_boundaries: bool = True,
+    advise: bool = True,
 ) -> Plan:
     """The fastest predicted plan that fits; if none fits, the closest one with `fits=False`
-    and `problems` saying what would make it fit."""
+    and `problems` saying what would make it fit (`advise`: each budget named there is the
+    least at which this search finds a plan, checked at the value printed; off, the problems
+    alone, for callers that only tabulate whether a plan fits)."""
+    # the advice searches again under other budgets: the replays (which do not depend on the
+    # budgets) are shared, per step shape
+    replays: dict[int, tuple[TrainShape, dict]] = {}
+
+    def search(step: TrainShape, profile: HardwareProfile, device: int | None,
+               host: int | None) -> Plan:
+        cache = replays.setdefault(id(step), (step, {}))[1]
+        return _search(shape, step, profile, device, host, orders=orders,
+                       park_boundaries=park_boundaries, replays=cache)
+
+    p = search(train, hw, device_budget, host_budget)
+    if not p.fits and advise:
+        p.problems = p.problems + _what_would_fit(search, shape, train, hw, p, device_budget,
+                                                  host_budget)
+    return p
+
+
+def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
+            device_budget: int | None, host_budget: int | None, *, orders: tuple[str, ...],
+            park_boundaries: bool, replays: dict | None = None) -> Plan:
+    """`plan`'s search: the fastest plan that fits, else the one that overshoots least.
+    `replays`: `_fill_host`'s cache, shared by searches of one step shape."""
+    replays = {} if replays is None else replays
     budgets = usable_budgets(hw, device_budget=device_budget, host_budget=host_budget)
     n = len(shape.names)
     best: Plan | None = None
@@ -1352,7 +1378,7 @@ def plan(
     for order, keep, host in variants:
         # the write-back inside the update: _disk_options tries deferring it
         candidate = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
-                               order, keep, host, budgets)
+                               order, keep, host, budgets, replays=replays)
         # grow the device share greedily while it fits and is not slower
         for upgrade in ("resident", "state"):
             for i in _priority(shape.names):
@@ -1364,10 +1390,11 @@ def plan(
                     trial[i] = SegmentPlacement(True, Tier.DEVICE)
                 else:
                     continue
-                p = _fill_host(shape, train, hw, trial, order, keep, host, budgets)
+                p = _fill_host(shape, train, hw, trial, order, keep, host, budgets,
+                               replays=replays)
                 if p.fits and p.step_s <= candidate.step_s * 1.0001:
                     candidate = p
-        candidate = _disk_options(shape, train, hw, candidate, budgets)
+        candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
             best = candidate
         if fallback is None or _overshoot(candidate) < _overshoot(fallback):
@@ -1375,7 +1402,6 @@ def plan(
     if best is not None:
         return best
     assert fallback is not None
-    fallback.problems = fallback.problems + _what_would_fit(shape, train, hw, fallback, budgets)
     return fallback
 
 
@@ -1385,7 +1411,7 @@ WRITEBACK_SEGMENTS: tuple[int | None, ...] = (1, 4, None)
 
 
 def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
-                  budgets: dict[str, int]) -> Plan:
+                  budgets: dict[str, int], replays: dict | None = None) -> Plan:
     """The candidate with the three disk-tier options tried on its device choices: disk-tier
     gradients held in host RAM (fewer segments' state fits there); the update's read-ahead
     during the backward with a host budget of a share of the disk-tier update state beyond
@@ -1400,7 +1426,8 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
     order, keep, host = (candidate.order, candidate.keep_resident_activations,
                          candidate.boundary_on_host)
     largest = max(shape.update_state_bytes(s) for s in range(len(shape.numels)))
-    replays: dict = {}  # the sweep does not depend on the write-back: replayed once
+    # the sweep does not depend on the write-back: replayed once
+    replays = {} if replays is None else replays
     best = candidate
     for host_grads in (False, True):
         base = _fill_host(shape, train, hw, candidate.placements, order, keep, host, budgets,
@@ -1564,28 +1591,124 @@ def _fill_host(
                     GRAD_B * shape.numels[i] if host_grads and not shape.frozen else 0)
 
 
-def _what_would_fit(shape, train, hw, p: Plan, budgets) -> list[str]:
+BUDGET_FLAGS = {"device": "--device-budget", "host": "--host-budget", "disk": "--disk-budget"}
+BUDGET_WHAT = {"device": "device memory", "host": "host RAM",
+               "disk": "free disk at --offload-dir"}
+ADVICE_DOUBLINGS = 6  # past 64x the plan's own need, no budget of that tier is advised
+
+
+def _size_text(nbytes: int) -> str:
+    """`nbytes` rounded up to two decimals of the unit `gib` prints it in, as a flag's value."""
+    unit, scale = _size_unit(nbytes)
+    return f"{-(-nbytes * 100 // scale) / 100:.2f}{unit}"
+
+
+def _size_unit(nbytes: float) -> tuple[str, int]:
+    """The unit `gib` prints `nbytes` in."""
+    return next(((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20)) if nbytes >= k),
+                ("KiB", 2**10))
+
+
+def _least_budget(fits_at: Callable[[int], bool], lo: int, need: int) -> str | None:
+    """The least budget above `lo` (where it does not fit) at which `fits_at` holds, as a
+    flag's value with two decimals of the unit `gib` prints `need` in ("1.03GiB"), checked at
+    the bytes `tierlm.config.parse_bytes` reads back from it; None where none up to
+    2**ADVICE_DOUBLINGS x `need` fits. Starts at `need` (the closest plan's own need, where
+    the answer usually is), gallops away from it, then bisects on the printed values."""
+    from tierlm.config import parse_bytes
+
+    unit, scale = _size_unit(need)
+
+    def text(k: int) -> str:  # k hundredths of the unit
+        return f"{k / 100:.2f}{unit}"
+
+    tried: dict[int, bool] = {}
+
+    def ok(k: int) -> bool:
+        if k not in tried:
+            tried[k] = fits_at(parse_bytes(text(k)))
+        return tried[k]
+
+    k_lo = lo * 100 // scale  # its printed value is at most `lo`: it does not fit
+    k_hi = max(k_lo + 1, -(-need * 100 // scale))
+    step = 1
+    if ok(k_hi):  # gallop down to a value that does not fit
+        while k_hi - step > k_lo and ok(k_hi - step):
+            k_hi -= step
+            step *= 2
+        k_lo = max(k_lo, k_hi - step)
+    else:  # gallop up
+        for _ in range(ADVICE_DOUBLINGS):
+            k_lo, k_hi = k_hi, 2 * k_hi
+            if ok(k_hi):
+                break
+        else:
+            return None
+    while k_hi - k_lo > 1:
+        mid = (k_lo + k_hi) // 2
+        if ok(mid):
+            k_hi = mid
+        else:
+            k_lo = mid
+    return text(k_hi)
+
+
+def _what_would_fit(search: Callable[..., Plan], shape: ModelShape, train: TrainShape,
+                    hw: HardwareProfile, p: Plan, device_budget: int | None,
+                    host_budget: int | None) -> list[str]:
+    """What would make `p`'s search find a plan: for each budget it overshoots, the least
+    value of that budget alone at which `search` (the planner's own) finds one, checked at the
+    value printed; all of them together where none alone does; and on the device, the step
+    and precision changes that `search` confirms fit within the budgets as they are."""
+    raw = {"device": device_budget if device_budget is not None else hw.gpu_memory_bytes - (
+               0 if hw.device_is_cpu else GPU_RESERVE_BYTES),
+           "host": host_budget if host_budget is not None else hw.host_memory_bytes,
+           "disk": hw.disk_budget_bytes}
+    needs = {"device": p.device_total_bytes, "host": p.host_peak_bytes, "disk": p.disk_bytes}
+    over = [t for t in raw if needs[t] > p.budgets[t]]
+
+    def fits(budgets: dict[str, int], step: TrainShape = train) -> bool:
+        return search(step, hw.with_overrides(disk_budget_bytes=budgets["disk"]),
+                      budgets["device"], budgets["host"]).fits
+
+    def need(t: str) -> int:  # the plan's own need, grossed up by the margin
+        return int(needs[t] / (1 - SAFETY_MARGIN))
+
     hints = []
-    b = budgets
-    if p.device_total_bytes > b["device"]:
+    for t in over:
+        least = _least_budget(lambda v, t=t: fits({**raw, t: v}), raw[t], need(t))
+        if least is not None:
+            hints.append(f"at least {least} of {BUDGET_WHAT[t]} ({BUDGET_FLAGS[t]} {least})")
+    if not hints and len(over) > 1:  # raised together, each to its share of its own need
+        from tierlm.config import parse_bytes
+
+        def raised(share: int) -> dict[str, int]:  # `share` in 1/1024ths of each need
+            return {**raw, **{t: max(raw[t], need(t) * share // 1024) for t in over}}
+
+        least = _least_budget(lambda v: fits(raised(v)), 1023, 1024)
+        if least is not None:
+            share = parse_bytes(least)
+            values = {t: _size_text(raised(share)[t]) for t in over}
+            if fits({**raw, **{t: parse_bytes(v) for t, v in values.items()}}):
+                hints.append(" ".join(f"{BUDGET_FLAGS[t]} {v}" for t, v in values.items()))
+    if "device" in over:
+        steps = []
         if train.batch_size > 1:
-            hints.append(f"a smaller micro-batch (--batch-size {max(1, train.batch_size // 2)} "
-                         f"--grad-accum-steps {train.micro_batches * 2})")
-        need = gib(p.device_total_bytes / (1 - SAFETY_MARGIN))
-        hints.append(f"a device budget of at least {need}")
-        if train.precision == "fp32":
-            hints.append("--precision bf16 (smaller activations)")
-        if p.workspace_bytes > b["device"] // 4:  # a long sequence: share it over ranks
+            steps.append((f"a smaller micro-batch (--batch-size {train.batch_size // 2} "
+                          f"--grad-accum-steps {train.micro_batches * 2})",
+                          dataclasses.replace(train, batch_size=train.batch_size // 2,
+                                              micro_batches=train.micro_batches * 2)))
+        if train.precision == "fp32" and shape.base_bytes is None:
+            steps.append(("--precision bf16 (smaller activations)",
+                          dataclasses.replace(train, precision="bf16")))
+        if p.workspace_bytes > p.budgets["device"] // 4:  # a long sequence: share it over ranks
             cp = 2 * train.context_parallel
             row = train.seq_len * train.context_parallel
-            hints.append(f"--context-parallel {cp} (each rank holds {row // cp} tokens of "
-                         "every row) or a shorter --seq-len")
-    if p.host_peak_bytes > b["host"]:
-        hints.append(f"at least {gib(p.host_peak_bytes / (1 - SAFETY_MARGIN))} of host RAM "
-                     "(--host-budget)")
-    if p.disk_bytes > b["disk"]:
-        hints.append(f"at least {gib(p.disk_bytes / (1 - SAFETY_MARGIN))} of free disk at "
-                     "--offload-dir (--disk-budget)")
+            steps.append((f"--context-parallel {cp} (each rank holds {row // cp} tokens of "
+                          "every row) or a shorter --seq-len",
+                          dataclasses.replace(train, seq_len=row // cp, context_parallel=cp,
+                                              nproc=max(train.nproc, cp))))
+        hints += [text for text, step in steps if fits(raw, step)]
     return ["would fit with: " + "; or ".join(hints)] if hints else []
 
 
