@@ -1377,23 +1377,15 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
                 if park_boundaries or not host]
     for order, keep, host in variants:
         # the write-back inside the update: _disk_options tries deferring it
-        candidate = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
-                               order, keep, host, budgets, replays=replays)
-        # grow the device share greedily while it fits and is not slower
-        for upgrade in ("resident", "state"):
-            for i in _priority(shape.names):
-                trial = list(candidate.placements)
-                cur = trial[i]
-                if upgrade == "resident" and not cur.resident:
-                    trial[i] = SegmentPlacement(True, cur.state_tier)
-                elif upgrade == "state" and cur.resident and cur.state_tier != Tier.DEVICE:
-                    trial[i] = SegmentPlacement(True, Tier.DEVICE)
-                else:
-                    continue
-                p = _fill_host(shape, train, hw, trial, order, keep, host, budgets,
-                               replays=replays)
-                if p.fits and p.step_s <= candidate.step_s * 1.0001:
-                    candidate = p
+        start = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
+                           order, keep, host, budgets, replays=replays)
+        grow = functools.partial(_grow, shape, train, hw, order=order, keep=keep, host=host,
+                                 budgets=budgets, replays=replays)
+        candidate = grow(start, _priority(shape.names))
+        if not candidate.fits:  # the largest state first: most RAM freed per segment moved
+            by_size = grow(start, sorted(range(n), key=lambda i: -shape.state_bytes(i)))
+            if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
+                candidate = by_size
         candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
             best = candidate
@@ -1403,6 +1395,35 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
         return best
     assert fallback is not None
     return fallback
+
+
+def _grow(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
+          priority: list[int], *, order: str, keep: bool, host: bool,
+          budgets: dict[str, int], replays: dict) -> Plan:
+    """Grow the candidate's device share one segment at a time, in `priority` order (first
+    resident weights, then state on the device), the rest of the state filled into RAM and
+    disk by `_fill_host`: while the plan does not fit, wherever that brings it closer without
+    pushing a device that fitted over its budget (state on the device frees host RAM and
+    disk); then while it fits and is not slower."""
+    for upgrade in ("resident", "state"):
+        for i in priority:
+            trial = list(candidate.placements)
+            cur = trial[i]
+            if upgrade == "resident" and not cur.resident:
+                trial[i] = SegmentPlacement(True, cur.state_tier)
+            elif upgrade == "state" and cur.state_tier != Tier.DEVICE:
+                trial[i] = SegmentPlacement(True, Tier.DEVICE)
+            else:
+                continue
+            p = _fill_host(shape, train, hw, trial, order, keep, host, budgets, replays=replays)
+            if p.fits:
+                if not candidate.fits or p.step_s <= candidate.step_s * 1.0001:
+                    candidate = p
+            elif not candidate.fits and _overshoot(p) < _overshoot(candidate) and (
+                    p.device_total_bytes <= budgets["device"]
+                    or candidate.device_total_bytes > budgets["device"]):
+                candidate = p
+    return candidate
 
 
 READAHEAD_EXTRA_SHARES = (0.0, 0.125, 0.25, 0.5, 1.0)
