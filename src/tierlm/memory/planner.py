@@ -1336,9 +1336,35 @@ def plan(
     host_budget: int | None = None,
     orders: tuple[str, ...] = ("microbatch-outer", "layer-outer"),
     park_boundaries: bool = True,
+    advise: bool = True,
 ) -> Plan:
     """The fastest predicted plan that fits; if none fits, the closest one with `fits=False`
-    and `problems` saying what would make it fit."""
+    and `problems` saying what would make it fit (`advise`: each budget named there is the
+    least at which this search finds a plan, checked at the value printed; off, the problems
+    alone, for callers that only tabulate whether a plan fits)."""
+    # the advice searches again under other budgets: the replays (which do not depend on the
+    # budgets) are shared, per step shape
+    replays: dict[int, tuple[TrainShape, dict]] = {}
+
+    def search(step: TrainShape, profile: HardwareProfile, device: int | None,
+               host: int | None) -> Plan:
+        cache = replays.setdefault(id(step), (step, {}))[1]
+        return _search(shape, step, profile, device, host, orders=orders,
+                       park_boundaries=park_boundaries, replays=cache)
+
+    p = search(train, hw, device_budget, host_budget)
+    if not p.fits and advise:
+        p.problems = p.problems + _what_would_fit(search, shape, train, hw, p, device_budget,
+                                                  host_budget)
+    return p
+
+
+def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
+            device_budget: int | None, host_budget: int | None, *, orders: tuple[str, ...],
+            park_boundaries: bool, replays: dict | None = None) -> Plan:
+    """`plan`'s search: the fastest plan that fits, else the one that overshoots least.
+    `replays`: `_fill_host`'s cache, shared by searches of one step shape."""
+    replays = {} if replays is None else replays
     budgets = usable_budgets(hw, device_budget=device_budget, host_budget=host_budget)
     n = len(shape.names)
     best: Plan | None = None
@@ -1350,28 +1376,17 @@ def plan(
                 for keep, host in ((True, False), (False, False), (False, True))
                 if park_boundaries or not host]
     for order, keep, host in variants:
-        placements = _host_then_disk(shape, [SegmentPlacement(False, Tier.HOST)] * n, budgets,
-                                     train.precision, parked_bytes(shape, train, order, host))
         # the write-back inside the update: _disk_options tries deferring it
-        candidate = _evaluate(shape, train, hw, placements, order, keep, budgets, host,
-                              writeback=None)
-        # grow the device share greedily while it fits and is not slower
-        for upgrade in ("resident", "state"):
-            for i in _priority(shape.names):
-                trial = list(candidate.placements)
-                cur = trial[i]
-                if upgrade == "resident" and not cur.resident:
-                    trial[i] = SegmentPlacement(True, cur.state_tier)
-                elif upgrade == "state" and cur.resident and cur.state_tier != Tier.DEVICE:
-                    trial[i] = SegmentPlacement(True, Tier.DEVICE)
-                else:
-                    continue
-                trial = _host_then_disk(shape, trial, budgets, train.precision,
-                                        parked_bytes(shape, train, order, host))
-                p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, writeback=None)
-                if p.fits and p.step_s <= candidate.step_s * 1.0001:
-                    candidate = p
-        candidate = _disk_options(shape, train, hw, candidate, budgets)
+        start = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
+                           order, keep, host, budgets, replays=replays)
+        grow = functools.partial(_grow, shape, train, hw, order=order, keep=keep, host=host,
+                                 budgets=budgets, replays=replays)
+        candidate = grow(start, _priority(shape.names))
+        if not candidate.fits:  # the largest state first: most RAM freed per segment moved
+            by_size = grow(start, sorted(range(n), key=lambda i: -shape.state_bytes(i)))
+            if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
+                candidate = by_size
+        candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
             best = candidate
         if fallback is None or _overshoot(candidate) < _overshoot(fallback):
@@ -1379,8 +1394,36 @@ def plan(
     if best is not None:
         return best
     assert fallback is not None
-    fallback.problems = fallback.problems + _what_would_fit(shape, train, hw, fallback, budgets)
     return fallback
+
+
+def _grow(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
+          priority: list[int], *, order: str, keep: bool, host: bool,
+          budgets: dict[str, int], replays: dict) -> Plan:
+    """Grow the candidate's device share one segment at a time, in `priority` order (first
+    resident weights, then state on the device), the rest of the state filled into RAM and
+    disk by `_fill_host`: while the plan does not fit, wherever that brings it closer without
+    pushing a device that fitted over its budget (state on the device frees host RAM and
+    disk); then while it fits and is not slower."""
+    for upgrade in ("resident", "state"):
+        for i in priority:
+            trial = list(candidate.placements)
+            cur = trial[i]
+            if upgrade == "resident" and not cur.resident:
+                trial[i] = SegmentPlacement(True, cur.state_tier)
+            elif upgrade == "state" and cur.state_tier != Tier.DEVICE:
+                trial[i] = SegmentPlacement(True, Tier.DEVICE)
+            else:
+                continue
+            p = _fill_host(shape, train, hw, trial, order, keep, host, budgets, replays=replays)
+            if p.fits:
+                if not candidate.fits or p.step_s <= candidate.step_s * 1.0001:
+                    candidate = p
+            elif not candidate.fits and _overshoot(p) < _overshoot(candidate) and (
+                    p.device_total_bytes <= budgets["device"]
+                    or candidate.device_total_bytes > budgets["device"]):
+                candidate = p
+    return candidate
 
 
 READAHEAD_EXTRA_SHARES = (0.0, 0.125, 0.25, 0.5, 1.0)
@@ -1389,7 +1432,7 @@ WRITEBACK_SEGMENTS: tuple[int | None, ...] = (1, 4, None)
 
 
 def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
-                  budgets: dict[str, int]) -> Plan:
+                  budgets: dict[str, int], replays: dict | None = None) -> Plan:
     """The candidate with the three disk-tier options tried on its device choices: disk-tier
     gradients held in host RAM (fewer segments' state fits there); the update's read-ahead
     during the backward with a host budget of a share of the disk-tier update state beyond
@@ -1403,16 +1446,16 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
         return candidate
     order, keep, host = (candidate.order, candidate.keep_resident_activations,
                          candidate.boundary_on_host)
-    parked = parked_bytes(shape, train, order, host)
     largest = max(shape.update_state_bytes(s) for s in range(len(shape.numels)))
-    replays: dict = {}  # the sweep does not depend on the write-back: replayed once
+    # the sweep does not depend on the write-back: replayed once
+    replays = {} if replays is None else replays
     best = candidate
     for host_grads in (False, True):
-        placements = _host_then_disk(shape, candidate.placements, budgets, train.precision,
-                                     parked, host_grads)
-        disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(placements)
+        base = _fill_host(shape, train, hw, candidate.placements, order, keep, host, budgets,
+                          host_grads=host_grads, replays=replays)
+        disk_state = sum(shape.update_state_bytes(s) for s, p in enumerate(base.placements)
                          if p.state_tier == Tier.DISK)
-        n_disk = sum(p.state_tier == Tier.DISK for p in placements)
+        n_disk = sum(p.state_tier == Tier.DISK for p in base.placements)
         limits = sorted({n_disk if n is None else min(n, n_disk) for n in WRITEBACK_SEGMENTS})
         for share in (None, *READAHEAD_EXTRA_SHARES):
             extra = 0 if share is None else int(share * disk_state)
@@ -1422,15 +1465,9 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
                 # the read-ahead's share reserved; then, where the pending write-backs do not
                 # fit beside it, theirs too
                 for reserve in dict.fromkeys((extra, extra + (segments or 0) * largest)):
-                    trial = placements if not reserve else _host_then_disk(
-                        shape, candidate.placements, budgets, train.precision,
-                        parked + reserve, host_grads)
-                    key = (tuple(trial), share)
-                    if key not in replays:
-                        replays[key] = _replay(shape, train, trial, order, keep, host,
-                                               STAGING_CHUNK_NUMEL, ra)
-                    p = _evaluate(shape, train, hw, trial, order, keep, budgets, host,
-                                  readahead=ra, writeback=wb, replay=replays[key])
+                    p = _fill_host(shape, train, hw, candidate.placements, order, keep, host,
+                                   budgets, reserve=reserve, host_grads=host_grads,
+                                   readahead=ra, writeback=wb, replays=replays)
                     if p.fits and p.step_s < best.step_s * 0.9999:
                         best = p
                     if p.fits:
@@ -1457,12 +1494,18 @@ def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool
 
 def _host_then_disk(
     shape: ModelShape, placements, budgets, precision: str = "fp32", parked: int = 0,
-    host_grads: bool = False,
+    host_grads: bool = False, extra: int = 0,
+    ring_bytes: Callable[[list[SegmentPlacement]], int] = lambda placements: 0,
 ) -> list[SegmentPlacement]:
     """Give host RAM to non-device state (and its compute copy, in bf16/fp8) while it fits;
     spill the last blocks first (their update is needed last by the next forward, so disk
     latency hides best there). `host_grads`: a spilled segment keeps its gradient in host RAM
-    (no gradient byte touches the disk); `parked`: host bytes reserved for other uses."""
+    (no gradient byte touches the disk); `parked`: host bytes reserved for other uses;
+    `extra`: segments spilled, in the same order, beyond those this estimate spills (the
+    estimate leaves out staging only the replay knows: `_fill_host` backs off by it);
+    `ring_bytes`: the gradients' landing ring under a placement, held beside the state through
+    the sweep (the estimate takes the larger of it and the update's staging: a lower bound
+    of the replay's peak)."""
     from tierlm.runtime.state import load_bytes  # the engine's loader rule (it imports memory)
 
     placements = [
@@ -1470,12 +1513,10 @@ def _host_then_disk(
         for p in placements
     ]
     grad_tier = Tier.HOST if host_grads and not shape.frozen else None
-    order = [i for i in range(len(placements)) if shape.names[i] != "head"][::-1]
-    order = [len(placements) - 1] + order if shape.names[-1] == "head" else order
-    held = [shape.state_bytes(i) + (shape.wire_bytes(i, precision) or 0)
-            for i in range(len(shape.numels))]
+    held = [_host_held_bytes(shape, i, precision) for i in range(len(shape.numels))]
     host_state = parked + sum(
         h for h, p in zip(held, placements, strict=True) if p.state_tier == Tier.HOST)
+
     def staging(i: int) -> int:  # one disk update + one streamed read in flight
         wire = shape.wire_bytes(i, precision)
         # the engine's loader: fp32 state streams through chunks, a compute copy is staged whole
@@ -1483,9 +1524,12 @@ def _host_then_disk(
         return shape.update_staging(i, wire, host_grad=grad_tier is not None) + read
 
     spilled = 0
-    for i in order:
-        if host_state + spilled <= budgets["host"]:
-            break
+    for i in _spill_order(shape):
+        if host_state + spilled <= budgets["host"] and (
+                host_state + ring_bytes(placements) <= budgets["host"]):
+            if extra <= 0:
+                break
+            extra -= placements[i].state_tier == Tier.HOST
         if placements[i].state_tier == Tier.HOST:
             placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK, grad_tier)
             host_state -= held[i] - (0 if grad_tier is None else GRAD_B * shape.numels[i])
@@ -1493,28 +1537,199 @@ def _host_then_disk(
     return placements
 
 
-def _what_would_fit(shape, train, hw, p: Plan, budgets) -> list[str]:
+@functools.lru_cache(maxsize=4096)
+def _segment_ring_numel(n_segments: int, micro_batches: int, order: str, frozen: bool, s: int,
+                        p: SegmentPlacement, numel: int) -> int:
+    """Elements of the landing ring segment `s`'s own gradient landings need under placement
+    `p` (tierlm.runtime.schedule.landing_ring_numel over its landings alone): the step's ring
+    is the largest of these."""
+    from tierlm.runtime.schedule import landing_ring_numel, step_schedule
+
+    if not transient_grad(p.state_tier, frozen):
+        return 0
+    landings: list = [None] * n_segments
+    landings[s] = (p.state_tier, p.gradient_tier, numel)
+    actions = step_schedule(n_segments, micro_batches, order, first_trained=not frozen)
+    return landing_ring_numel(actions, micro_batches, landings, STAGING_CHUNK_NUMEL)
+
+
+def _spill_order(shape: ModelShape) -> list[int]:
+    """The order in which `_host_then_disk` moves segments' state from host RAM to disk: the
+    head, then the blocks from the last one back, the embedding last."""
+    last = len(shape.names) - 1
+    order = [i for i in range(last + 1) if shape.names[i] != "head"][::-1]
+    return [last] + order if shape.names[last] == "head" else order
+
+
+def _host_held_bytes(shape: ModelShape, s: int, precision: str) -> int:
+    """Host RAM that segment `s`'s state (and its compute copy, in bf16/fp8) holds there."""
+    return shape.state_bytes(s) + (shape.wire_bytes(s, precision) or 0)
+
+
+def _fill_host(
+    shape: ModelShape, train: TrainShape, hw: HardwareProfile, device_choice, order: str,
+    keep: bool, host: bool, budgets: dict[str, int], *, reserve: int = 0,
+    host_grads: bool = False, readahead: ReadAhead | None = None,
+    writeback: WriteBack | None = None, replays: dict | None = None,
+) -> Plan:
+    """The plan of `device_choice` (which segments are resident, which keep their state on the
+    device) with the rest of the state in host RAM as far as the replay says it fits, the
+    remainder on disk. `_host_then_disk` spills by an estimate (held state plus one update's
+    and one read's staging); the replay also counts what only the engine's walk shows (the
+    gradients' landing ring, a forward's read beside an update's chunks, the boundary inputs
+    parked meanwhile, pending write-backs), so while the replayed host peak is over the
+    budget one segment more goes to disk, in the same order. `reserve`: host bytes kept free
+    for the read-ahead and the write-back; `replays`: a cache of `_replay`s by placement and
+    read-ahead, shared by callers that try several write-backs on one sweep."""
+    replays = {} if replays is None else replays
+    parked = parked_bytes(shape, train, order, host) + reserve
+    segments = (len(shape.names), train.micro_batches, order, shape.frozen)
+
+    def ring_bytes(placements: list[SegmentPlacement]) -> int:  # the replay's own rule
+        return GRAD_B * max(_segment_ring_numel(*segments, s, p, shape.numels[s])
+                            for s, p in enumerate(placements))
+
+    extra = 0
+    while True:
+        trial = _host_then_disk(shape, device_choice, budgets, train.precision, parked,
+                                host_grads, extra, ring_bytes)
+        key = (tuple(trial), order, keep, host, readahead)
+        if key not in replays:
+            replays[key] = _replay(shape, train, trial, order, keep, host, STAGING_CHUNK_NUMEL,
+                                   readahead)
+        p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, readahead=readahead,
+                      writeback=writeback, replay=replays[key])
+        over = p.host_peak_bytes - budgets["host"]
+        if over <= 0 or not any(pl.state_tier == Tier.HOST for pl in trial):
+            return p
+        # spill the next segments, in order, until the bytes they free cover the overshoot
+        # (at least one; what they stage instead the replay checks)
+        freed = 0
+        for i in _spill_order(shape):
+            if trial[i].state_tier == Tier.HOST and freed < over:
+                extra += 1
+                freed += _host_held_bytes(shape, i, train.precision) - (
+                    GRAD_B * shape.numels[i] if host_grads and not shape.frozen else 0)
+
+
+BUDGET_FLAGS = {"device": "--device-budget", "host": "--host-budget", "disk": "--disk-budget"}
+BUDGET_WHAT = {"device": "device memory", "host": "host RAM",
+               "disk": "free disk at --offload-dir"}
+ADVICE_DOUBLINGS = 6  # past 64x the plan's own need, no budget of that tier is advised
+
+
+def _size_text(nbytes: int) -> str:
+    """`nbytes` rounded up to two decimals of the unit `gib` prints it in, as a flag's value."""
+    unit, scale = _size_unit(nbytes)
+    return f"{-(-nbytes * 100 // scale) / 100:.2f}{unit}"
+
+
+def _size_unit(nbytes: float) -> tuple[str, int]:
+    """The unit `gib` prints `nbytes` in."""
+    return next(((u, k) for u, k in (("GiB", 2**30), ("MiB", 2**20)) if nbytes >= k),
+                ("KiB", 2**10))
+
+
+def _least_budget(fits_at: Callable[[int], bool], lo: int, need: int) -> str | None:
+    """The least budget above `lo` (where it does not fit) at which `fits_at` holds, as a
+    flag's value with two decimals of the unit `gib` prints `need` in ("1.03GiB"), checked at
+    the bytes `tierlm.config.parse_bytes` reads back from it; None where none up to
+    2**ADVICE_DOUBLINGS x `need` fits. Starts at `need` (the closest plan's own need, where
+    the answer usually is), gallops away from it, then bisects on the printed values."""
+    from tierlm.config import parse_bytes
+
+    unit, scale = _size_unit(need)
+
+    def text(k: int) -> str:  # k hundredths of the unit
+        return f"{k / 100:.2f}{unit}"
+
+    tried: dict[int, bool] = {}
+
+    def ok(k: int) -> bool:
+        if k not in tried:
+            tried[k] = fits_at(parse_bytes(text(k)))
+        return tried[k]
+
+    k_lo = lo * 100 // scale  # its printed value is at most `lo`: it does not fit
+    k_hi = max(k_lo + 1, -(-need * 100 // scale))
+    step = 1
+    if ok(k_hi):  # gallop down to a value that does not fit
+        while k_hi - step > k_lo and ok(k_hi - step):
+            k_hi -= step
+            step *= 2
+        k_lo = max(k_lo, k_hi - step)
+    else:  # gallop up
+        for _ in range(ADVICE_DOUBLINGS):
+            k_lo, k_hi = k_hi, 2 * k_hi
+            if ok(k_hi):
+                break
+        else:
+            return None
+    while k_hi - k_lo > 1:
+        mid = (k_lo + k_hi) // 2
+        if ok(mid):
+            k_hi = mid
+        else:
+            k_lo = mid
+    return text(k_hi)
+
+
+def _what_would_fit(search: Callable[..., Plan], shape: ModelShape, train: TrainShape,
+                    hw: HardwareProfile, p: Plan, device_budget: int | None,
+                    host_budget: int | None) -> list[str]:
+    """What would make `p`'s search find a plan: for each budget it overshoots, the least
+    value of that budget alone at which `search` (the planner's own) finds one, checked at the
+    value printed; all of them together where none alone does; and on the device, the step
+    and precision changes that `search` confirms fit within the budgets as they are."""
+    raw = {"device": device_budget if device_budget is not None else hw.gpu_memory_bytes - (
+               0 if hw.device_is_cpu else GPU_RESERVE_BYTES),
+           "host": host_budget if host_budget is not None else hw.host_memory_bytes,
+           "disk": hw.disk_budget_bytes}
+    needs = {"device": p.device_total_bytes, "host": p.host_peak_bytes, "disk": p.disk_bytes}
+    over = [t for t in raw if needs[t] > p.budgets[t]]
+
+    def fits(budgets: dict[str, int], step: TrainShape = train) -> bool:
+        return search(step, hw.with_overrides(disk_budget_bytes=budgets["disk"]),
+                      budgets["device"], budgets["host"]).fits
+
+    def need(t: str) -> int:  # the plan's own need, grossed up by the margin
+        return int(needs[t] / (1 - SAFETY_MARGIN))
+
     hints = []
-    b = budgets
-    if p.device_total_bytes > b["device"]:
+    for t in over:
+        least = _least_budget(lambda v, t=t: fits({**raw, t: v}), raw[t], need(t))
+        if least is not None:
+            hints.append(f"at least {least} of {BUDGET_WHAT[t]} ({BUDGET_FLAGS[t]} {least})")
+    if not hints and len(over) > 1:  # raised together, each to its share of its own need
+        from tierlm.config import parse_bytes
+
+        def raised(share: int) -> dict[str, int]:  # `share` in 1/1024ths of each need
+            return {**raw, **{t: max(raw[t], need(t) * share // 1024) for t in over}}
+
+        least = _least_budget(lambda v: fits(raised(v)), 1023, 1024)
+        if least is not None:
+            share = parse_bytes(least)
+            values = {t: _size_text(raised(share)[t]) for t in over}
+            if fits({**raw, **{t: parse_bytes(v) for t, v in values.items()}}):
+                hints.append(" ".join(f"{BUDGET_FLAGS[t]} {v}" for t, v in values.items()))
+    if "device" in over:
+        steps = []
         if train.batch_size > 1:
-            hints.append(f"a smaller micro-batch (--batch-size {max(1, train.batch_size // 2)} "
-                         f"--grad-accum-steps {train.micro_batches * 2})")
-        need = gib(p.device_total_bytes / (1 - SAFETY_MARGIN))
-        hints.append(f"a device budget of at least {need}")
-        if train.precision == "fp32":
-            hints.append("--precision bf16 (smaller activations)")
-        if p.workspace_bytes > b["device"] // 4:  # a long sequence: share it over ranks
+            steps.append((f"a smaller micro-batch (--batch-size {train.batch_size // 2} "
+                          f"--grad-accum-steps {train.micro_batches * 2})",
+                          dataclasses.replace(train, batch_size=train.batch_size // 2,
+                                              micro_batches=train.micro_batches * 2)))
+        if train.precision == "fp32" and shape.base_bytes is None:
+            steps.append(("--precision bf16 (smaller activations)",
+                          dataclasses.replace(train, precision="bf16")))
+        if p.workspace_bytes > p.budgets["device"] // 4:  # a long sequence: share it over ranks
             cp = 2 * train.context_parallel
             row = train.seq_len * train.context_parallel
-            hints.append(f"--context-parallel {cp} (each rank holds {row // cp} tokens of "
-                         "every row) or a shorter --seq-len")
-    if p.host_peak_bytes > b["host"]:
-        hints.append(f"at least {gib(p.host_peak_bytes / (1 - SAFETY_MARGIN))} of host RAM "
-                     "(--host-budget)")
-    if p.disk_bytes > b["disk"]:
-        hints.append(f"at least {gib(p.disk_bytes / (1 - SAFETY_MARGIN))} of free disk at "
-                     "--offload-dir (--disk-budget)")
+            steps.append((f"--context-parallel {cp} (each rank holds {row // cp} tokens of "
+                          "every row) or a shorter --seq-len",
+                          dataclasses.replace(train, seq_len=row // cp, context_parallel=cp,
+                                              nproc=max(train.nproc, cp))))
+        hints += [text for text, step in steps if fits(raw, step)]
     return ["would fit with: " + "; or ".join(hints)] if hints else []
 
 

@@ -153,9 +153,10 @@ def train_shape(cfg: Config, precision: str) -> TrainShape:
 
 def make_plan(
     cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
-    shape: ModelShape | None = None,
+    shape: ModelShape | None = None, *, advise: bool = True,
 ) -> tuple[Plan, ModelShape, TrainShape]:
-    """`shape`: the model's (default: from `model_config` under the run's optimizer)."""
+    """`shape`: the model's (default: from `model_config` under the run's optimizer);
+    `advise`: a plan that does not fit says what would (the planner searches again for it)."""
     mem = cfg.memory
     shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                             base_format=base_format_of(cfg, precision),
@@ -171,6 +172,7 @@ def make_plan(
         # `dynamic`, which parks the inputs of the segments it recomputes
         park_boundaries=cfg.activations.policy == "dynamic" or (
             cfg.activations.policy in ("none", "full") and not cfg.activations.overrides),
+        advise=advise,
     )
     return p, shape, train
 
@@ -265,7 +267,7 @@ def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
         if method == cfg.train.finetune:
             p = chosen
         else:
-            p = make_plan(c, model_config, hw, precision)[0]
+            p = make_plan(c, model_config, hw, precision, advise=False)[0]
         shape_numel = sum(p.numels)
         trained = shape_numel if method == "full" else _trained_numel(cfg, model_config)
         tiers = p.tier_counts()
@@ -305,7 +307,7 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
             s, p = shape, chosen
         else:
             s = shape.with_optimizer(model_config, replace(cfg.optim, name=name))
-            p = make_plan(cfg, model_config, hw, precision, shape=s)[0]
+            p = make_plan(cfg, model_config, hw, precision, shape=s, advise=False)[0]
         state = s.trained_optim_bytes if s.frozen else sum(s.optim_state_bytes)
         on_disk = p.disk_bytes
         moved = p.moved_bytes.get("disk_read", 0) + p.moved_bytes.get("disk_write", 0)
