@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
-from tierlm.config import ConfigError, DistributedConfig
+from tierlm.config import DistributedConfig
 from tierlm.data.batch import local_divisor
 from tierlm.distributed.checks import parse_ratio_overrides, resolved_mode
 from tierlm.distributed.comm import Comm, all_gather_send_bytes, all_reduce_send_bytes
