@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _error(exc)
 
+    from tierlm.logs import quiet_library_noise
+
+    quiet_library_noise()  # before transformers imports torchao
     from tierlm.data import DataError
     from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
