@@ -81,6 +81,17 @@ def test_overwrite_deletes_the_old_run_and_leaves_other_files(tmp_path, capsys):
     assert "overwrite: false" in (out / "config.yaml").read_text()
 
 
+def test_overwrite_never_deletes_the_run_directory_through_its_offload_dir(tmp_path):
+    """`--offload-dir .` (relative: the run directory itself) must not make --overwrite clear
+    the whole directory."""
+    from tierlm.train.rundir import clear_run
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    clear_run(tmp_path, (tmp_path / ".",))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_resume_and_resume_auto_continue_the_run(tmp_path, capsys):
     corpus, out = tiny_corpus(tmp_path), tmp_path / "run"
     assert main(_argv(corpus, out, steps=2)) == 0
@@ -245,12 +256,17 @@ def test_a_normal_end_deletes_the_disk_tier_files_and_says_so(tmp_path):
     assert not (tmp_path / "run" / "offload").exists()
     assert any(m.startswith(f"disk tier: deleted its working files in {tmp_path / 'run'}")
                for m in logged), logged
-    # an --offload-dir elsewhere may hold other things: only what the run wrote goes
+    # an --offload-dir elsewhere may hold other things (here: the run directory itself): only
+    # the disk tier's files go
     elsewhere = tmp_path / "scratch"
     elsewhere.mkdir()
     (elsewhere / "keep.txt").write_text("not the run's")
-    cfg = tiny_run_cfg(tmp_path / "run2", corpus, policy="disk", max_steps=2)
+    cfg = tiny_run_cfg(elsewhere / "run2", corpus, policy="disk", max_steps=2)
     cfg.memory.offload_dir = str(elsewhere)
-    run_training(cfg, log=quiet)
-    assert [p.name for p in elsewhere.iterdir()] == ["keep.txt"]
-    assert (tmp_path / "run2" / "hf" / "model.safetensors").is_file()
+    logged.clear()
+    run_training(cfg, log=logged.append)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt", "run2"]
+    assert (elsewhere / "run2" / "hf" / "model.safetensors").is_file()
+    assert list_checkpoints(elsewhere / "run2")
+    assert any(m.startswith(f"disk tier: deleted its working files in {elsewhere}")
+               for m in logged), logged

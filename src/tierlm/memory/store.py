@@ -124,6 +124,12 @@ class Store:
             self._disk = DiskTier(self._offload_dir, tracer=self.tracer)
         return self._disk
 
+    def disk_paths(self) -> list[Path]:
+        """The disk tier's files this store has written: what a run deletes at its end."""
+        if self._offload_dir is None:
+            return []
+        return [self._offload_dir / name for name in self._disk_files]
+
     def reserve_file(self, name: str, nbytes: int, cls: TensorClass) -> None:
         """Count file `name`'s bytes on the disk tier before it is written in parts
         (`write_file` with offsets)."""

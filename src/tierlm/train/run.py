@@ -39,7 +39,8 @@ def _run(trainer: Trainer, cfg: Config, log: Callable[[str], None]) -> TrainResu
     trainer.world.barrier()  # leave together: a rank that tears its group down early can abort
     trainer.world.close()    # another's (gloo: "terminate called without an active exception")
     if trainer.world.is_main:  # every rank has closed its files: the disk tier's can go
-        trainer.offload.remove(log)
+        engine = trainer.stepper.engine
+        trainer.offload.remove(engine.store.disk_paths() if engine is not None else [], log)
     log(f"run directory: {result.run_dir}")
     log(f"checkpoint:    {result.final_checkpoint}")
     log(f"HF export:     {hf_dir}")

@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +85,8 @@ def clear_run(run_dir: Path, extra: tuple[Path, ...] = ()) -> int:
     --offload-dir); returns the bytes freed. Other files are left alone."""
     doomed = [run_dir / name for name in RUN_OUTPUTS]
     doomed += [p for p in run_dir.iterdir() if p.name.startswith(RUN_OUTPUT_PREFIXES)]
-    doomed += [p for p in extra if p.resolve().is_relative_to(run_dir.resolve())]
+    inside = run_dir.resolve()
+    doomed += [p for p in extra if p.resolve() != inside and p.resolve().is_relative_to(inside)]
     freed = 0
     for path in doomed:
         if path.is_dir() and not path.is_symlink():
@@ -203,58 +203,44 @@ def open_run_dir(run_dir: Path, cfg: Config, offload_dir: Path,
 
 @dataclass
 class OffloadDir:
-    """The disk tier's directory, noted before the run writes into it. Its files are working
-    state only (a resume rewrites them from the checkpoint), so a run that ends normally
-    deletes them: the whole directory when it lies inside the run directory (the default
-    RUN_DIR/offload), else only the entries the run added or wrote to (an --offload-dir
-    elsewhere may hold other things; a crashed run's files that a resume rewrote are this
-    run's)."""
+    """The disk tier's directory. Its files are working state only (a resume rewrites them
+    from the checkpoint), so a run that ends normally deletes them: the default RUN_DIR/offload
+    whole (only the disk tier writes there; a crashed run's leftovers go too), any other
+    --offload-dir file by file, exactly the files the disk tier wrote (it may hold other
+    things, the run directory itself among them), then the folders they leave empty."""
 
     path: Path
-    inside_run: bool
+    default: bool
     existed: bool
-    entries_before: set[str]
-    start_s: float
 
     @staticmethod
     def note(path: Path, run_dir: Path) -> OffloadDir:
-        inside = path.resolve().is_relative_to(run_dir.resolve())
-        existed = path.is_dir()
-        before = {p.name for p in path.iterdir()} if existed and not inside else set()
-        return OffloadDir(path, inside, existed, before, time.time())
+        return OffloadDir(path, path == run_dir / "offload", path.is_dir())
 
-    def remove(self, log: Callable[[str], None] = print) -> int:
-        """Delete the run's disk-tier files and say so in one line; returns the bytes freed."""
+    def remove(self, written: list[Path], log: Callable[[str], None] = print) -> int:
+        """Delete the disk tier's files (`written`: the store's `disk_paths()`) and say so in
+        one line; returns the bytes freed."""
         if not self.path.is_dir():
             return 0
-        if self.inside_run:
+        if self.default:
             freed = tree_bytes(self.path)
             shutil.rmtree(self.path, ignore_errors=True)
         else:
             freed = 0
-            for p in self.path.iterdir():
-                if p.name in self.entries_before and _newest_mtime_s(p) < self.start_s:
-                    continue  # there before the run, and not written by it
-                if p.is_dir() and not p.is_symlink():
-                    freed += tree_bytes(p)
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
+            for f in written:
+                with contextlib.suppress(OSError):
+                    freed += f.lstat().st_blocks * 512
+                    f.unlink()
+                # the segment folders the files were in, up to the offload directory
+                for parent in f.parents:
+                    if parent == self.path or not parent.is_relative_to(self.path):
+                        break
                     with contextlib.suppress(OSError):
-                        freed += p.lstat().st_blocks * 512
-                        p.unlink()
+                        parent.rmdir()  # only when empty
             if not self.existed:  # made for this run, and empty now
                 with contextlib.suppress(OSError):
                     self.path.rmdir()
-        log(f"disk tier: deleted its working files in {self.path} ({format_bytes(freed)}); "
-            "the checkpoints hold the run's state")
+        if freed:
+            log(f"disk tier: deleted its working files in {self.path} "
+                f"({format_bytes(freed)}); the checkpoints hold the run's state")
         return freed
-
-
-def _newest_mtime_s(path: Path) -> float:
-    newest = path.lstat().st_mtime
-    if path.is_dir() and not path.is_symlink():
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-    return newest
