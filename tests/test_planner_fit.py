@@ -26,7 +26,6 @@ from tierlm.memory.planner import (
     Plan,
     TrainShape,
     _evaluate,
-    _spill_order,
     plan,
     usable_budgets,
 )
@@ -54,12 +53,14 @@ def _candidates(key: tuple) -> tuple[tuple[int, int, int], ...]:
     candidates (the disk-tier options only add to them). `key`: `_shape`'s arguments."""
     shape = _shape(*key)
     budgets = usable_budgets(HW)
+    # the planner's spill order: the head, the blocks from the last one back, the embedding
+    spill = [len(shape.names) - 1, *range(len(shape.names) - 2, -1, -1)]
     choices = (SegmentPlacement(False, Tier.HOST), SegmentPlacement(True, Tier.HOST),
                SegmentPlacement(True, Tier.DEVICE))
     out = []
     for keep, host in ((True, False), (False, False), (False, True)):
         for device in itertools.product(choices, repeat=len(shape.names)):
-            off = [i for i in _spill_order(shape) if device[i].state_tier == Tier.HOST]
+            off = [i for i in spill if device[i].state_tier == Tier.HOST]
             for k in range(len(off) + 1):
                 placements = [SegmentPlacement(p.resident, Tier.DISK) if i in off[:k] else p
                               for i, p in enumerate(device)]

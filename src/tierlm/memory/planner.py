@@ -1411,7 +1411,8 @@ def _grow(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: 
             cur = trial[i]
             if upgrade == "resident" and not cur.resident:
                 trial[i] = SegmentPlacement(True, cur.state_tier)
-            elif upgrade == "state" and cur.state_tier != Tier.DEVICE:
+            elif upgrade == "state" and cur.state_tier != Tier.DEVICE and (
+                    cur.resident or not candidate.fits):  # (streamed ones: to fit at all)
                 trial[i] = SegmentPlacement(True, Tier.DEVICE)
             else:
                 continue
