@@ -164,6 +164,10 @@ class Engine(Stepper):
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         ) or float(getattr(model.config, "attention_dropout", 0) or 0) > 0
+        # held-out loss and sampling without dropout; a model without any keeps its modules'
+        # mode (a compiled block would compile once more for eval mode, for nothing)
+        self._outside_training: Callable[[], contextlib.AbstractContextManager] = (
+            functools.partial(_eval_mode, model) if self.has_dropout else contextlib.nullcontext)
 
         segs = self.adapter.segments
         self.index = {s.name: i for i, s in enumerate(segs)}
@@ -782,7 +786,7 @@ class Engine(Stepper):
         actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
         self.cache.begin([self._needs(a) for a in actions])
         h, ctx = ids, self.adapter.embed_context(ids, positions)
-        with _eval_mode(self.adapter.model):
+        with self._outside_training():
             for k, a in enumerate(actions):
                 st = self.states[a.seg]
                 w = self._weights(k, a.seg)
