@@ -61,7 +61,8 @@ def main() -> None:
         big = 4 * state
 
         def fits(device: int, host: int, shape=shape) -> bool:
-            return plan(shape, train, hw, device_budget=device, host_budget=host).fits
+            return plan(shape, train, hw, device_budget=device, host_budget=host,
+                        advise=False).fits
 
         d_min = smallest(lambda d, big=big: fits(d, big), 0, big)
         h_min = smallest(lambda h, big=big: fits(big, h), 0, big)

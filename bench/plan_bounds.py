@@ -60,7 +60,7 @@ def write_back_inside() -> Iterator[None]:
 @contextlib.contextmanager
 def without_disk_options() -> Iterator[None]:
     original = planner._disk_options
-    planner._disk_options = lambda shape, train, hw, candidate, budgets: candidate
+    planner._disk_options = lambda shape, train, hw, candidate, budgets, replays=None: candidate
     try:
         yield
     finally:

@@ -113,6 +113,18 @@ def _assert_close(losses, ref_losses, weights, ref_weights, what):
         assert rel <= REL, (what, k, rel)
 
 
+def _fresh_compile_counts():
+    """Empty dynamo's in-memory cache (kernels still come from the inductor cache) and return
+    a function giving the graphs compiled and the graph breaks since: a compiled test asserts
+    them, or an eager fallback (a compile error suppressed, a block left uncompiled) would pass
+    its comparison with eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs, breaks = compiled_graphs(), sum(counters["graph_break"].values())
+    return lambda: (compiled_graphs() - graphs, sum(counters["graph_break"].values()) - breaks)
+
+
 @pytest.mark.parametrize("name", ["llama_tied_gqa", "gpt2"])
 def test_compiled_matches_eager_resident_host_and_disk(compiler, name, tmp_path):
     """The reference trainer with compiled blocks, and the tiered runtime with the blocks
@@ -205,9 +217,10 @@ def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, t
         bf16_model(base)
         autocast = bf16_autocast
     steps = batches(3, 1, B, T)
-    comp = SegmentCompile(compiler.cache_dir, precision=precision)
 
     def host_run(compiled):
+        counts = _fresh_compile_counts()
+        compiled = compiled()  # after the reset: its chunk loss compiles afresh
         model = copy.deepcopy(base)
         compiled.apply(model, lambda msg: None)
         opts = EngineOptions(policy="host", offload_dir=str(tmp_path / type(compiled).__name__),
@@ -224,20 +237,29 @@ def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, t
         weights = eng.weights()
         eng.close()
         assert graphs[1:] == graphs[:1] * (len(steps) - 1)  # no recompiles
-        return losses, weights
+        return losses, weights, counts()
 
-    eager_losses, eager_weights = host_run(NoCompile())
+    eager_losses, eager_weights, eager_counts = host_run(NoCompile)
+    assert eager_counts == (0, 0)
     assert all("lora_" in k for k in eager_weights)  # the adapters alone are trained
-    losses, weights = host_run(comp)
+    losses, weights, counts = host_run(
+        lambda: SegmentCompile(compiler.cache_dir, precision=precision))
+    # block without grad, block recomputed with grad, chunk loss; unbroken
+    assert counts == (3, 0)
     _assert_close(losses, eager_losses, weights, eager_weights, f"{base_format} {precision}")
     if (base_format, precision) == ("fp32", "fp32"):
         runs = []
-        for compiled in (NoCompile(), comp):
+        for compiled in (NoCompile, lambda: SegmentCompile(compiler.cache_dir)):
+            counts = _fresh_compile_counts()
+            compiled = compiled()
             model = copy.deepcopy(base)
             compiled.apply(model, lambda msg: None)
             ref = ReferenceStep(model, OPTIM, grad_clip=1.0, device=CPU)
-            runs.append((_run(ref, steps), ref.weights()))
-        (losses, weights), (eager_losses, eager_weights) = runs[1], runs[0]
+            runs.append((_run(ref, steps), ref.weights(), counts()))
+        (losses, weights, counts), (eager_losses, eager_weights, eager_counts) = runs[1], runs[0]
+        # the block with grad, twice: block 0's input (the frozen embedding's output) does
+        # not require grad, the later blocks' does
+        assert eager_counts == (0, 0) and counts == (2, 0)
         _assert_close(losses, eager_losses, weights, eager_weights, "lora resident")
 
 
@@ -252,7 +274,10 @@ def _data_parallel_runs(world, compiler, tmp: str) -> dict:
     from tierlm.memory.ledger import Ledger
 
     out = {}
-    for name, compiled in (("eager", NoCompile()), ("compiled", compiler)):
+    for name, make in (("eager", NoCompile),
+                       ("compiled", lambda: SegmentCompile(compiler.cache_dir))):
+        counts = _fresh_compile_counts()  # what this rank compiles (the kernels are cached)
+        compiled = make()
         model = tiny_model("llama_tied_gqa", layers=LAYERS)
         compiled.apply(model, lambda msg: None)
         comm = Comm(world.size, Ledger())
@@ -266,7 +291,7 @@ def _data_parallel_runs(world, compiler, tmp: str) -> dict:
         dp = DataParallelStep(engine, sync, world, comm)
         losses = [dp.step([b.tensor_split(world.size)[world.rank] for b in step], OPTIM.lr)[
             "loss"] for step in batches(3, 1, B * world.size, T)]
-        out[name] = losses, {k: np.array(v) for k, v in dp.weights().items()}
+        out[name] = losses, {k: np.array(v) for k, v in dp.weights().items()}, counts()
         dp.close()
     return out
 
@@ -291,7 +316,10 @@ def test_data_parallel_compiled_matches_eager(compiler, tmp_path):
         torch.set_num_threads(threads)
     ranks = run_ranks(lambda w: _data_parallel_runs(w, compiler, str(tmp_path)))
     for rank in ranks:
-        (losses, weights), (ref_losses, ref_weights) = rank["compiled"], rank["eager"]
+        (losses, weights, counts), (ref_losses, ref_weights, ref_counts) = (rank["compiled"],
+                                                                            rank["eager"])
+        # each rank ran the compiled block (without grad, recomputed with grad) and chunk loss
+        assert counts == (3, 0) and ref_counts == (0, 0)
         _assert_close(losses, ref_losses, {k: torch.from_numpy(v) for k, v in weights.items()},
                       {k: torch.from_numpy(v) for k, v in ref_weights.items()}, "dp")
     assert all((ranks[0]["compiled"][1][k] == ranks[1]["compiled"][1][k]).all()

@@ -86,17 +86,18 @@ def test_sharded_fp32_export_round_trips(name, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporaries
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
-def test_bf16_export_is_the_exact_cast(name, tmp_path):
+@pytest.mark.parametrize(("name", "dtype"), [("qwen2", "bfloat16"), ("gpt2", "bfloat16"),
+                                           ("qwen2", "float16")])
+def test_half_export_is_the_exact_cast(name, dtype, tmp_path):
     _, weights, ckpt = _checkpoint(tmp_path, name)
-    out = export_hf_from_checkpoint(ckpt, tmp_path / "hf", dtype="bfloat16",
+    out = export_hf_from_checkpoint(ckpt, tmp_path / "hf", dtype=dtype,
                                     max_shard_bytes=SHARD_BYTES)
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == dtype
     reloaded = AutoModelForCausalLM.from_pretrained(out)  # the dtype config.json records
     params = dict(reloaded.named_parameters())
-    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert {p.dtype for p in params.values()} == {getattr(torch, dtype)}
     for k, w in weights.items():
-        assert torch.equal(params[k].detach(), w.to(torch.bfloat16)), k
+        assert torch.equal(params[k].detach(), w.to(getattr(torch, dtype))), k
     sizes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert sizes < sum(w.nbytes for w in weights.values()) * 0.6  # half of fp32, plus headers
 
@@ -176,6 +177,31 @@ def test_run_from_a_bf16_checkpoint_exports_bf16(tmp_path):
     run_training(from_dict({**preset, "train": {**base["train"], "max_steps": 1}}),
                  log=lambda _m: None)
     assert json.loads((tmp_path / "p" / "hf" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_export_dtype_float16_flag_on_a_run_and_on_tierlm_export(tmp_path):
+    """`--export-dtype float16`: a training run's RUN_DIR/hf and `tierlm export` write float16
+    safetensors, each tensor the cast of the checkpoint's fp32 weights (whose config says
+    float32: a preset run)."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    assert main(["train", "--model-size", "tiny", "--data", str(tmp_path / "corpus.txt"),
+                 "--data.vocab_size", "300", "--seq-len", "16", "--batch-size", "2",
+                 "--max-steps", "1", "--eval-every", "0", "--train.eval_batches", "1",
+                 "--train.sample_tokens", "0", "--device", "cpu", "--out", str(tmp_path / "run"),
+                 "--export-dtype", "float16"]) == 0
+    from tierlm.train.checkpoint import list_checkpoints, load_checkpoint
+
+    weights, _, _ = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
+    assert {weights[k].dtype for k in weights} == {torch.float32}
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "cli"),
+                 "--export-dtype", "float16"]) == 0
+    for out in (tmp_path / "run" / "hf", tmp_path / "cli"):
+        assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+        stored = _stored(out)
+        assert set(stored) == set(weights)
+        for k in weights:
+            assert stored[k][1].dtype == torch.float16
+            assert torch.equal(stored[k][1], weights[k].to(torch.float16)), k
 
 
 def test_failed_export_leaves_no_half_written_dir(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ cost no memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -26,7 +27,6 @@ from tierlm.memory.planner import (
     Plan,
     TrainShape,
     _evaluate,
-    _spill_order,
     plan,
     usable_budgets,
 )
@@ -54,12 +54,14 @@ def _candidates(key: tuple) -> tuple[tuple[int, int, int], ...]:
     candidates (the disk-tier options only add to them). `key`: `_shape`'s arguments."""
     shape = _shape(*key)
     budgets = usable_budgets(HW)
+    # the planner's spill order: the head, the blocks from the last one back, the embedding
+    spill = [len(shape.names) - 1, *range(len(shape.names) - 2, -1, -1)]
     choices = (SegmentPlacement(False, Tier.HOST), SegmentPlacement(True, Tier.HOST),
                SegmentPlacement(True, Tier.DEVICE))
     out = []
     for keep, host in ((True, False), (False, False), (False, True)):
         for device in itertools.product(choices, repeat=len(shape.names)):
-            off = [i for i in _spill_order(shape) if device[i].state_tier == Tier.HOST]
+            off = [i for i in spill if device[i].state_tier == Tier.HOST]
             for k in range(len(off) + 1):
                 placements = [SegmentPlacement(p.resident, Tier.DISK) if i in off[:k] else p
                               for i, p in enumerate(device)]
@@ -80,15 +82,36 @@ def _fits(p: Plan) -> bool:
             and p.disk_bytes <= b["disk"])
 
 
+def _alternatives(p: Plan) -> list[str]:
+    text = next((x for x in p.problems if x.startswith("would fit with: ")), "")
+    return text.removeprefix("would fit with: ").split("; or ") if text else []
+
+
 def _advice(p: Plan) -> list[dict[str, int]]:
     """The budgets each "would fit with" alternative names, as flags -> bytes."""
-    text = next((x for x in p.problems if x.startswith("would fit with: ")), "")
     out = []
-    for alternative in text.removeprefix("would fit with: ").split("; or "):
+    for alternative in _alternatives(p):
         named = dict(re.findall(r"(--(?:device|host|disk)-budget) ([0-9.]+[KMG]iB)",
                                 alternative))
         if named:
             out.append({flag: parse_bytes(v) for flag, v in named.items()})
+    return out
+
+
+def _step_advice(p: Plan, train: TrainShape) -> list[TrainShape]:
+    """The step each "would fit with" alternative that changes the step asks for."""
+    out = []
+    for alternative in _alternatives(p):
+        if m := re.search(r"--batch-size (\d+) --grad-accum-steps (\d+)", alternative):
+            out.append(dataclasses.replace(train, batch_size=int(m[1]),
+                                           micro_batches=int(m[2])))
+        elif m := re.search(r"--precision (\w+)", alternative):
+            out.append(dataclasses.replace(train, precision=m[1]))
+        elif m := re.search(r"--context-parallel (\d+)", alternative):
+            cp = int(m[1])
+            out.append(dataclasses.replace(
+                train, seq_len=train.seq_len * train.context_parallel // cp,
+                context_parallel=cp, nproc=max(train.nproc, cp)))
     return out
 
 
@@ -101,8 +124,13 @@ def _replan(shape: ModelShape, train: TrainShape, device: int, host: int, disk: 
 
 def _check_advice(shape: ModelShape, train: TrainShape, p: Plan, device: int, host: int,
                   disk: int) -> None:
+    """Each alternative "would fit with" names fits when given: a changed step within the
+    budgets as they are, or the budgets it names."""
+    for step in _step_advice(p, train):
+        again = _replan(shape, step, device, host, disk, {})
+        assert _fits(again), (step, again.problems)
     advice = _advice(p)
-    assert advice or not any("budget" in x for x in p.problems), p.problems
+    assert advice or not any("budget" in x for x in _alternatives(p)), p.problems
     for flags in advice:
         again = _replan(shape, train, device, host, disk, flags)
         assert _fits(again), (flags, again.problems)
@@ -165,17 +193,19 @@ def test_the_135m_checkpoint_fits_every_host_budget_auto_once_refused():
 
 def test_the_3b_shaped_checkpoint_fits_or_names_a_budget_that_does():
     """At 3GiB/3GiB the 12-block 3B shape streams a 1.16 GiB fp32 embedding that is also the
-    tied head: its window and gradient alone leave no candidate within the device budget. The
-    refusal must name a device budget that the planner then meets, and the smallest one (one
-    printed step less does not fit)."""
+    tied head: its window and gradient alone leave no candidate within the device budget (the
+    least any placement needs is 3.10 GiB of the 2.70 usable). The refusal must name a device
+    budget that the planner then meets, and the smallest one (one printed step less does not
+    fit); it offered "--batch-size 2 --grad-accum-steps 2" and "--precision bf16", neither of
+    which fits."""
     shape = ModelShape.from_config(QWEN3B_12)
     train = TrainShape(batch_size=4, seq_len=128, micro_batches=1)
     p = plan(shape, train, HW, device_budget=3 * GiB, host_budget=3 * GiB)
     if _fits(p):
         return
+    _check_advice(shape, train, p, 3 * GiB, 3 * GiB, HW.disk_budget_bytes)
     advice = _advice(p)
     assert advice, p.problems
-    _check_advice(shape, train, p, 3 * GiB, 3 * GiB, HW.disk_budget_bytes)
     device = advice[0]["--device-budget"]
     less = plan(shape, train, HW, device_budget=device - GiB // 100, host_budget=3 * GiB,
                 advise=False)

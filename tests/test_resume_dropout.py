@@ -142,3 +142,22 @@ def test_sigkill_then_resume_with_dropout_equals_an_uninterrupted_run(tmp_path):
     w1, _, _ = _final_state(straight)
     w2, _, _ = _final_state(out)
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_tiered_runtime_with_dropout_trains_and_evaluates_like_the_reference(tmp_path):
+    """The same dropout masks in both (the runtime's recompute replays them), and the held-out
+    loss without dropout in both (the runtime evaluated in training mode: dropout on held-out
+    data, and draws from the training stream that changed every later mask)."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    write_model(tmp_path / "src", gpt2_with_dropout())
+    results = {}
+    for policy, recompute in (("none", "none"), ("host", "full")):
+        cfg = run_cfg(tmp_path, policy, policy, lora=False, recompute=recompute)
+        cfg.train.eval_every = 2
+        trainer = Trainer(cfg, log=quiet)
+        results[policy] = trainer.train()
+        trainer.stepper.close()
+    ref, tiered = results["none"], results["host"]
+    assert tiered.losses == pytest.approx(ref.losses, rel=1e-6)
+    assert sorted(tiered.eval_ppl) == sorted(ref.eval_ppl) == [0, 2, 4]
+    assert tiered.eval_ppl == pytest.approx(ref.eval_ppl, rel=1e-6)

@@ -374,7 +374,7 @@ class RunConfig:
     """Keep only the newest N checkpoints (older ones are deleted after each save); 0 keeps
     all (--keep-checkpoints)."""
     seed: int = 0
-    """Seed for weights, data order and sampling (--seed)."""
+    """Seed for weights, data order, dropout and sampling (--seed)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto takes CUDA when present (--device)."""
     compile: Literal["off", "segments"] = "off"

@@ -184,6 +184,7 @@ def place(
     resident: str | None = None,
     device_budget_bytes: int | None = None,
     host_budget_bytes: int | None = None,
+    disk_budget_bytes: int | None = None,
     activation_bytes: int = 0,
     placements: list[SegmentPlacement] | None = None,
     copy_bytes: list[int | None] | None = None,
@@ -204,14 +205,15 @@ def place(
     `frozen`: the segments are frozen weights (a LoRA run's base: no gradient, no slots, no
     update), whose trained adapters' device bytes come in `activation_bytes`; `base_copy`: the
     frozen base is held in its copy alone where it has one; `chunk_numel`: the engine's staging
-    chunk. `_account` says how these become bytes per tier.
+    chunk. `_account` says how these become bytes per tier. Every budget given is checked,
+    whichever the policy (`disk_budget_bytes`: --disk-budget, what the disk tier may hold).
     """
     account = functools.partial(_account, copy_bytes=copy_bytes, slot_bytes=slot_bytes,
                                 base_copy=base_copy, whole_update=whole_update, frozen=frozen,
                                 chunk_numel=chunk_numel)
     if placements is not None:
         report = account(numels, placements, activation_bytes)
-        _check(report, device_budget_bytes, host_budget_bytes, policy)
+        _check(report, device_budget_bytes, host_budget_bytes, policy, disk_budget_bytes)
         return report
     pattern = re.compile(resident) if resident else None
 
@@ -231,7 +233,7 @@ def place(
     else:
         raise PlacementError(f"--offload-policy {policy}: unknown policy")
     report = account(numels, placements, activation_bytes)
-    _check(report, device_budget_bytes, host_budget_bytes, policy)
+    _check(report, device_budget_bytes, host_budget_bytes, policy, disk_budget_bytes)
     return report
 
 
@@ -268,7 +270,8 @@ def _tiered(
     return placements
 
 
-def _check(report: PlacementReport, device_budget, host_budget, policy) -> None:
+def _check(report: PlacementReport, device_budget, host_budget, policy,
+           disk_budget=None) -> None:
     problems = []
     if device_budget is not None and report.device_bytes > device_budget:
         problems.append(
@@ -278,6 +281,11 @@ def _check(report: PlacementReport, device_budget, host_budget, policy) -> None:
     if host_budget is not None and report.host_bytes > host_budget:
         problems.append(
             f"host needs {gib(report.host_bytes)} but --host-budget is {gib(host_budget)}"
+        )
+    if disk_budget is not None and report.disk_bytes > disk_budget:
+        problems.append(
+            f"the disk tier needs {gib(report.disk_bytes)} but --disk-budget is "
+            f"{gib(disk_budget)}"
         )
     if problems:
         hint = {

@@ -1403,15 +1403,16 @@ def _grow(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: 
     """Grow the candidate's device share one segment at a time, in `priority` order (first
     resident weights, then state on the device), the rest of the state filled into RAM and
     disk by `_fill_host`: while the plan does not fit, wherever that brings it closer without
-    pushing a device that fitted over its budget (state on the device frees host RAM and
-    disk); then while it fits and is not slower."""
+    pushing the device further over its budget (state on the device frees host RAM and disk;
+    a device already short cannot pay for that); then while it fits and is not slower."""
     for upgrade in ("resident", "state"):
         for i in priority:
             trial = list(candidate.placements)
             cur = trial[i]
             if upgrade == "resident" and not cur.resident:
                 trial[i] = SegmentPlacement(True, cur.state_tier)
-            elif upgrade == "state" and cur.state_tier != Tier.DEVICE:
+            elif upgrade == "state" and cur.state_tier != Tier.DEVICE and (
+                    cur.resident or not candidate.fits):  # (streamed ones: to fit at all)
                 trial[i] = SegmentPlacement(True, Tier.DEVICE)
             else:
                 continue
@@ -1420,8 +1421,7 @@ def _grow(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: 
                 if not candidate.fits or p.step_s <= candidate.step_s * 1.0001:
                     candidate = p
             elif not candidate.fits and _overshoot(p) < _overshoot(candidate) and (
-                    p.device_total_bytes <= budgets["device"]
-                    or candidate.device_total_bytes > budgets["device"]):
+                    _device_over(p) <= _device_over(candidate)):
                 candidate = p
     return candidate
 
@@ -1473,6 +1473,10 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
                     if p.fits:
                         break
     return best
+
+
+def _device_over(p: Plan) -> int:
+    return max(0, p.device_total_bytes - p.budgets["device"])
 
 
 def _overshoot(p: Plan) -> float:
@@ -1615,7 +1619,7 @@ def _fill_host(
 BUDGET_FLAGS = {"device": "--device-budget", "host": "--host-budget", "disk": "--disk-budget"}
 BUDGET_WHAT = {"device": "device memory", "host": "host RAM",
                "disk": "free disk at --offload-dir"}
-ADVICE_DOUBLINGS = 6  # past 64x the plan's own need, no budget of that tier is advised
+ADVICE_DOUBLINGS = 4  # past 16x the plan's own need, no budget of that tier is advised
 
 
 def _size_text(nbytes: int) -> str:
@@ -1631,17 +1635,20 @@ def _size_unit(nbytes: float) -> tuple[str, int]:
 
 
 def _least_budget(fits_at: Callable[[int], bool], lo: int, need: int) -> str | None:
-    """The least budget above `lo` (where it does not fit) at which `fits_at` holds, as a
-    flag's value with two decimals of the unit `gib` prints `need` in ("1.03GiB"), checked at
-    the bytes `tierlm.config.parse_bytes` reads back from it; None where none up to
-    2**ADVICE_DOUBLINGS x `need` fits. Starts at `need` (the closest plan's own need, where
-    the answer usually is), gallops away from it, then bisects on the printed values."""
+    """The least budget above `lo` (where it does not fit) at which `fits_at` holds, to three
+    significant digits of the unit `gib` prints `need` in ("1.03GiB", "569MiB"), as a flag's
+    value, checked at the bytes `tierlm.config.parse_bytes` reads back from it; None where
+    none up to 2**ADVICE_DOUBLINGS x `need` fits. Starts at `need` (the closest plan's own
+    need, where the answer usually is), gallops away from it, then bisects."""
     from tierlm.config import parse_bytes
 
     unit, scale = _size_unit(need)
 
+    def stride(k: int) -> int:  # hundredths of the unit a printed digit stands for here
+        return 100 if k >= 100 * 100 else 10 if k >= 10 * 100 else 1
+
     def text(k: int) -> str:  # k hundredths of the unit
-        return f"{k / 100:.2f}{unit}"
+        return f"{k / 100:.{ {100: 0, 10: 1, 1: 2}[stride(k)] }f}{unit}"
 
     tried: dict[int, bool] = {}
 
@@ -1650,23 +1657,28 @@ def _least_budget(fits_at: Callable[[int], bool], lo: int, need: int) -> str | N
             tried[k] = fits_at(parse_bytes(text(k)))
         return tried[k]
 
+    def up(k: int) -> int:  # k rounded up to a printed value
+        return -(-k // stride(k)) * stride(k)
+
     k_lo = lo * 100 // scale  # its printed value is at most `lo`: it does not fit
-    k_hi = max(k_lo + 1, -(-need * 100 // scale))
-    step = 1
+    k_hi = up(max(k_lo + 1, -(-need * 100 // scale)))
     if ok(k_hi):  # gallop down to a value that does not fit
+        step = stride(k_hi)
         while k_hi - step > k_lo and ok(k_hi - step):
             k_hi -= step
             step *= 2
         k_lo = max(k_lo, k_hi - step)
     else:  # gallop up
         for _ in range(ADVICE_DOUBLINGS):
-            k_lo, k_hi = k_hi, 2 * k_hi
+            k_lo, k_hi = k_hi, up(2 * k_hi)
             if ok(k_hi):
                 break
         else:
             return None
-    while k_hi - k_lo > 1:
-        mid = (k_lo + k_hi) // 2
+    while k_hi - k_lo > stride(k_hi):
+        mid = up((k_lo + k_hi) // 2)
+        if mid >= k_hi:
+            break
         if ok(mid):
             k_hi = mid
         else:
@@ -1681,10 +1693,13 @@ def _what_would_fit(search: Callable[..., Plan], shape: ModelShape, train: Train
     value of that budget alone at which `search` (the planner's own) finds one, checked at the
     value printed; all of them together where none alone does; and on the device, the step
     and precision changes that `search` confirms fit within the budgets as they are."""
-    raw = {"device": device_budget if device_budget is not None else hw.gpu_memory_bytes - (
-               0 if hw.device_is_cpu else GPU_RESERVE_BYTES),
-           "host": host_budget if host_budget is not None else hw.host_memory_bytes,
+    sizes = {"device": hw.gpu_memory_bytes - (0 if hw.device_is_cpu else GPU_RESERVE_BYTES),
+             "host": hw.host_memory_bytes}
+    raw = {"device": device_budget if device_budget is not None else sizes["device"],
+           "host": host_budget if host_budget is not None else sizes["host"],
            "disk": hw.disk_budget_bytes}
+    from tierlm.config import parse_bytes
+
     needs = {"device": p.device_total_bytes, "host": p.host_peak_bytes, "disk": p.disk_bytes}
     over = [t for t in raw if needs[t] > p.budgets[t]]
 
@@ -1699,10 +1714,11 @@ def _what_would_fit(search: Callable[..., Plan], shape: ModelShape, train: Train
     for t in over:
         least = _least_budget(lambda v, t=t: fits({**raw, t: v}), raw[t], need(t))
         if least is not None:
-            hints.append(f"at least {least} of {BUDGET_WHAT[t]} ({BUDGET_FLAGS[t]} {least})")
+            beyond = (f", more than {hw.name}'s {gib(sizes[t])}"
+                      if parse_bytes(least) > sizes.get(t, 1 << 62) else "")
+            hints.append(f"at least {least} of {BUDGET_WHAT[t]}{beyond} ({BUDGET_FLAGS[t]} "
+                         f"{least})")
     if not hints and len(over) > 1:  # raised together, each to its share of its own need
-        from tierlm.config import parse_bytes
-
         def raised(share: int) -> dict[str, int]:  # `share` in 1/1024ths of each need
             return {**raw, **{t: max(raw[t], need(t) * share // 1024) for t in over}}
 

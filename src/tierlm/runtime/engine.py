@@ -102,6 +102,21 @@ def _empty_parameter(p: torch.nn.Parameter) -> None:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode for a forward outside training (held-out loss, sampling), as the
+    reference trainer's `model.eval()`: no dropout in the held-out loss, and nothing drawn from
+    the training random stream (a resumed or reference run would draw other masks after)."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
+
+
 @dataclass
 class _MicroBatch:
     ids: torch.Tensor  # (B, T)
@@ -148,6 +163,10 @@ class Engine(Stepper):
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         ) or float(getattr(model.config, "attention_dropout", 0) or 0) > 0
+        # held-out loss and sampling without dropout; a model without any keeps its modules'
+        # mode (a compiled block would compile once more for eval mode, for nothing)
+        self._outside_training: Callable[[], contextlib.AbstractContextManager] = (
+            functools.partial(_eval_mode, model) if self.has_dropout else contextlib.nullcontext)
 
         segs = self.adapter.segments
         self.index = {s.name: i for i, s in enumerate(segs)}
@@ -772,18 +791,19 @@ class Engine(Stepper):
         actions = [Action("fwd", s, (0,)) for s in range(n - 1)] + [Action("head", n - 1, (0,))]
         self.cache.begin([self._needs(a) for a in actions])
         h, ctx = ids, self.adapter.embed_context(ids, positions)
-        for k, a in enumerate(actions):
-            st = self.states[a.seg]
-            w = self._weights(k, a.seg)
-            w = self._trained_flat(a.seg, w)
-            with self.opts.autocast():
-                if a.kind == "fwd":
-                    h = st.seg.forward(self._param_views(a.seg, w), h, ctx)
-                    if a.seg == 0:
-                        ctx = self.adapter.context(ids, h, positions)
-                else:
-                    views = self._views(k, a.seg, w)
-                    out = read(views, st.seg.forward(views, h, ctx))
+        with self._outside_training():
+            for k, a in enumerate(actions):
+                st = self.states[a.seg]
+                w = self._weights(k, a.seg)
+                w = self._trained_flat(a.seg, w)
+                with self.opts.autocast():
+                    if a.kind == "fwd":
+                        h = st.seg.forward(self._param_views(a.seg, w), h, ctx)
+                        if a.seg == 0:
+                            ctx = self.adapter.context(ids, h, positions)
+                    else:
+                        views = self._views(k, a.seg, w)
+                        out = read(views, st.seg.forward(views, h, ctx))
         self.cache.drop_all()
         return out
 

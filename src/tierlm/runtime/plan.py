@@ -62,6 +62,8 @@ class EngineOptions:
     """Regex of segment names whose compute weights stay on the device."""
     device_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
+    disk_budget_bytes: int | None = None
+    """What the disk tier may hold (--disk-budget); None: no limit beyond the free space."""
     activation_budget_bytes: int | None = None
     """Device bytes `dynamic` may spend on activations beyond what the ledger holds (a plan's
     device budget less its ledger peak); None: the device budget less the placement."""
@@ -250,6 +252,7 @@ def plan_step(
         resident=options.resident,
         device_budget_bytes=options.device_budget_bytes,
         host_budget_bytes=options.host_budget_bytes,
+        disk_budget_bytes=options.disk_budget_bytes,
         # the adapters of a frozen base and their optimizer state: on the device throughout
         activation_bytes=parts.fixed_device_bytes + reserve,
         placements=options.placements,

@@ -219,6 +219,8 @@ def build_stepper(
         host_budget_bytes=preflight.host_budget_bytes() if preflight is not None else (
             parse_bytes(mem.host_budget) if mem.host_budget else None
         ),
+        disk_budget_bytes=(parse_bytes(mem.disk_budget, "--disk-budget") if mem.disk_budget
+                           else None),
         offload_dir=str(resolve_offload_dir(mem.offload_dir, run_dir) / offload_subdir),
         grad_clip=cfg.optim.grad_clip,
         batch_size=cfg.train.batch_size,
@@ -245,6 +247,7 @@ def build_stepper(
         if cfg.activations.policy == "none" and not cfg.activations.overrides:
             options.activations = None  # keep or recompute resident segments as planned
         options.device_budget_bytes = options.host_budget_bytes = None
+        options.disk_budget_bytes = None
         if cfg.activations.policy == "dynamic":  # without a budget it would keep every graph
             options.activation_budget_bytes = plan.budgets["device"] - plan.device_peak_bytes
     return build_engine(model, cfg.optim, options, device=device,
