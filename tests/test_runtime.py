@@ -2,6 +2,7 @@
 budgets (invariant 2), and moves the bytes the schedule says."""
 
 import copy
+import itertools
 import threading
 import time
 
@@ -292,19 +293,24 @@ def test_disk_tier_options_match_reference(references, mode, order, m, clip, wri
     assert {s for p, s in slot_reads if p == "update"} == set(numels) - ahead
 
 
-def _slow_writeback(eng, delay_s: float, fail: str | None = None) -> dict:
+def _slow_writeback(eng, delay_s: float, fail: str | None = None,
+                    gate: threading.Event | None = None, clock=None) -> dict:
     """Delay every write the write-back thread makes by `delay_s` (or fail those of files ending
-    in `fail`); returns {segment name: [time each of its write-backs ended]}."""
+    in `fail`; or hold it until `gate` opens, for at most a hang guard); returns {segment name:
+    [`clock()` when each of its write-backs ended]}."""
     write_file, ended = eng.store.write_file, {}
+    clock = clock or time.perf_counter
 
     def slow(name, src, cls, offset=None):
         if threading.current_thread().name.startswith("tierlm-writeback"):
             if fail and name.endswith(fail):
                 raise OSError(f"injected: {name}")
             time.sleep(delay_s)
+            if gate is not None and not gate.wait(timeout=30):
+                gate.set()  # a hang guard: the forward never came; the test fails below
             out = write_file(name, src, cls, offset)
             out.result()
-            ended.setdefault(name.split("/")[0], []).append(time.perf_counter())
+            ended.setdefault(name.split("/")[0], []).append(clock())
             return out
         return write_file(name, src, cls, offset)
 
@@ -315,23 +321,31 @@ def _slow_writeback(eng, delay_s: float, fail: str | None = None) -> dict:
 @pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
 def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path):
     """With the write-back behind the step, a segment's next forward runs while its master and
-    slots are still being written (here: every write-back write delayed), and the weights are
-    bit for bit those of the write-back inside the update."""
+    slots are still being written (here: every write-back write held until the second step's
+    first forward begins; an engine that waited for them would never open the gate), and the
+    weights are bit for bit those of the write-back inside the update. Events are ordered by a
+    counter, not timed."""
     base = tiny_model("llama_tied_gqa", layers=2)
     steps = batches(2, 2)
     runs = {}
+    ticks = itertools.count()
     for wb in (None, WriteBack(segments=1)):
         eng = make_engine(copy.deepcopy(base), tmp_path / str(wb), policy="disk",
                           microbatch_order=order, micro_batches=2, writeback=wb)
-        ended = _slow_writeback(eng, 0.2)
-        forward, started = eng._forward, {}
+        gate = threading.Event() if wb is not None else None
+        ended = _slow_writeback(eng, 0.0, gate=gate, clock=lambda: next(ticks))
+        forward, started, in_step = eng._forward, {}, [0]
 
-        def spy(a, mbs, w, forward=forward, started=started, eng=eng):
-            started.setdefault(eng.states[a.seg].seg.name, []).append(time.perf_counter())
+        def spy(a, mbs, w, forward=forward, started=started, eng=eng, gate=gate,
+                in_step=in_step):
+            if gate is not None and in_step[0] == 2:
+                gate.set()
+            started.setdefault(eng.states[a.seg].seg.name, []).append(next(ticks))
             return forward(a, mbs, w)
 
         eng._forward = spy
         for b in steps:
+            in_step[0] += 1
             eng.step(b, 1e-3)
         runs[wb] = eng.weights()
         eng.close()
