@@ -1508,8 +1508,8 @@ def _host_then_disk(
     `extra`: segments spilled, in the same order, beyond those this estimate spills (the
     estimate leaves out staging only the replay knows: `_fill_host` backs off by it);
     `ring_bytes`: the gradients' landing ring under a placement, held beside the state through
-    the sweep (the estimate takes the larger of it and the update's staging: a lower bound
-    of the replay's peak)."""
+    the sweep, less what of `parked` it is not held beside (the estimate then also checks
+    the state and the ring together: a lower bound of the replay's peak)."""
     from tierlm.runtime.state import load_bytes  # the engine's loader rule (it imports memory)
 
     placements = [
@@ -1590,22 +1590,29 @@ def _fill_host(
     segments = (len(shape.names), train.micro_batches, order, shape.frozen)
 
     def ring_bytes(placements: list[SegmentPlacement]) -> int:  # the replay's own rule
+        # held beside the state, not beside the parked inputs and reserves (the backward that
+        # lands gradients frees the parked inputs as it goes), so those are taken off
         return GRAD_B * max(_segment_ring_numel(*segments, s, p, shape.numels[s])
-                            for s, p in enumerate(placements))
+                            for s, p in enumerate(placements)) - parked
 
-    extra = 0
-    while True:
+    def placed(extra: int) -> tuple[list[SegmentPlacement], Plan]:
         trial = _host_then_disk(shape, device_choice, budgets, train.precision, parked,
                                 host_grads, extra, ring_bytes)
         key = (tuple(trial), order, keep, host, readahead)
         if key not in replays:
             replays[key] = _replay(shape, train, trial, order, keep, host, STAGING_CHUNK_NUMEL,
                                    readahead)
-        p = _evaluate(shape, train, hw, trial, order, keep, budgets, host, readahead=readahead,
-                      writeback=writeback, replay=replays[key])
+        return trial, _evaluate(shape, train, hw, trial, order, keep, budgets, host,
+                                readahead=readahead, writeback=writeback, replay=replays[key])
+
+    over_at = -1  # the most extra spills known to overshoot
+    extra = 0
+    while True:
+        trial, p = placed(extra)
         over = p.host_peak_bytes - budgets["host"]
         if over <= 0 or not any(pl.state_tier == Tier.HOST for pl in trial):
-            return p
+            break
+        over_at = extra
         # spill the next segments, in order, until the bytes they free cover the overshoot
         # (at least one; what they stage instead the replay checks)
         freed = 0
@@ -1614,6 +1621,16 @@ def _fill_host(
                 extra += 1
                 freed += _host_held_bytes(shape, i, train.precision) - (
                     GRAD_B * shape.numels[i] if host_grads and not shape.frozen else 0)
+    # the jump may spill more than needed (a spill frees more than its state: staging and
+    # write-backs with it): the fewest spills between that fit
+    while p.host_peak_bytes <= budgets["host"] and extra - over_at > 1:
+        mid = (over_at + extra) // 2
+        _, q = placed(mid)
+        if q.host_peak_bytes <= budgets["host"]:
+            extra, p = mid, q
+        else:
+            over_at = mid
+    return p
 
 
 BUDGET_FLAGS = {"device": "--device-budget", "host": "--host-budget", "disk": "--disk-budget"}
