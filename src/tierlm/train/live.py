@@ -15,6 +15,7 @@ import time
 from typing import Any, TextIO
 
 from tierlm.memory.tiers import Link, Tier
+from tierlm.monitor.progress import fmt_duration
 
 _LINK_LABEL = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
                Link.DISK_WRITE: "disk write", Link.NET_SEND: "net send",
@@ -46,11 +47,6 @@ def fmt_rate(bps: float | None) -> str:
         if bps >= scale:
             return f"{bps / scale:.2f} {unit}"
     return f"{bps:.0f} B/s"
-
-
-def fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def _num(x: Any, fmt: str) -> str:
@@ -123,7 +119,7 @@ class LineView:
         eta = elapsed / max(step - self.start, 1) * (self.total - step)
         p = summary_parts(rec, eval_rec, alert_counts)
         self.log(f"step {step}/{self.total}  loss {p['loss']} | {p['time']} | peak {p['peak']} | "
-                 f"moves {p['moves']} | {p['health']} | eta {fmt_eta(eta)}")
+                 f"moves {p['moves']} | {p['health']} | eta {fmt_duration(eta)}")
 
     def show_eval(self, eval_rec: dict[str, Any]) -> None:
         pass  # the evaluation's own log line says it
