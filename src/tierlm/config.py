@@ -216,6 +216,11 @@ class PrecisionConfig:
     """Compute fp8 matmuls by dequantising to fp32 and multiplying (same numerics, no speed-up)
     instead of torch._scaled_mm; also lets --precision auto choose fp8 on hardware without fp8
     units (--fp8-emulate)."""
+    tf32: bool = False
+    """On CUDA, compute fp32 matmuls on TF32 tensor cores (10-bit mantissa inputs, fp32
+    accumulate) instead of torch's default IEEE fp32; `tierlm plan` plans fp32 compute at the
+    TF32 rate (half the bf16 rate) with it, at the card's IEEE fp32 rate without it, which on
+    A100/H100 is 8x slower. No effect on a CPU (--tf32)."""
 
 
 @dataclass(kw_only=True)
@@ -427,6 +432,7 @@ SEED_FLAGS: dict[str, str] = {
     "--bf16-layers": "precision.bf16_layers",
     "--fp32-layers": "precision.fp32_layers",
     "--fp8-emulate": "precision.fp8_emulate",
+    "--tf32": "precision.tf32",
     "--grad-checkpointing": "activations.policy",
     "--offload-policy": "memory.offload_policy",
     "--opt": "optim.name",

@@ -47,6 +47,20 @@ class HardwareProfile:
     # what was measured (`tierlm probe --compile segments`); None: not measured
     compiled_block_time_ratio: float | None = None
     compiled_block_probe: str | None = None
+    # IEEE fp32 matmul rate on the CUDA cores (datasheet, or `tierlm probe` on a GPU with TF32
+    # off): torch computes fp32 matmuls this way unless TF32 is enabled (--tf32). None: unknown
+    # (a CPU profile, where matmul_flops is already the fp32 rate)
+    fp32_matmul_flops: float | None = None
+
+    def fp32_compute_flops(self, *, tf32: bool) -> float:
+        """Peak rate of the fp32 matmuls a run computes: TF32 tensor cores (half the bf16
+        rate) where --tf32 enabled them, else the IEEE fp32 rate. A GPU profile that does not
+        know its IEEE rate is planned as TF32, the optimistic bound, as before."""
+        if self.device_is_cpu:
+            return self.matmul_flops
+        if tf32 or self.fp32_matmul_flops is None:
+            return self.matmul_flops / 2
+        return self.fp32_matmul_flops
 
     def with_overrides(self, **kw) -> HardwareProfile:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -91,6 +105,7 @@ PROFILES: dict[str, HardwareProfile] = {
     "rtx3090": HardwareProfile(
         name="rtx3090", gpu_memory_bytes=24 * GB, matmul_flops=71 * T, fp8_matmul_flops=None,
         device_memory_Bps=936 * GB, **_PCIE4_X16, **_DESKTOP,
+        fp32_matmul_flops=35.6 * T,  # GA102 whitepaper: 35.6 TFLOPS FP32
     ),
     # GeForce RTX 4090: 24 GB; 165 TFLOPS dense FP16/BF16, 330 dense FP8 (NVIDIA Ada Lovelace
     # architecture whitepaper, appendix table).
@@ -98,12 +113,14 @@ PROFILES: dict[str, HardwareProfile] = {
     "rtx4090": HardwareProfile(
         name="rtx4090", gpu_memory_bytes=24 * GB, matmul_flops=165 * T,
         fp8_matmul_flops=330 * T, device_memory_Bps=1008 * GB, **_PCIE4_X16, **_DESKTOP,
+        fp32_matmul_flops=82.6 * T,  # Ada whitepaper: 82.6 TFLOPS FP32
     ),
     # GeForce RTX 4060 Ti 16 GB: 44 TFLOPS dense FP16, 88 FP8 (Ada whitepaper); PCIe 4.0 x8.
     # 288 GB/s GDDR6 (Ada whitepaper).
     "rtx4060ti-16g": HardwareProfile(
         name="rtx4060ti-16g", gpu_memory_bytes=16 * GB, matmul_flops=44 * T,
         fp8_matmul_flops=88 * T, device_memory_Bps=288 * GB, **_PCIE4_X8, **_DESKTOP,
+        fp32_matmul_flops=22.1 * T,  # Ada whitepaper: 22.1 TFLOPS FP32
     ),
     # GeForce RTX 5090: 32 GB; 209 TFLOPS dense FP16/BF16, 419 dense FP8 (NVIDIA Blackwell
     # RTX whitepaper); PCIe 5.0 x16.
@@ -111,6 +128,7 @@ PROFILES: dict[str, HardwareProfile] = {
     "rtx5090": HardwareProfile(
         name="rtx5090", gpu_memory_bytes=32 * GB, matmul_flops=209 * T,
         fp8_matmul_flops=419 * T, device_memory_Bps=1792 * GB, **_PCIE5_X16, **_DESKTOP,
+        fp32_matmul_flops=104.8 * T,  # Blackwell RTX whitepaper: 104.8 TFLOPS FP32
     ),
     # A100 40/80 GB: 312 TFLOPS dense BF16 (NVIDIA A100 datasheet); no fp8; PCIe 4.0 host link.
     # NVLink 3 between SXM cards: 600 GB/s both directions, 300 per direction. HBM2e:
@@ -118,10 +136,12 @@ PROFILES: dict[str, HardwareProfile] = {
     "a100-40g": HardwareProfile(
         name="a100-40g", gpu_memory_bytes=40 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
         device_memory_Bps=1555 * GB, interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
+        fp32_matmul_flops=19.5 * T,  # A100 datasheet: 19.5 TFLOPS FP32
     ),
     "a100-80g": HardwareProfile(
         name="a100-80g", gpu_memory_bytes=80 * GB, matmul_flops=312 * T, fp8_matmul_flops=None,
         device_memory_Bps=2039 * GB, interconnect_Bps=300 * GB, **_PCIE4_X16, **_DESKTOP,
+        fp32_matmul_flops=19.5 * T,  # A100 datasheet: 19.5 TFLOPS FP32
     ),
     # H100 SXM 80 GB: 989 TFLOPS dense BF16, 1979 dense FP8, 3.35 TB/s HBM3 (NVIDIA H100
     # datasheet); PCIe 5.0; NVLink 4: 900 GB/s both directions, 450 per direction.
@@ -129,6 +149,7 @@ PROFILES: dict[str, HardwareProfile] = {
         name="h100-80g", gpu_memory_bytes=80 * GB, matmul_flops=989 * T,
         fp8_matmul_flops=1979 * T, device_memory_Bps=3350 * GB, interconnect_Bps=450 * GB,
         **_PCIE5_X16, **_DESKTOP,
+        fp32_matmul_flops=67 * T,  # H100 SXM datasheet: 67 TFLOPS FP32
     ),
     # H200: 141 GB HBM3e at 4.8 TB/s; same tensor cores and NVLink as H100 (NVIDIA H200
     # datasheet).
@@ -136,6 +157,7 @@ PROFILES: dict[str, HardwareProfile] = {
         name="h200", gpu_memory_bytes=141 * GB, matmul_flops=989 * T,
         fp8_matmul_flops=1979 * T, device_memory_Bps=4800 * GB, interconnect_Bps=450 * GB,
         **_PCIE5_X16, **_DESKTOP,
+        fp32_matmul_flops=67 * T,  # H200 datasheet: 67 TFLOPS FP32
     ),
     # This project's CPU-only development machine (2 vCPU, 24 GiB; PLATFORM_NOTES.md): fp32
     # matmul ~180 GFLOPS (1024^3 in 12 ms), memcpy ~25 GB/s, O_DIRECT read ~1.8 / write ~2.4
@@ -202,7 +224,7 @@ def detect(offload_dir: str | os.PathLike | None = None) -> HardwareProfile:
 _MEASURED_FIELDS = {
     "h2d_Bps", "d2h_Bps", "disk_read_Bps", "disk_write_Bps", "host_copy_Bps", "matmul_flops",
     "cpu_adam_params_per_s", "device_memory_Bps", "compiled_block_time_ratio",
-    "compiled_block_probe",
+    "compiled_block_probe", "fp32_matmul_flops",
 }
 
 

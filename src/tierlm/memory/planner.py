@@ -410,6 +410,7 @@ class TrainShape:
     # context parallel: --nproc), and how (a tierlm.distributed.sync config; None: dense fp32)
     nproc: int = 1
     grad_sync: Any = None
+    tf32: bool = False  # --tf32: fp32 matmuls on TF32 tensor cores (else IEEE fp32)
 
     @property
     def tokens_per_step(self) -> int:
@@ -963,9 +964,9 @@ def _times(
     block_flops = tokens * ((4 if shape.frozen else 6) * block_params + 2 * recomputed) * (
         compiled_block_factor(train, hw))
     flops = block_flops + tokens * (6 * head_params + attn)
-    rate = hw.matmul_flops * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
-    if not hw.device_is_cpu and train.precision == "fp32":
-        rate /= 2  # fp32 matmuls run as TF32 on tensor cores: half the bf16 rate
+    peak = hw.fp32_compute_flops(tf32=train.tf32) if train.precision == "fp32" else (
+        hw.matmul_flops)
+    rate = peak * (1.0 if hw.device_is_cpu else MATMUL_EFFICIENCY)
     if hw.device_is_cpu and train.precision == "bf16":
         rate *= 1.5  # measured on the dev CPU: bf16 autocast ~1.5x fp32 (bench/step_time.py)
     compute = flops / rate
@@ -1800,8 +1801,13 @@ def describe(
     cp = train.context_parallel
     share = (f" per rank (context parallel {cp}: rows of {cp * train.seq_len})" if cp > 1
              else "")
+    precision = train.precision
+    if precision == "fp32" and not hw.device_is_cpu:
+        rate = hw.fp32_compute_flops(tf32=train.tf32) / 1e12
+        precision += (f" (TF32 tensor cores, {rate:.0f} TFLOPS peak)" if train.tf32 else
+                      f" (IEEE, {rate:.0f} TFLOPS peak; --tf32 for the tensor cores)")
     lines.append(f"step: {train.micro_batches} x {train.batch_size} x {train.seq_len} "
-                 f"tokens{share}, {train.precision}, micro-batch order {p.order}")
+                 f"tokens{share}, {precision}, micro-batch order {p.order}")
     compiled = compiled_block_source(train, hw)
     if compiled:
         lines.append(compiled)

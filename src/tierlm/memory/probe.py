@@ -100,6 +100,16 @@ def measure(directory: Path, *, disk_mib: int = 512, log=print) -> dict[str, flo
 
     out["matmul_flops"] = 4 * 2 * size**3 / _best_s(mm)
     log(f"matmul ({dev.type}, {dtype}): {out['matmul_flops'] / 1e12:.2f} TFLOPS")
+    if dev.type == "cuda":
+        # fp32 as a run computes it without --tf32: IEEE on the CUDA cores
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            a, b = a.float(), b.float()
+            out["fp32_matmul_flops"] = 4 * 2 * size**3 / _best_s(mm)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        log(f"matmul (cuda, float32, TF32 off): {out['fp32_matmul_flops'] / 1e12:.2f} TFLOPS")
 
     out["device_memory_Bps"] = decode_memory_Bps(dev)
     log(f"device memory, as the NF4 decode moves it: "

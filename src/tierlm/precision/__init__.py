@@ -27,7 +27,7 @@ from tierlm.precision.watch import Fp8ScaleError, Fp8Watch, NoFp8Watch
 
 __all__ = [
     "Fp8ScaleError", "Fp8Watch", "LayerChoice", "NoFp8Watch", "PrecisionLinear", "classify",
-    "prepare_precision", "scaling_rules", "table",
+    "prepare_precision", "scaling_rules", "set_tf32", "table",
 ]
 
 
@@ -39,6 +39,22 @@ def scaling_rules(cfg: PrecisionConfig):
     if cfg.fp8_scaling == "fixed":
         return FixedScaling(cfg.fp8_input_scale), FixedScaling(cfg.fp8_grad_scale)
     return DynamicScaling(), DynamicScaling()
+
+
+def set_tf32(enabled: bool, device: torch.device, *, log: Callable[[str], None] = print) -> None:
+    """--tf32: let CUDA compute fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores.
+    Set for the whole process, as torch's flags are; off leaves torch's default (IEEE fp32
+    matmuls), which is what the planner then plans."""
+    if not enabled:
+        return
+    if device.type != "cuda":
+        log(f"precision: --tf32 has no effect on device {device.type} (TF32 is a CUDA tensor "
+            "core format); fp32 matmuls stay IEEE fp32")
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    log("precision: fp32 matmuls on TF32 tensor cores (--tf32): 10-bit mantissa inputs, fp32 "
+        "accumulate")
 
 
 def prepare_precision(

@@ -148,6 +148,7 @@ def train_shape(cfg: Config, precision: str) -> TrainShape:
         compiled=cfg.run.compile == "segments",
         nproc=nproc,
         grad_sync=sync_config(d, cfg.train.max_steps) if nproc > 1 else None,
+        tf32=cfg.precision.tf32,
     )
 
 

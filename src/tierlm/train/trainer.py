@@ -69,7 +69,7 @@ from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
-from tierlm.precision import prepare_precision
+from tierlm.precision import prepare_precision, set_tf32
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.state import InitialWeights, module_weights
@@ -426,6 +426,7 @@ class Trainer:
                               device_is_cpu=self.device.type == "cpu",
                               optim_state_bytes=optim_state_bytes,
                               start_rss_bytes=self.memory_watch.start_rss_bytes, log=log)
+        set_tf32(cfg.precision.tf32, self.device, log=log)  # what the plan assumed
         # before the runtime is built: the tiered runtime runs the swapped modules too
         self.fp8 = prepare_precision(self.model, cfg.precision, self.precision, self.device,
                                      log=log)
