@@ -54,6 +54,7 @@ def pinned_stats() -> dict[str, int] | None:
 def run(label: str, steps: int, flags: list[str]) -> dict:
     cfg = config_from_args(build_parser().parse_args(["train", *flags]))
     cfg.train.max_steps = steps
+    cfg.train.save_final = False  # it never saves: the preflight reserves no disk for it
     h2d_pinned, d2h_pinned = pinned_copy_gbps()
     t0 = time.perf_counter()
     trainer = Trainer(cfg, log=lambda msg: print(f"  {msg}", file=sys.stderr))
