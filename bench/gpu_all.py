@@ -63,7 +63,7 @@ def pinned(path: str) -> None:
     stats = r.get("pinned_stats")
     ledger = r.get("ledger_host_peak_bytes")
     planned = r.get("predicted_host_peak_bytes")
-    print(f"run: {r['label']} (`{r['flags']}`)\n")
+    print(f"\nrun: {r['label']}\n")
     print("| what | GiB |\n| --- | --- |")
     print(f"| ledger: host tier peak (pinned or not) | {_gib(ledger)} |")
     print(f"| plan: host tier peak | {_gib(planned)} |")

@@ -12,7 +12,8 @@
 #   2. pinned bytes against the ledger: CUDA's pinned host allocator after a `1b` bf16 step
 #      streamed from host RAM at a 24 GiB cap, against the ledger's host tier and the plan's;
 #   3. that streamed step (--offload-policy host --gpu-memory 24GiB) against plain PyTorch
-#      (--offload-policy none) on the same GPU: tokens/s, step time, peak device bytes, ratio;
+#      (--offload-policy none) on the same GPU: tokens/s, step time, peak device bytes, ratio
+#      (both with full recompute: plain 1b state is ~18 GB, its kept activations would not fit);
 #   4. fp8 through the `_scaled_mm` kernels against --fp8-emulate: losses, relative difference,
 #      tokens/s;
 #   5. the planner's auto placement for the 7B design point at 24 GiB (allocates nothing);
@@ -84,7 +85,9 @@ within() {
     note "$name: skipped, the stage's slice is spent"
     return 124
   fi
-  echo "== $name (at most $left s): $*"
+  local cmd
+  cmd=$(printf "%q " "$@")
+  note "- \`$name\` (at most $left s): \`${cmd//$RUNS/\$RUNS}\`"
   timeout -k 5 "$left" "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
   if [ "$rc" -ne 0 ]; then
@@ -164,7 +167,7 @@ tests() {
 pinned() {
   within tiered "$PY" bench/gpu_run.py run --label "$SIZE bf16 host ${CAP[*]:-no cap}" \
     --steps "$STEPS" --json "$RUNS/tiered.json" -- "${TRAIN[@]}" "${CAP[@]}" \
-    --precision bf16 --offload-policy host --offload-dir "$RUNS/offload" --out "$RUNS/tiered"
+    --precision bf16 --grad-checkpointing full --offload-policy host --offload-dir "$RUNS/offload" --out "$RUNS/tiered"
   local rc=$?
   "$PY" bench/gpu_all.py pinned "$RUNS/tiered.json" | tee -a "$RESULTS"
   return "$rc"
@@ -175,14 +178,14 @@ stream() {
   if [ ! -f "$RUNS/tiered.json" ]; then  # stage 2 was skipped or failed: try it here
     within tiered "$PY" bench/gpu_run.py run --label "$SIZE bf16 host ${CAP[*]:-no cap}" \
       --steps "$STEPS" --json "$RUNS/tiered.json" -- "${TRAIN[@]}" "${CAP[@]}" \
-      --precision bf16 --offload-policy host --offload-dir "$RUNS/offload" \
+      --precision bf16 --grad-checkpointing full --offload-policy host --offload-dir "$RUNS/offload" \
       --out "$RUNS/tiered2" || rc=1
   else
     note "the streamed row is stage 2's run"
   fi
   within plain "$PY" bench/gpu_run.py run --label "$SIZE bf16 plain ${CAP[*]:-no cap}" \
     --steps "$STEPS" --json "$RUNS/plain.json" -- "${TRAIN[@]}" "${CAP[@]}" \
-    --precision bf16 --offload-policy none --out "$RUNS/plain" || rc=1
+    --precision bf16 --grad-checkpointing full --offload-policy none --out "$RUNS/plain" || rc=1
   note ""
   "$PY" bench/gpu_all.py stream "$RUNS/tiered.json" "$RUNS/plain.json" | tee -a "$RESULTS"
   return "$rc"
