@@ -38,7 +38,7 @@ RUNS=$(mktemp -d "${TMPDIR:-/tmp}/gpu_all.XXXXXX")
 trap 'rm -rf "$RUNS"' EXIT
 export PYTHONPATH="$PWD/src:$PWD/bench" PYTHONUNBUFFERED=1
 # the trainer's caches (tokenizer, encoded corpus) go to the scratch folder, not $HOME
-export XDG_CACHE_HOME="$RUNS/cache"
+export TIERLM_CACHE="$RUNS/cache"
 if [ "$SMOKE" = 1 ]; then
   RESULTS=${GPU_ALL_RESULTS:-${TMPDIR:-/tmp}/gpu_all/$(date +%F)-gpu-smoke.md}
 else
