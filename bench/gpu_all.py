@@ -70,9 +70,10 @@ def pinned(path: str) -> None:
     if not stats:
         print("\nno CUDA: nothing pinned")
         return
-    for key in ("allocated_bytes.peak", "allocated_bytes.current", "active_bytes.peak"):
-        if key in stats:
-            print(f"| CUDA pinned allocator {key} | {_gib(stats[key])} |")
+    keys = [k for k in ("allocated_bytes.peak", "allocated_bytes.current", "active_bytes.peak")
+            if k in stats] or sorted(stats)  # another torch may name its counters otherwise
+    for key in keys:
+        print(f"| CUDA pinned allocator {key} | {_gib(stats[key])} |")
     peak = stats.get("allocated_bytes.peak")
     if peak and ledger:
         print(f"\npinned peak / ledger host peak: {peak / ledger:.2f}x (memory pinned with "
