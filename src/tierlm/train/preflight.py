@@ -263,15 +263,18 @@ class Preflight:
         train = self.cfg.train
         saves = (train.max_steps // train.save_every if train.save_every else 0) + 1
         keep = self.cfg.run.keep_checkpoints
+        if not train.save_final:  # no final checkpoint, and the export is made from it
+            saves -= 1
         # while a new checkpoint is written, the `keep` older ones still exist
         at_once = min(keep + 1, saves) if keep > 0 else saves
         existing = sum(checkpoint_bytes(p) for p in list_checkpoints(self.run_dir))
-        needs = [
-            DiskNeed(f"{at_once} checkpoint(s)", checkpoint_dir(self.run_dir),
-                     at_once * self.checkpoint_estimate_bytes() - existing),
-            DiskNeed("the Hugging Face export", self.run_dir / "hf",
-                     self.export_estimate_bytes() - dir_bytes(self.run_dir / "hf")),
-        ]
+        needs = []
+        if saves:
+            needs.append(DiskNeed(f"{at_once} checkpoint(s)", checkpoint_dir(self.run_dir),
+                                  at_once * self.checkpoint_estimate_bytes() - existing))
+        if train.save_final:
+            needs.append(DiskNeed("the Hugging Face export", self.run_dir / "hf",
+                                  self.export_estimate_bytes() - dir_bytes(self.run_dir / "hf")))
         if report is not None and report.disk_bytes:
             needs.append(DiskNeed("the disk tier", self.offload_dir,
                                   report.disk_bytes - dir_bytes(self.offload_dir)))

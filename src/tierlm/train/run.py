@@ -31,7 +31,7 @@ def _run(trainer: Trainer, cfg: Config, log: Callable[[str], None]) -> TrainResu
     hf_dir = (
         export_hf_from_checkpoint(result.final_checkpoint, trainer.run_dir / "hf",
                                   dtype=cfg.run.export_dtype, progress=trainer.progress)
-        if trainer.world.is_main else None
+        if trainer.world.is_main and result.final_checkpoint is not None else None
     )
     if cfg.train.sample_tokens:  # on every rank: FSDP gathers the weights collectively
         log("sample: " + trainer.sample(cfg.train.sample_tokens).replace("\n", "\n        "))

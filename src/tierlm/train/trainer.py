@@ -680,7 +680,8 @@ class Trainer:
             run_eval()
         progress.close()
         self._report_prediction()  # without a plan (reference trainer): the measured rates
-        result.final_checkpoint = self.save()
+        if self.cfg.train.save_final:  # false: a benchmark, which reserved no disk
+            result.final_checkpoint = self.save()
         if self.world.is_main:  # --finetune lora: RUN_DIR/adapter in peft's format
             self.finetune.save(self.run_dir, self.stepper.weights)
         result.skipped_steps = self.skipped_steps
