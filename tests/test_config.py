@@ -128,6 +128,7 @@ EXAMPLE_VALUES = {
     "--bf16-layers": "down_proj",
     "--fp32-layers": "q_proj",
     "--fp8-emulate": "True",
+    "--tf32": "True",
     "--hardware": "rtx4090",
     "--gpu-memory": "24GiB",
     "--host-memory": "64GiB",
