@@ -139,15 +139,18 @@ def default_run_dir(cfg: Config) -> Path:
 RATE_KEYS = ("step_time_s", "tokens_per_s", "trained_tokens_per_s")
 
 
-def trained_share(seqs: object, rows_at_a_time: int = 4096) -> float:
+def trained_share(seqs: object, rows_at_a_time: int = 4096, max_rows: int = 65536) -> float:
     """The share of the tokens a step processes that carry a loss, over the training sequences:
-    1 for plain text; below it where masks (prompts, padding) leave tokens untrained."""
+    1 for plain text; below it where masks (prompts, padding) leave tokens untrained. Over at
+    most `max_rows` rows spread evenly across the set (every row of a smaller one): the share
+    is for the plan's display, and a pre-training corpus holds millions of rows."""
     if isinstance(seqs, PackedSequences):
         return 1.0
     n = len(seqs)
-    trained = sum(trained_targets(seqs.get(torch.arange(i, min(n, i + rows_at_a_time))))
-                  for i in range(0, n, rows_at_a_time))
-    return trained / max(1, n * seqs.seq_len)
+    rows = torch.arange(n) if n <= max_rows else torch.linspace(0, n - 1, max_rows).long()
+    trained = sum(trained_targets(seqs.get(rows[i:i + rows_at_a_time]))
+                  for i in range(0, len(rows), rows_at_a_time))
+    return trained / max(1, len(rows) * seqs.seq_len)
 
 
 @dataclass
