@@ -2,7 +2,7 @@
 
 Each activation storage is copied once (several saved views of one buffer share the copy) into a
 host buffer from a pool that lives across steps, so pinned memory is allocated once, not every
-step. Under CUDA the copies run on a side stream: the device-to-host copy starts when the tensor
+step. Under CUDA the copies run on the copy streams: the device-to-host copy starts when the tensor
 is produced and overlaps the rest of the forward; the engine asks for the host-to-device copy one
 segment ahead of the backward, so it overlaps the backward of the segment before. On a CPU-only
 machine the "device" is the CPU and the copies are plain memcpys, still counted as D2H/H2D so the
@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 
 from tierlm.activations.saved import FrozenWeights, SavedTensorScope
+from tierlm.memory.device import Device
 from tierlm.memory.disk import aligned_empty
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link
@@ -42,57 +43,38 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class Copier:
-    """Synchronous copies (the CPU "device")."""
+    """The offload's copies, through the engine's device (tierlm.memory.device): on CUDA they
+    run on the copy streams, on a CPU they are memcpys, on a simulated device they land when
+    waited for."""
 
-    asynchronous = False
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.asynchronous = device.asynchronous
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy out once compute has written `src`; returns the copy's event."""
+        return self.device.copy(dst, src, Link.D2H, "offload")
 
-    def to_device(self, src: torch.Tensor, device: torch.device):
-        """(device copy, event the compute stream waits for before using it; None: ready)."""
-        return src.to(device, copy=True), None
-
-    def ready(self, t: torch.Tensor, event) -> None:
-        pass
-
-
-class CudaCopier(Copier):
-    """Copies on a side stream. Device memory crossing streams is marked with `record_stream`, so
-    the caching allocator does not hand it out again while the other stream still uses it."""
-
-    asynchronous = True
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # src is written
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-        src.record_stream(self.stream)
-
-    def to_device(self, src: torch.Tensor, device: torch.device):
-        with torch.cuda.stream(self.stream):  # allocated and filled on the side stream
-            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return dst, event
+    def to_device(self, src: torch.Tensor, device: torch.device, written):
+        """(device copy, event the compute stream waits for before using it). The copy starts
+        once the host copy `written` (its event) is complete and the compute queued so far
+        (which may still use the memory the new buffer reuses) is done."""
+        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+        return dst, self.device.copy(dst, src, Link.H2D, "offload",
+                                     after=[written, self.device.mark()])
 
     def ready(self, t: torch.Tensor, event) -> None:
-        current = torch.cuda.current_stream(t.device)
-        current.wait_event(event)
-        t.record_stream(current)  # freed after the backward: not reused while it still reads
+        self.device.wait(event, "offload")
 
 
 class _HostCopy:
     """One activation storage on the host, and its device copy once brought back."""
 
-    __slots__ = ("host", "device_copy", "event")
+    __slots__ = ("host", "written", "device_copy", "event")
 
-    def __init__(self, host: torch.Tensor) -> None:
+    def __init__(self, host: torch.Tensor, written) -> None:
         self.host = host
+        self.written = written  # the copy out's event
         self.device_copy: torch.Tensor | None = None
         self.event = None  # the copy back's completion, until the compute stream waited on it
 
@@ -135,9 +117,9 @@ class OffloadScope(SavedTensorScope):
         if first:
             src = _bytes_view(t)
             host = self.pool.take(src.numel())
-            self.copier.to_host(host, src)
+            written = self.copier.to_host(host, src)
             self.ledger.record_move(Link.D2H, src.numel())
-            self._copies[key] = _HostCopy(host)
+            self._copies[key] = _HostCopy(host, written)
             self._all.append(self._copies[key])
         return _Offloaded(self._copies[key], t)
 
@@ -148,7 +130,7 @@ class OffloadScope(SavedTensorScope):
 
     def _to_device(self, c: _HostCopy) -> torch.Tensor:
         if c.device_copy is None:
-            c.device_copy, c.event = self.copier.to_device(c.host, self.device)
+            c.device_copy, c.event = self.copier.to_device(c.host, self.device, c.written)
             n = c.host.numel()
             self.ledger.record_move(Link.H2D, n)
             self.ledger.hold_activation(self.segment, "workspace", n)

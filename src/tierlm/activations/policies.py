@@ -30,9 +30,10 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from tierlm.activations.offload import Copier, CudaCopier, HostPool, OffloadScope
+from tierlm.activations.offload import Copier, HostPool, OffloadScope
 from tierlm.activations.saved import FrozenWeights, SavedTensorScope, storage_key
 from tierlm.activations.selective import SelectiveRun
+from tierlm.memory.device import Device, as_device
 from tierlm.memory.ledger import Ledger
 from tierlm.precision.scaling import recording_paused
 
@@ -84,6 +85,8 @@ class _Graph:
 
 class ActivationPolicy:
     name: ClassVar[str]
+    # the backward runs the segment's forward again (what the time model prices twice)
+    recomputes: ClassVar[bool] = False
 
     def forward(
         self, run: SegmentRun, w: torch.Tensor, x: torch.Tensor, scope: RunScope
@@ -181,6 +184,7 @@ class RngReplay:
 
 class Full(ActivationPolicy):
     name = "full"
+    recomputes = True
 
     def __init__(self, rng: RngReplay) -> None:
         self.rng = rng
@@ -236,10 +240,11 @@ class Offload(ActivationPolicy):
 class PolicyFactory:
     """Builds policy objects by name for one engine (shared host pool, copier, RNG replay)."""
 
-    def __init__(self, device: torch.device, *, dropout: bool) -> None:
-        copier = CudaCopier(device) if device.type == "cuda" else Copier()
+    def __init__(self, device: torch.device | Device, *, dropout: bool) -> None:
+        dev = as_device(device)
+        copier = Copier(dev)
         pool = HostPool()
-        rng = RngReplay(device, dropout)
+        rng = RngReplay(dev.torch_device, dropout)
         self._make: dict[str, Callable[[], ActivationPolicy]] = {
             "keep": Keep,
             "selective": Selective,

@@ -1,46 +1,49 @@
 """The store: the one place that allocates managed tensors and moves them between tiers.
 
 Every allocation and move reports to the ledger. Host buffers are 4096-byte aligned (so the disk
-tier can use O_DIRECT on them) and pinned where CUDA exists; device copies run on a side stream
-with events on CUDA, so transfers overlap compute. On a CPU-only machine the device is the CPU
-itself: copies are plain memcpys, still accounted as H2D/D2H so the ledger shows what a GPU run
-would move.
+tier can use O_DIRECT on them) and pinned where CUDA exists; device copies go through the device
+(tierlm.memory.device: a stream per direction on CUDA, virtual time on a simulated device). On a
+CPU-only machine the device is the CPU itself: copies are plain memcpys, still accounted as
+H2D/D2H so the ledger shows what a GPU run would move.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tierlm.crashpoints import crash_point
+from tierlm.memory.device import (
+    AFTER_COMPUTE,
+    Device,
+    as_device,
+    nbytes_of,  # noqa: F401  (re-exported: its old home)
+)
 from tierlm.memory.disk import DiskTier, aligned_empty
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 
-_LANE = {Link.H2D: "H2D", Link.D2H: "D2H"}
-
-
-def nbytes_of(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
 
 class Store:
     def __init__(
         self,
-        device: torch.device,
+        device: torch.device | Device,
         ledger: Ledger | None = None,
         offload_dir: str | Path | None = None,
         tracer: Tracer | NoTracer = NO_TRACER,
     ) -> None:
-        self.device = device
+        # every copy, wait and event goes through the device (tierlm.memory.device)
+        self.dev = as_device(device, tracer)
+        self.device = self.dev.torch_device  # where device-tier tensors are allocated
         self.tracer = tracer  # the step timeline (tierlm.monitor.trace): every copy and request
         self.ledger = ledger or Ledger()
-        self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.cuda = self.device.type == "cuda"
         self._disk: DiskTier | None = None
         self._offload_dir = Path(offload_dir) if offload_dir else None
         self._disk_files: dict[str, int] = {}
@@ -67,52 +70,37 @@ class Store:
 
     # -- device <-> host --------------------------------------------------------------------------
 
-    def to_device(
-        self, dst: torch.Tensor, src: torch.Tensor, what: str = ""
-    ) -> torch.cuda.Event | None:
-        """Copy host -> device. On CUDA the copy runs on the side stream and the returned event
-        must be waited on (`wait`) before compute reads `dst`. `what` names it in the trace."""
-        return self._copy(dst, src, Link.H2D, what)
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, what: str = "", *,
+                  after: Sequence[Any] | None = AFTER_COMPUTE) -> Any:
+        """Copy host -> device (tierlm.memory.device: `after` the events it waits for; compute
+        must `wait` for the returned event before reading `dst`). `what` names it in the
+        trace."""
+        return self._copy(dst, src, Link.H2D, what, after)
 
-    def to_host(
-        self, dst: torch.Tensor, src: torch.Tensor, what: str = ""
-    ) -> torch.cuda.Event | None:
-        return self._copy(dst, src, Link.D2H, what)
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Any:
+        """Copy device -> host after the compute queued so far (which wrote `src`)."""
+        return self._copy(dst, src, Link.D2H, what, AFTER_COMPUTE)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link, what: str = ""):
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link, what: str,
+              after: Sequence[Any] | None) -> Any:
         nbytes = nbytes_of(src)
-        lane = _LANE[link]
         t0 = time.perf_counter()
-        if self.copy_stream is None:
-            with self.tracer.span(lane, what or lane, cat="transfer", bytes=nbytes):
-                dst.copy_(src)
-            self.ledger.record_move(link, nbytes, time.perf_counter() - t0)
-            return None
-        # The side stream must not start before compute finished writing `src` (D2H) or
-        # finished reading the previous contents of `dst` (H2D into a recycled buffer).
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            with self.tracer.span(lane, what or lane, cat="transfer", stream=self.copy_stream,
-                                  bytes=nbytes):
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        # Async copies are timed by the caller's wait; count the bytes now.
-        self.ledger.record_move(link, nbytes, 0.0)
+        event = self.dev.copy(dst, src, link, what, after=after)
+        # an asynchronous copy is timed by its own events (the device's), not here
+        self.ledger.record_move(link, nbytes, 0.0 if self.dev.asynchronous
+                                else time.perf_counter() - t0)
         return event
 
-    def wait(self, event: torch.cuda.Event | None) -> None:
+    def wait(self, event: Any, what: str = "") -> None:
         """Make compute wait for the copy `event` marks (the device reads what it wrote); the
         calling thread does not block."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        self.dev.wait(event, what)
 
-    def wait_host(self, event: torch.cuda.Event | None) -> None:
+    def wait_host(self, event: Any, what: str = "") -> None:
         """Block the calling thread until the copy `event` marks is done: the CPU is about to
-        read the host buffer it wrote, or to reuse the one it read. Only that copy (and the
-        compute queued before it) is waited for, not the work queued since."""
-        if event is not None:
-            event.synchronize()
+        read the host buffer it wrote, or to reuse the one it read. Only that copy (and what it
+        waited for) is waited for, not the work queued since."""
+        self.dev.wait_host(event, what)
 
     # -- disk ----
 
@@ -151,7 +139,7 @@ class Store:
             self.ledger.allocate(Tier.DISK, cls, size)
             self._disk_files[name] = size
         t0 = time.perf_counter()
-        fut = self.disk.write(name, src, offset_bytes)
+        fut = self.dev.io(self.disk.write(name, src, offset_bytes), Link.DISK_WRITE, size, name)
         fut.add_done_callback(
             lambda _f: self.ledger.record_move(Link.DISK_WRITE, size, time.perf_counter() - t0)
         )
@@ -161,7 +149,7 @@ class Store:
     def read_file(self, name: str, dst: torch.Tensor, offset_bytes: int = 0) -> Future[None]:
         size = nbytes_of(dst)
         t0 = time.perf_counter()
-        fut = self.disk.read(name, dst, offset_bytes)
+        fut = self.dev.io(self.disk.read(name, dst, offset_bytes), Link.DISK_READ, size, name)
         fut.add_done_callback(
             lambda _f: self.ledger.record_move(Link.DISK_READ, size, time.perf_counter() - t0)
         )

@@ -227,9 +227,9 @@ class ComputeCopies:
         if st.placement.resident:
             st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE,
                                             st.compute_format.nbytes, dtype=torch.uint8)
-            store.wait(store.to_device(st.device_weights, source, st.seg.name))
-            if st.device_weights.device.type == "cuda":
-                torch.cuda.current_stream(st.device_weights.device).synchronize()
+            copied = store.to_device(st.device_weights, source, st.seg.name)
+            store.wait(copied)
+            store.wait_host(copied, st.seg.name)  # the copy has read `source` before it goes
         if st.tier == Tier.DISK:
             store.free(Tier.HOST, TensorClass.STAGING, source)
 

@@ -30,7 +30,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ from tierlm.activations import (
 from tierlm.activations.saved import FrozenWeights
 from tierlm.config import OptimConfig
 from tierlm.data.batch import IGNORE_INDEX, inputs_and_targets, position_ids, trained_targets
+from tierlm.memory.device import Device
 from tierlm.memory.placement import (
     PlacementReport,
     SegmentPlacement,
@@ -57,6 +58,7 @@ from tierlm.models.adapters import HeadSegment, StepContext
 from tierlm.optim.flat import advance
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
+from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.landing import LandingRing, add_to_host
 from tierlm.runtime.plan import EngineOptions, StepParts, StepPlan, plan_step
 from tierlm.runtime.readahead import readahead_starts
@@ -133,7 +135,7 @@ class Engine(Stepper):
         optim: OptimConfig,
         plan: StepPlan,
         *,
-        device: torch.device,
+        device: torch.device | Device,
         store: Store | None = None,
         initial_weights: InitialWeights = module_weights,
     ) -> None:
@@ -148,10 +150,12 @@ class Engine(Stepper):
         options = plan.options
         self.plan = plan
         self.opts = options
-        self.device = device
         self.chunk_numel = options.staging_chunk_numel
         self.tracer = options.tracer
         self.store = store or Store(device, offload_dir=options.offload_dir, tracer=self.tracer)
+        # every stream, event, wait and host read of the step (tierlm.memory.device)
+        self.dev = self.store.dev
+        self.device = device = self.dev.torch_device
         self.ledger = self.store.ledger
         parts = StepParts(model, optim, options)
         self.adapter = parts.adapter
@@ -186,7 +190,7 @@ class Engine(Stepper):
         self.activation_costs = plan.activation_costs  # measured per-segment bytes (dynamic)
         self.activation_head_bytes = parts.head_bytes  # the head's predicted activation peak
         self.chunk_tokens = parts.chunk_tokens  # tokens per cross-entropy chunk at the head
-        self._make_policy = PolicyFactory(device, dropout=self.has_dropout)
+        self._make_policy = PolicyFactory(self.dev, dropout=self.has_dropout)
         self.set_activation_policies(list(plan.activation_policies))
         self.states: list[SegmentState] = []
         # per segment: the state the optimizer updates (the segment's own, or its adapters on
@@ -238,7 +242,7 @@ class Engine(Stepper):
             slot = next(s for s in o.layout.slots if s.name == name)
             self.borrowed[name] = (o.index, slot.offset, slot.numel)
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-update")
+        self._worker = self.dev.worker("update")
         self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
         self._updates: dict[int, Future] = {}
         # segment -> its master and slots being read ahead of its update (the read-ahead)
@@ -246,7 +250,9 @@ class Engine(Stepper):
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
         self.transfer_wait_s = 0.0  # time the step spent waiting for weights to arrive
         # time in forward, backward and on-device updates (also the trace's compute lane)
-        self.clock = compute_clock(device, options.tracer)
+        self.clock = compute_clock(self.dev)
+        # each segment's FLOPs as the simulated device prices its regions (tierlm.runtime.costs)
+        self.costs = self._segment_costs(model)
         self.skipped_steps = 0
         self.param_norms: dict[str, torch.Tensor] = {}
         self._syncing: list = []  # (segment, gradient, pending sync) until the norms are taken
@@ -258,6 +264,15 @@ class Engine(Stepper):
         ]
         # what a segment without trained parameters differentiates, and its gradient
         self._no_params = torch.empty(0, device=device)
+
+    def _segment_costs(self, model: torch.nn.Module) -> list[SegmentCost]:
+        head = len(self.states) - 1
+        tied = sum(n for _, _, n in self.borrowed.values())
+        self.hidden_size = int(getattr(model.config, "hidden_size", 0) or
+                               getattr(model.config, "n_embd", 0))
+        return [SegmentCost(params=st.numel + (tied if st.index == head else 0),
+                            block=0 < st.index < head, frozen=self.frozen_base)
+                for st in self.states]
 
     @property
     def trainable(self) -> list[SegmentState]:
@@ -447,7 +462,7 @@ class Engine(Stepper):
             m = len(batches)
             mbs = []
             for b in batches:
-                ids, targets = (t.to(self.device) for t in inputs_and_targets(b))
+                ids, targets = (self.dev.upload(t) for t in inputs_and_targets(b))
                 positions = _to(position_ids(b), self.device)
                 share = self.opts.sequence_share
                 ids, targets, positions = share.take(ids, targets, positions)
@@ -513,9 +528,11 @@ class Engine(Stepper):
         s = a.seg
         st = self.states[s]
         w = self._trained_flat(s, w)
+        cost = self.costs[s]
         for mb, x in mbs:
             x = mb.ids if x is None else x
-            with self.clock.measure():
+            with self.clock.measure(f"forward {st.seg.name}", cost.forward(*self._shape(mb)),
+                                    block=cost.block):
                 out, mb.saved[s] = self.policies[s].forward(self._run(st, mb), w, x,
                                                             self._scope(st, mb, x))
                 if s == 0:
@@ -547,13 +564,15 @@ class Engine(Stepper):
         # for the whole action, each chunk's log-softmax during that chunk.
         shared = storages_of(x, mb.ctx, [views[n] for n in self.borrowed])
         norm = SavedTensorScope(leaf, shared, frozen)
-        with self.clock.measure(), torch.enable_grad(), self.opts.autocast(), norm.hooks():
+        flops = self.costs[s].head(self._shape(mb)[0])
+        with self.clock.measure(f"head {seg.name}", flops), torch.enable_grad(), \
+                self.opts.autocast(), norm.hooks():
             hn = seg.forward(views, x, mb.ctx)
         hn_leaf = hn.detach().requires_grad_()
         held = norm.bytes + nbytes_of(hn_leaf)
         self.ledger.hold_activation(seg.name, "saved", held)
         shared |= storages_of(hn_leaf)
-        with self.clock.measure():
+        with self.clock.measure():  # priced with the head's forward above
             loss = chunked_cross_entropy(
                 lambda h: seg.project(views, h),
                 hn_leaf.flatten(0, 1),  # (B*T, D)
@@ -580,9 +599,14 @@ class Engine(Stepper):
         st = self.states[s]
         w = self._trained_flat(s, w)
         x = mb.ids if x is None else x
-        with self.clock.measure():
+        flops = self.costs[s].backward(*self._shape(mb), recompute=self.policies[s].recomputes)
+        with self.clock.measure(f"backward {st.seg.name}", flops, block=self.costs[s].block):
             return self.policies[s].backward(mb.saved.pop(s), self._run(st, mb), w, x, gout,
                                              grad, self._scope(st, mb, x))
+
+    def _shape(self, mb: _MicroBatch) -> tuple[int, int, int]:
+        """(tokens, sequence length, hidden size) of micro-batch `mb` for the FLOP rule."""
+        return mb.ids.numel(), mb.ids.shape[-1], self.hidden_size
 
     # -- gradients ----
 
@@ -698,7 +722,7 @@ class Engine(Stepper):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for st in self.trainable:
             if st.tier == Tier.DEVICE:
-                with self.clock.measure():
+                with self.clock.measure(f"update {st.seg.name}"):
                     self._update(st, coef, lr)
             else:
                 self._updates[st.index] = self._worker.submit(self._update, st, coef.cpu(), lr)
@@ -709,12 +733,19 @@ class Engine(Stepper):
     def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
         slots = [s.name for s in st.slots]
 
+        # what the simulated device prices a CPU update at (a device one is a compute region)
+        def cpu(params: float) -> contextlib.AbstractContextManager[None]:
+            if st.tier == Tier.DEVICE:
+                return contextlib.nullcontext()
+            return self.dev.cpu(f"update {st.seg.name}", params=params)
+
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
             """The optimizer on elements [lo, lo + n) of the segment (all of it, off the disk
             tier)."""
-            bufs["grad"].mul_(coef)
-            self.optimizer.update_range(st.layout, lo, bufs["master"], bufs["grad"],
-                                        {c: bufs[c] for c in slots}, st.steps, lr)
+            with cpu(bufs["grad"].numel() * self.optimizer.cpu_cost):
+                bufs["grad"].mul_(coef)
+                self.optimizer.update_range(st.layout, lo, bufs["master"], bufs["grad"],
+                                            {c: bufs[c] for c in slots}, st.steps, lr)
             if st.tier == Tier.DISK and st.compute_format is not None:  # the whole master
                 self.compute_copies.refresh(self.store, st, bufs["master"])
 

@@ -271,8 +271,8 @@ class DiskLoad:
                 dst.narrow(0, lo, n), self.bufs[k % len(self.bufs)][:n], self.name
             )
             self.store.wait(event)
-            if event is not None:
-                event.synchronize()  # the copy has read the buffer before it is reused or freed
+            # the copy has read the buffer before it is reused or freed
+            self.store.wait_host(event, self.name)
             if k + len(self.bufs) < len(self.ranges):
                 self.reads.append(self._read(k + len(self.bufs)))
         for buf in self.bufs:
@@ -293,10 +293,9 @@ class ComputeFileLoad:
 
     def finish(self, dst: torch.Tensor) -> None:
         self.future.result()
-        self.store.wait(self.store.to_device(dst.view(self.staging.dtype), self.staging,
-                                             self.name))
-        if dst.device.type == "cuda":
-            torch.cuda.current_stream(dst.device).synchronize()  # before staging is reused
+        copied = self.store.to_device(dst.view(self.staging.dtype), self.staging, self.name)
+        self.store.wait(copied)
+        self.store.wait_host(copied, self.name)  # the copy has read staging before it is freed
         self.store.free(Tier.HOST, TensorClass.STAGING, self.staging)
 
 

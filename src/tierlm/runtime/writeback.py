@@ -21,7 +21,7 @@ update worker's failure reaches the training thread through the update's future)
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +62,7 @@ class Writer:
         self.store = store
         self.limit = limit
         self.piece_bytes = piece_bytes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierlm-writeback")
+        self._pool = store.dev.worker("writeback")  # a thread (inline on a simulated device)
         self._latest: dict[int, Future] = {}  # segment -> its last write-back
         self._queue: deque[Future] = deque()  # submitted and not yet seen done (update worker)
 

@@ -1,0 +1,408 @@
+"""The device: every stream, event, wait and host synchronisation of a step goes through here.
+
+The runtime (the store's copies, the stream cache, gradient landing, activation offload, the
+update worker) asks one `Device` to copy, mark, wait and compute; nothing else in runtime/,
+memory/, precision/, activations/ or optim/ calls a CUDA stream or event API or blocks the host
+during a step (tests/test_no_stray_syncs.py holds that). Three devices answer:
+
+- `HostDevice`: a CPU-only machine. The device is the CPU itself: copies are memcpys done when
+  issued, events are None, waits return at once. Compute is timed on the wall clock.
+- `CudaDevice`: compute runs on the current stream; host-to-device and device-to-host copies run
+  on a stream each (a GPU has a copy engine per direction, so uploads do not queue behind
+  gradient downloads). A copy waits only for the events it is given (`after`): an upload into a
+  recycled slot waits for the last compute that read the slot, not for all compute queued so
+  far. Compute is timed with CUDA events.
+- `SimDevice` (`--device sim:PROFILE`): the real engine on CPU tensors, so every number stays
+  exact, with CUDA's ordering kept in virtual time by a `Timeline` (tierlm.memory.simulator) at
+  the profile's rates. A copy lands only when something waits for it (an event after it, on the
+  device or on the host); until then its destination holds NaN (integers: all bits set), so a
+  missing wait shows as a wrong loss, not as a race that happens to work on a CPU. The update
+  worker and the write-back run inline on host clocks of their own, so the timeline does not
+  depend on how the OS schedules threads.
+
+The planner's replay issues the same operations to a `Timeline` of its own (byte counts instead
+of tensors), so the predicted step is the simulated one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tierlm.memory.hardware import PROFILES, HardwareProfile
+from tierlm.memory.simulator import COMPUTE, D2H, H2D, LINK_LANE, HostClock, Rates, Timeline
+from tierlm.memory.tiers import Link
+from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+
+AFTER_COMPUTE = None
+"""`copy(after=AFTER_COMPUTE)`: the copy waits for all compute queued so far (a download of what
+compute just wrote)."""
+
+SIM_PREFIX = "sim:"
+
+
+def nbytes_of(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+class Device:
+    """The interface (a CPU-only machine's behaviour; the other devices override it)."""
+
+    kind = "cpu"
+    asynchronous = False  # copies may still run after `copy` returns
+    timeline: Timeline | None = None
+
+    def __init__(self, torch_device: torch.device, tracer: Tracer | NoTracer = NO_TRACER
+                 ) -> None:
+        self.torch_device = torch_device
+        self.tracer = tracer
+        self._compute_s = 0.0
+
+    # -- copies and ordering ----
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link, what: str = "", *,
+             after: Sequence[Any] | None = AFTER_COMPUTE) -> Any:
+        """Copy `src` into `dst` over `link` (H2D or D2H); returns the copy's event (None: it
+        is done). `after`: the events the copy waits for (AFTER_COMPUTE: all compute queued so
+        far). Compute must `wait` for the event before reading `dst`, the host `wait_host`
+        before reading a host `dst` or reusing a host `src`."""
+        with self.tracer.span(LINK_LANE[link], what or LINK_LANE[link], cat="transfer",
+                              bytes=nbytes_of(src)):
+            dst.copy_(src)
+        return None
+
+    def mark(self) -> Any:
+        """An event after the compute queued so far (e.g. the last read of a slot)."""
+        return None
+
+    def wait(self, event: Any, what: str = "") -> None:
+        """Compute's next work starts after `event`; the host does not block."""
+
+    def wait_host(self, event: Any, what: str = "") -> None:
+        """The calling thread blocks until `event` has happened."""
+
+    def synchronize(self) -> None:
+        """The host waits for everything queued on the device (between steps only)."""
+
+    def read(self, t: torch.Tensor) -> list[float]:
+        """The values of device tensor `t` on the host: a host synchronisation. A step makes
+        exactly one, for the global gradient norm (Engine._finish_step says why it is safe)."""
+        return t.detach().flatten().tolist()
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch's host tensor on the device, ordered before the compute issued next."""
+        return t.to(self.torch_device)
+
+    # -- work the time model counts ----
+
+    @contextlib.contextmanager
+    def compute(self, name: str = "compute", flops: float = 0.0, *, block: bool = False
+                ) -> Iterator[None]:
+        """A region of compute (`flops` of it; `block`: a transformer block's matmuls, which
+        run on fp8 units in an fp8 run). Its time counts in `take_compute_s`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self._compute_s += t1 - t0
+            self.tracer.record("compute", "compute", t0, t1, cat="compute")
+
+    def take_compute_s(self) -> float:
+        """Seconds of compute since the previous call (after the step's own sync)."""
+        s, self._compute_s = self._compute_s, 0.0
+        return s
+
+    def cpu(self, name: str, *, moved_bytes: int = 0, params: float = 0.0
+            ) -> contextlib.AbstractContextManager[None]:
+        """CPU work on the calling thread, priced by the time model as `moved_bytes` through
+        memory (a landed gradient's add) plus `params` of AdamW-equivalent update work; only
+        the simulated device uses the price."""
+        return contextlib.nullcontext()
+
+    def io(self, fut: Future, link: Link, nbytes: int, what: str = "") -> Future:
+        """A disk request the store just started (its future); the simulated device books it
+        on the drive's lane."""
+        return fut
+
+    def worker(self, name: str) -> Executor:
+        """The executor of a background thread of the step (the update worker, the
+        write-back)."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierlm-{name}")
+
+
+class HostDevice(Device):
+    pass
+
+
+class CudaDevice(Device):
+    kind = "cuda"
+    asynchronous = True
+
+    def __init__(self, torch_device: torch.device, tracer: Tracer | NoTracer = NO_TRACER
+                 ) -> None:
+        super().__init__(torch_device, tracer)
+        self.streams = {Link.H2D: torch.cuda.Stream(torch_device),
+                        Link.D2H: torch.cuda.Stream(torch_device)}
+        self._regions: list[tuple[Any, Any]] = []
+        self._copies: list[tuple[Link, int, Any, Any]] = []  # timed, read at the step's end
+
+    def _current(self):
+        return torch.cuda.current_stream(self.torch_device)
+
+    def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
+        stream = self.streams[link]
+        if after is AFTER_COMPUTE:
+            stream.wait_stream(self._current())
+        else:
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            with self.tracer.span(LINK_LANE[link], what or LINK_LANE[link], cat="transfer",
+                                  stream=stream, bytes=nbytes_of(src)):
+                start.record(stream)
+                dst.copy_(src, non_blocking=True)
+                end.record(stream)
+        # device memory used on a side stream is not handed out again before the copy ends
+        for t in (dst, src):
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+        self._copies.append((link, nbytes_of(src), start, end))
+        return end
+
+    def mark(self):
+        event = torch.cuda.Event()
+        event.record(self._current())
+        return event
+
+    def wait(self, event, what=""):
+        if event is not None:
+            self._current().wait_event(event)
+
+    def wait_host(self, event, what=""):
+        if event is not None:
+            event.synchronize()
+
+    def synchronize(self):
+        torch.cuda.synchronize(self.torch_device)
+
+    def upload(self, t):
+        if t.device.type == "cpu":
+            t = t.pin_memory()
+        return t.to(self.torch_device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def compute(self, name="compute", flops=0.0, *, block=False):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(self._current())
+        try:
+            with self.tracer.span("compute", "compute", cat="compute", stream=self._current()):
+                yield
+        finally:
+            end.record(self._current())
+            self._regions.append((start, end))
+
+    def take_compute_s(self) -> float:
+        regions, self._regions = self._regions, []
+        if regions:
+            regions[-1][1].synchronize()  # the stream ran the regions in order
+        return sum(a.elapsed_time(b) for a, b in regions) / 1000  # ms -> s
+
+    def take_link_s(self) -> dict[Link, tuple[int, float]]:
+        """Bytes and seconds per link of the copies since the previous call, from their own
+        events (call after the step's sync)."""
+        copies, self._copies = self._copies, []
+        out: dict[Link, tuple[int, float]] = {}
+        for link, nbytes, start, end in copies:
+            end.synchronize()
+            b, s = out.get(link, (0, 0.0))
+            out[link] = (b + nbytes, s + start.elapsed_time(end) / 1000)
+        return out
+
+
+def _poison(t: torch.Tensor) -> None:
+    """What a destination holds until its copy lands: NaN, or all bits set for integers."""
+    if t.dtype.is_floating_point:
+        t.fill_(math.nan)
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    elif t.dtype == torch.uint8:
+        t.fill_(255)  # as bf16, fp16, fp32 or fp8 bytes: NaN
+    else:
+        t.fill_(-1)
+
+
+class _Done(Future):
+    """A future the simulated device finished inline: it is done in virtual time at `t_s`, and
+    its result may be taken only after the host has waited until then."""
+
+    def __init__(self, timeline: Timeline, t_s: float, what: str) -> None:
+        super().__init__()
+        self.timeline, self.t_s, self.what = timeline, t_s, what
+
+    def done(self) -> bool:
+        return self.t_s <= self.timeline.host.t_s
+
+    def result(self, timeout: float | None = None):
+        self.timeline.wait_host(self.t_s, self.what, "update wait")
+        return super().result(timeout)
+
+
+class _InlineWorker(Executor):
+    """The simulated device's background thread: each task runs when submitted, on a host
+    clock of its own that starts no earlier than the submitter's now."""
+
+    def __init__(self, timeline: Timeline, lane: str) -> None:
+        self.timeline, self.lane = timeline, lane
+        self.clock = HostClock(lane)
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        with self.timeline.thread(self.lane, self.clock):
+            try:
+                value, error = fn(*args, **kwargs), None
+            except BaseException as e:  # re-raised where the result is taken, as a thread's
+                value, error = None, e
+        fut = _Done(self.timeline, self.clock.t_s, self.lane)
+        if error is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(error)
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
+class _TimedIO(Future):
+    """A disk request's future whose result the host may take only once the drive's lane has
+    served it in virtual time."""
+
+    def __init__(self, fut: Future, timeline: Timeline, t_s: float, what: str) -> None:
+        super().__init__()
+        self.fut, self.timeline, self.t_s, self.what = fut, timeline, t_s, what
+
+    def done(self) -> bool:
+        return self.fut.done() and self.t_s <= self.timeline.host.t_s
+
+    def add_done_callback(self, fn) -> None:
+        self.fut.add_done_callback(lambda _f: fn(self))
+
+    def result(self, timeout: float | None = None):
+        self.timeline.wait_host(self.t_s, self.what, "disk wait")
+        return self.fut.result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        return self.fut.exception(timeout)
+
+
+class SimDevice(Device):
+    """CPU tensors, a GPU's timing (see the module's docstring)."""
+
+    kind = "sim"
+    asynchronous = True
+
+    def __init__(self, profile: HardwareProfile, precision: str = "bf16", *, tf32: bool = False,
+                 tracer: Tracer | NoTracer = NO_TRACER) -> None:
+        super().__init__(torch.device("cpu"), tracer)
+        self.profile = profile
+        self.timeline = Timeline(Rates.of(profile, precision, tf32=tf32))
+        # per stream: copies issued and not yet landed, in order: (seq, dst, src, events waited)
+        self._pending: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, list]]] = {
+            H2D: [], D2H: []}
+        self._compute_mark = 0.0  # busy seconds of the compute lane at the last take
+
+    def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
+        tl = self.timeline
+        deps = [tl.mark()] if after is AFTER_COMPUTE else [e for e in after if e is not None]
+        event = tl.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
+        _poison(dst)
+        self._pending[event.stream.name].append((event.seq, dst, src, deps))
+        return event
+
+    def _land(self, event) -> None:
+        """Every copy on `event`'s stream up to it lands, in issue order, each after the
+        copies it waited for."""
+        if event is None or event.stream.name not in self._pending:
+            return
+        queue = self._pending[event.stream.name]
+        while queue and queue[0][0] <= event.seq:
+            _, dst, src, deps = queue.pop(0)
+            for dep in deps:
+                self._land(dep)
+            dst.copy_(src)
+
+    def mark(self):
+        return self.timeline.mark(COMPUTE)
+
+    def wait(self, event, what=""):
+        self._land(event)
+        self.timeline.wait(event, COMPUTE, what)
+
+    def wait_host(self, event, what=""):
+        self._land(event)
+        if event is not None:
+            self.timeline.wait_host(event.t_s, what, "transfer wait")
+
+    def synchronize(self):
+        for name in self._pending:
+            self._land(self.timeline.mark(name))
+        self.timeline.synchronize()
+
+    def read(self, t):
+        self.timeline.wait_host(self.timeline.compute.t_s, "read", "sync")
+        return super().read(t)
+
+    def upload(self, t):
+        return t
+
+    @contextlib.contextmanager
+    def compute(self, name="compute", flops=0.0, *, block=False):
+        yield
+        self.timeline.compute_op(name, flops, block=block)
+
+    def take_compute_s(self) -> float:
+        busy = self.timeline.lane(COMPUTE).busy_s
+        s, self._compute_mark = busy - self._compute_mark, busy
+        return s
+
+    @contextlib.contextmanager
+    def cpu(self, name, *, moved_bytes=0, params=0.0):
+        yield
+        rates = self.timeline.rates
+        self.timeline.cpu(moved_bytes / rates.host_copy_Bps
+                          + params / rates.cpu_adam_params_per_s, name)
+
+    def io(self, fut, link, nbytes, what=""):
+        return _TimedIO(fut, self.timeline, self.timeline.disk(link, nbytes, what), what)
+
+    def worker(self, name):
+        return _InlineWorker(self.timeline, f"cpu {name}")
+
+
+def sim_profile(name: str) -> HardwareProfile | None:
+    """The profile `--device sim:NAME` names (None: not a simulated device)."""
+    if not name.startswith(SIM_PREFIX):
+        return None
+    key = name[len(SIM_PREFIX):]
+    if key not in PROFILES:
+        raise ValueError(f"--device {name}: no hardware profile {key!r}; one of "
+                         f"{', '.join('sim:' + p for p in sorted(PROFILES))}")
+    return PROFILES[key]
+
+
+def as_device(device: torch.device | Device, tracer: Tracer | NoTracer = NO_TRACER) -> Device:
+    """`device` as a Device (a torch.device: the host's or CUDA's)."""
+    if isinstance(device, Device):
+        return device
+    return CudaDevice(device, tracer) if device.type == "cuda" else HostDevice(device, tracer)
+
