@@ -19,6 +19,7 @@ from runtime_helpers import (
 )
 
 from tierlm.memory import Tier, planner
+from tierlm.memory.device import HostDevice
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.planner import ModelShape, TrainShape, _simulate, evaluate, usable_budgets
@@ -87,6 +88,7 @@ class _AsyncStore:
         self.host, self.before, self.chunk = host, host.clone(), chunk
         self.log: list[tuple[str, int, frozenset[int]]] = []
         self.inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dev = HostDevice(torch.device("cpu"))  # prices nothing: the adds run as they come
         self.allocated = self.freed = 0
 
     def added(self) -> frozenset[int]:

@@ -384,8 +384,11 @@ class RunConfig:
     all (--keep-checkpoints)."""
     seed: int = 0
     """Seed for weights, data order, dropout and sampling (--seed)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device to train on; auto takes CUDA when present (--device)."""
+    device: str = "auto"
+    """Device to train on: auto (CUDA when present), cpu, cuda, or sim:PROFILE (e.g.
+    sim:rtx4090), the tiered runtime on this machine's CPU with a GPU of that hardware profile
+    simulated in virtual time: exact numbers, the simulated step time and its split per lane
+    (--device)."""
     compile: Literal["off", "segments"] = "off"
     """segments: torch.compile one block's forward (every block of the model runs the same
     compiled code, its weights passed in, so streaming never recompiles) and the head's chunk
@@ -918,8 +921,29 @@ def uses_tiered_runtime(cfg: Config) -> bool:
     )
 
 
+def _check_device(cfg: Config) -> None:
+    device = cfg.run.device
+    if device in ("auto", "cpu", "cuda"):
+        return
+    from tierlm.memory.hardware import PROFILES
+
+    names = ", ".join(f"sim:{p}" for p in PROFILES)
+    if not device.startswith("sim:"):
+        raise ConfigError(f"--device {device}: one of auto, cpu, cuda, or a simulated GPU "
+                          f"({names})")
+    if device[len("sim:"):] not in PROFILES:
+        raise ConfigError(f"--device {device}: no hardware profile of that name; one of {names}")
+    if not uses_tiered_runtime(cfg):
+        raise ConfigError(f"--device {device} simulates the tiered runtime's step: pass "
+                          "--offload-policy auto, host, disk or tiered")
+    if cfg.distributed.nproc > 1 or cfg.distributed.context_parallel > 1:
+        raise NotSupportedYet(f"--device {device} with --nproc or --context-parallel",
+                              "the simulated device runs one process")
+
+
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them."""
+    _check_device(cfg)
     if cfg.train.finetune in ("lora", "qlora") and (
         cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
     ):

@@ -36,7 +36,16 @@ from typing import Any
 import torch
 
 from tierlm.memory.hardware import PROFILES, HardwareProfile
-from tierlm.memory.simulator import COMPUTE, D2H, H2D, LINK_LANE, HostClock, Rates, Timeline
+from tierlm.memory.simulator import (
+    COMPUTE,
+    D2H,
+    DISK,
+    H2D,
+    LINK_LANE,
+    HostClock,
+    Rates,
+    Timeline,
+)
 from tierlm.memory.tiers import Link
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 
@@ -135,6 +144,17 @@ class Device:
         """The executor of a background thread of the step (the update worker, the
         write-back)."""
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierlm-{name}")
+
+    # -- per step ----
+
+    def begin_step(self) -> Any:
+        """Called as a step starts; `end_step` takes what it returns."""
+        return None
+
+    def end_step(self, begun: Any) -> dict[str, float]:
+        """What the device itself measured of the step (the simulated device: its virtual
+        step time and the busy time of each lane)."""
+        return {}
 
 
 class HostDevice(Device):
@@ -387,6 +407,36 @@ class SimDevice(Device):
 
     def worker(self, name):
         return _InlineWorker(self.timeline, f"cpu {name}")
+
+    def begin_step(self):
+        tl = self.timeline
+        # nothing is booked before the host's now any more: earlier intervals and the last
+        # step's operations go
+        for lane in tl.lanes.values():
+            lane.forget_before(tl.host.t_s)
+        tl.ops = []
+        return tl.host.t_s, {n: lane.busy_s for n, lane in tl.lanes.items()}, tl.wait_s
+
+    def end_step(self, begun):
+        t0, busy, wait_s = begun
+        tl = self.timeline
+        self.step_window_s = (t0, tl.host.t_s)
+        self.step_ops = list(tl.ops)
+
+        def lane_s(name: str) -> float:
+            lane = tl.lanes.get(name)
+            return 0.0 if lane is None else lane.busy_s - busy.get(name, 0.0)
+
+        return {
+            "sim_step_s": tl.host.t_s - t0,  # from this step's start to the next one's
+            "sim_compute_s": lane_s(COMPUTE),
+            "sim_h2d_s": lane_s(H2D),
+            "sim_d2h_s": lane_s(D2H),
+            "sim_disk_s": lane_s(DISK),
+            "sim_cpu_update_s": lane_s("cpu update"),
+            "sim_cpu_s": lane_s("cpu"),  # the training thread's own CPU work (gradient adds)
+            "sim_transfer_wait_s": tl.wait_s - wait_s,  # compute idle, waiting for copies
+        }
 
 
 def sim_profile(name: str) -> HardwareProfile | None:

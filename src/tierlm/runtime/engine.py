@@ -452,6 +452,7 @@ class Engine(Stepper):
         copy: `update_wait_s`, `transfer_wait_s`), then computes; `compute_s` is what the compute
         clock measured inside the actions (also the trace's compute lane)."""
         t0 = time.perf_counter()
+        begun = self.dev.begin_step()
         trace = self.tracer
         names = [st.seg.name for st in self.states]
         with trace.span("step", "begin step", cat="step"):
@@ -500,6 +501,7 @@ class Engine(Stepper):
             "update_wait_s": self.update_wait_s,  # part of sweep_s spent on the last update
             "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
             "step_time_s": time.perf_counter() - t0,
+            **self.dev.end_step(begun),  # a simulated device's step in virtual time
         }
 
     def landing_ring_numel(self, actions: list[Action], m: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,11 @@ def hardware_for(cfg: Config) -> HardwareProfile:
     def size(v: str | None, flag: str) -> int | None:
         return parse_bytes(v, flag) if v else None
 
+    hardware = mem.hardware
+    if hardware == "auto" and cfg.run.device.startswith("sim:"):
+        hardware = cfg.run.device[len("sim:"):]  # plan for the GPU the run simulates
     return resolve(
-        mem.hardware,
+        hardware,
         gpu_memory_bytes=size(mem.gpu_memory, "--gpu-memory"),
         host_memory_bytes=size(mem.host_memory, "--host-memory"),
         disk_budget_bytes=size(mem.disk_budget, "--disk-budget"),
@@ -459,3 +463,21 @@ def prediction_lines(rec: dict[str, Any]) -> list[str]:
         lines.append(f"{label}: predicted {fmt.format(predicted)}, measured "
                      f"{fmt.format(measured)}{ratio}")
     return lines
+
+
+SIM_KEYS = ("sim_step_s", "sim_compute_s", "sim_h2d_s", "sim_d2h_s", "sim_disk_s",
+            "sim_cpu_update_s", "sim_cpu_s", "sim_transfer_wait_s")
+
+
+def simulated_step_line(device: str, steps: list[dict[str, float]], p: Plan | None) -> str:
+    """`--device sim:PROFILE`'s end line: the median simulated step, each lane's busy time in
+    it, and the plan's step beside it."""
+    med = {k: statistics.median(s[k] for s in steps) for k in SIM_KEYS}
+    parts = ", ".join(f"{label} {med[k]:.4g} s" for label, k in (
+        ("compute", "sim_compute_s"), ("H2D", "sim_h2d_s"), ("D2H", "sim_d2h_s"),
+        ("disk", "sim_disk_s"), ("CPU update", "sim_cpu_update_s"),
+        ("CPU adds", "sim_cpu_s"), ("compute waiting for copies", "sim_transfer_wait_s")))
+    planned = "" if p is None else f"; the plan predicted {p.step_s:.4g} s"
+    return (f"simulated step on {device} (median of {len(steps)}): {med['sim_step_s']:.4g} s "
+            f"({med['sim_step_s'] / max(med['sim_compute_s'], 1e-30):.2f}x its compute); "
+            f"lanes busy: {parts}{planned}")

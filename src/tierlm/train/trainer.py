@@ -53,6 +53,7 @@ from tierlm.distributed.setup import (
     shard_batches,
 )
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
+from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
 from tierlm.memory.planner import Plan
 from tierlm.memory.tiers import Tier
 from tierlm.models import (
@@ -86,6 +87,7 @@ from tierlm.train.checkpoint import (
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.planning import (
+    SIM_KEYS,
     cap_gpu_memory,
     finetune_precision,
     plan_auto,
@@ -95,6 +97,7 @@ from tierlm.train.planning import (
     prediction_lines,
     prediction_record,
     resolve_precision,
+    simulated_step_line,
 )
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
@@ -123,6 +126,9 @@ def cache_dir() -> Path:
 
 
 def resolve_device(name: str) -> torch.device:
+    """Where tensors live: a simulated GPU (`sim:PROFILE`) computes on the CPU."""
+    if name.startswith(SIM_PREFIX):
+        return torch.device("cpu")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -253,7 +259,10 @@ def build_stepper(
         options.disk_budget_bytes = None
         if cfg.activations.policy == "dynamic":  # without a budget it would keep every graph
             options.activation_budget_bytes = plan.budgets["device"] - plan.device_peak_bytes
-    return build_engine(model, cfg.optim, options, device=device,
+    profile = sim_profile(cfg.run.device)
+    engine_device = device if profile is None else SimDevice(
+        profile, precision, tf32=cfg.precision.tf32, tracer=tracer)
+    return build_engine(model, cfg.optim, options, device=engine_device,
                         initial_weights=initial_weights)
 
 
@@ -498,6 +507,7 @@ class Trainer:
         share = trained_share(train_seqs)
         self.predicted = predicted_rates(self.plan, self.tokens_per_step, share)
         self._step_rates: list[dict[str, float]] = []  # this process's steps, for the end
+        self._sim_steps: list[dict[str, float]] = []  # --device sim:PROFILE's virtual steps
         trained = ("" if self.n_trained == self.n_params else
                    f" ({self.n_trained / 1e6:.2f}M trained by --finetune {cfg.train.finetune}, "
                    f"{self.n_trained / self.n_params:.2%})")
@@ -542,9 +552,11 @@ class Trainer:
         }
         self._step_rates.append({k: rec[k] for k in RATE_KEYS})
         for key in ("sweep_s", "compute_s", "update_wait_s", "transfer_wait_s",
-                    "kv_send_bytes", "net_send_bytes"):
+                    "kv_send_bytes", "net_send_bytes", *SIM_KEYS):
             if key in out:
                 rec[key] = out[key]
+        if "sim_step_s" in out:  # --device sim:PROFILE: the step the simulated GPU took
+            self._sim_steps.append({k: out[k] for k in SIM_KEYS})
         if self.stepper.ledger is not None:
             rec.update(self.stepper.ledger.snapshot())
         rec.update(self.fp8.end_step(self.step))  # may switch layers to bf16, or stop the run
@@ -634,6 +646,9 @@ class Trainer:
         self.metrics.write(rec)
         for line in prediction_lines(rec):
             self.log(line)
+        sim = self._sim_steps[1:] or self._sim_steps
+        if sim:  # the first step fills the stream cache: left out where there are others
+            self.log(simulated_step_line(self.cfg.run.device, sim, self.plan))
 
     # -- the loop ----
 
