@@ -63,12 +63,20 @@ class StepTrace:
         self.engine.synchronize()  # the step's own updates, still running in the background
         # the waits `synchronize` itself records are the trace's, not the step's
         events = [e for e in self.tracer.disarm() if e.lane != "wait" or e.start_s < end_s]
-        # the trainer's part of the step before the runtime's (drawing the micro-batches) is
-        # compute in `compute_s` too
-        begin = min((e.start_s for e in events if e.lane == "step"), default=end_s)
-        events.insert(0, TraceEvent("step", "draw batches", "step", self.before_s, begin))
+        origin_s = self.tracer.origin_s
+        dev = self.engine.dev
+        if dev.kind == "sim":  # --device sim:PROFILE: the step in the simulated GPU's time
+            origin_s = dev.step_window_s[0]
+            events = [TraceEvent(op.lane, op.name, op.cat, op.start_s, op.end_s, dict(op.args))
+                      for op in dev.step_ops]
+            events.append(TraceEvent("step", "step", "step", *dev.step_window_s))
+        else:
+            # the trainer's part of the step before the runtime's (drawing the micro-batches)
+            # is compute in `compute_s` too
+            begin = min((e.start_s for e in events if e.lane == "step"), default=end_s)
+            events.insert(0, TraceEvent("step", "draw batches", "step", self.before_s, begin))
         trace = chrome_trace(
-            events, self.tracer.origin_s, self.predict(),
+            events, origin_s, self.predict(),
             step=self.step,
             measured_s={k: rec[k] for k in TIME_KEYS if rec.get(k) is not None},
             predicted_times_s=self.plan.times_s if self.plan is not None else None,
