@@ -746,6 +746,9 @@ def _simulate(
             if self.load.disk_read_bytes:
                 ledger.record_move(Link.DISK_READ, self.load.disk_read_bytes)
 
+        def start(self, dst, after) -> None:
+            pass
+
         def finish(self, dst) -> None:
             ledger.record_move(Link.H2D, self.load.h2d_bytes)
             if self.staging is not None:

@@ -274,6 +274,10 @@ class WireLoad:
 
     def __init__(self, store: Store, st) -> None:
         self.store, self.st = store, st
+        self.copied = None
+
+    def start(self, dst: torch.Tensor, after) -> None:
+        self.copied = self.store.to_device(dst, self.st.wire, self.st.seg.name, after=after)
 
     def finish(self, dst: torch.Tensor) -> None:
-        self.store.wait(self.store.to_device(dst, self.st.wire, self.st.seg.name))
+        self.store.wait(self.copied, self.st.seg.name)

@@ -1031,6 +1031,7 @@ class _TensorStep:
         return self.eng.tracer.span("step", a.label(self.names), cat="action", k=k)
 
     def prefetch(self, k: int) -> None:
+        self.eng.cache.reads_done(k - 1)  # the action just issued was the last to read them
         self.eng.cache.prefetch(k)
 
     def read_ahead(self, s: int) -> None:

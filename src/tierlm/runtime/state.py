@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierlm.memory.device import AFTER_COMPUTE
 from tierlm.memory.disk import ALIGN_BYTES
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import STAGING_SETS, SegmentPlacement, chunk_ranges, staging_numel
@@ -234,14 +235,19 @@ def load_bytes(tier: Tier, numel: int, copy_bytes: int | None, chunk_numel: int)
 
 
 class HostLoad:
-    """Streamed weights whose source is the host master: one H2D copy."""
+    """Streamed weights whose source is the host master: one H2D copy, issued at `start` (the
+    prefetch), waited for at `finish`."""
 
     def __init__(self, store: Store, st: SegmentState) -> None:
         self.store, self.st = store, st
+        self.copied = None
+
+    def start(self, dst: torch.Tensor, after) -> None:
+        self.copied = self.store.to_device(dst.view(torch.float32), self.st.master,
+                                           self.st.seg.name, after=after)
 
     def finish(self, dst: torch.Tensor) -> None:
-        self.store.wait(self.store.to_device(dst.view(torch.float32), self.st.master,
-                                             self.st.seg.name))
+        self.store.wait(self.copied, self.st.seg.name)
 
 
 class DiskLoad:
@@ -263,12 +269,16 @@ class DiskLoad:
         lo, n = self.ranges[k]
         return self.store.read_file(self.file, self.bufs[k % len(self.bufs)][:n], lo * 4)
 
+    def start(self, dst: torch.Tensor, after) -> None:
+        self.after = after  # each chunk's upload waits for it (its reads started already)
+
     def finish(self, dst: torch.Tensor) -> None:
         dst = dst.view(torch.float32)
         for k, (lo, n) in enumerate(self.ranges):
             self.reads[k].result()
             event = self.store.to_device(
-                dst.narrow(0, lo, n), self.bufs[k % len(self.bufs)][:n], self.name
+                dst.narrow(0, lo, n), self.bufs[k % len(self.bufs)][:n], self.name,
+                after=self.after,
             )
             self.store.wait(event)
             # the copy has read the buffer before it is reused or freed
@@ -290,10 +300,22 @@ class ComputeFileLoad:
         self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.compute_format.nbytes,
                                    dtype=torch.uint8)
         self.future = store.read_file(st.file("compute"), self.staging)
+        self.copied = None
+
+    def start(self, dst: torch.Tensor, after) -> None:
+        self.after = after
+        if self.future.done():  # read already: its upload goes now
+            self._upload(dst)
+
+    def _upload(self, dst: torch.Tensor) -> None:
+        self.future.result()
+        self.copied = self.store.to_device(dst.view(self.staging.dtype), self.staging,
+                                           self.name, after=self.after)
 
     def finish(self, dst: torch.Tensor) -> None:
-        self.future.result()
-        copied = self.store.to_device(dst.view(self.staging.dtype), self.staging, self.name)
+        if self.copied is None:
+            self._upload(dst)
+        copied = self.copied
         self.store.wait(copied)
         self.store.wait_host(copied, self.name)  # the copy has read staging before it is freed
         self.store.free(Tier.HOST, TensorClass.STAGING, self.staging)
@@ -315,7 +337,9 @@ def reload_resident(store: Store, st: SegmentState, chunk_numel: int) -> None:
         store.free(Tier.DEVICE, TensorClass.COMPUTE, st.device_weights)
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, nbytes,
                                         dtype=torch.uint8)
-    start_load(store, st, chunk_numel).finish(st.device_weights)
+    load = start_load(store, st, chunk_numel)
+    load.start(st.device_weights, AFTER_COMPUTE)  # the last step's reads of it are queued
+    load.finish(st.device_weights)
 
 
 class DiskTensor:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tierlm.memory.device import HostDevice
 from tierlm.memory.tiers import Tier
 from tierlm.memory.wear import DiskWear
 from tierlm.runtime.cache import StreamCache
@@ -268,6 +269,8 @@ class Alerts:
 class _NoBytes:
     """A store that allocates nothing: the dry run below moves no data."""
 
+    dev = HostDevice(torch.device("cpu"))  # its events are None: nothing waits
+
     def alloc(self, tier: Tier, cls: Any, numel: int, dtype: Any = None) -> torch.Tensor:
         return torch.empty(0)
 
@@ -276,13 +279,16 @@ class _NoBytes:
 
 
 class _NoLoad:
+    def start(self, dst: torch.Tensor, after: Any) -> None:
+        pass
+
     def finish(self, dst: torch.Tensor) -> None:
         pass
 
 
 def planned_fetches(cache: StreamCache, plan: list[list[int]]) -> dict[int, int]:
     """Fetches per segment that the stream cache's own policy (eviction by next use, prefetch
-    only into free room) makes for the access sequence `plan`, as the engine drives it: the
+    evicting ahead) makes for the access sequence `plan`, as the engine drives it: the
     segments of action k acquired in order, then the prefetch for action k + 1. Running the real
     class keeps the plan and the cache from drifting apart."""
     no_store: Any = _NoBytes()
@@ -291,6 +297,7 @@ def planned_fetches(cache: StreamCache, plan: list[list[int]]) -> dict[int, int]
     for k, segs in enumerate(plan):
         for s in segs:
             dry.acquire(k, s)
+        dry.reads_done(k)
         dry.prefetch(k + 1)
     dry.drop_all()
     return dict(dry.fetches)
