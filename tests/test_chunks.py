@@ -112,10 +112,12 @@ def test_tied_embedding_gradient_is_held_once_per_micro_batch(order, m, tmp_path
     # one embedding gradient per micro-batch in flight: the head's contribution, which the
     # owner's own joins, the first of them being the step's gradient (no zeroed temporary, no
     # separate accumulator); beside them, from the head to the embedding's backward, the
-    # gradient of the segment running
+    # gradient of the segment running, and at most one gradient still landing into host RAM
+    # (the engine's landing worker)
     in_flight = m if order == "layer-outer" else 1
-    grad_bytes = in_flight * 4 * shape.numels[0] + 4 * max(shape.numels[1:])
-    assert led.peak_class_bytes[(Tier.DEVICE, TensorClass.GRAD)] == grad_bytes
+    held = in_flight * 4 * shape.numels[0] + 4 * max(shape.numels[1:])
+    grad_bytes = led.peak_class_bytes[(Tier.DEVICE, TensorClass.GRAD)]
+    assert held < grad_bytes <= held + 4 * max(shape.numels)
     hw = PROFILES["rtx4090"]
     placements = [SegmentPlacement(False, Tier.HOST)] * len(shape.names)
     predicted = evaluate(shape, TrainShape(B, T, m), hw, placements, order, True,

@@ -135,13 +135,13 @@ def _account(
     """The bytes each tier holds under `placements`, by the engine's own rules: per segment
     what `init_state` and the compute copies allocate for the run
     (tierlm.runtime.state.persistent_bytes); on the device besides, `activation_bytes`, the
-    stream cache's slots (tierlm.runtime.cache.window_bytes) and the one gradient an action
+    stream cache's slots (tierlm.runtime.cache.window_bytes) and the gradient an action
     accumulates there before it lands on the state's tier (`transient_grad`,
-    tierlm.runtime.schedule); in host RAM besides, the staging of one disk-tier update and one
-    streamed read of a disk-tier segment (`update_staging_bytes`, `load_bytes`), each the
-    largest of any disk segment, since one segment's update overlaps another's load, and of the
-    gradient landings (`landing_staging_bytes`: the step's landing ring and the largest
-    landing's own staging).
+    tierlm.runtime.schedule), twice: the one before is still landing; in host RAM besides, the
+    staging of one disk-tier update and one streamed read of a disk-tier segment
+    (`update_staging_bytes`, `load_bytes`), each the largest of any disk segment, since one
+    segment's update overlaps another's load, and of the gradient landings
+    (`landing_staging_bytes`: the step's landing ring and the largest landing's own staging).
 
     `copy_bytes`: per segment, its compute copy off the device (None: the fp32 master serves);
     `slot_bytes`: per segment, its optimizer's state (None: none); `frozen`: the weights are
@@ -163,8 +163,10 @@ def _account(
              for n, c, p in zip(numels, copies, placements, strict=True)]
     held[Tier.DEVICE] += window_bytes(
         ld.h2d_bytes for ld, p in zip(loads, placements, strict=True) if not p.resident)
-    held[Tier.DEVICE] += max((GRAD_B * n for n, p in zip(numels, placements, strict=True)
-                              if transient_grad(p.state_tier, frozen)), default=0)
+    # an action's gradient, and the one before it still landing beside it (the engine's
+    # landing worker has one landing in flight while the next action computes)
+    held[Tier.DEVICE] += sum(sorted((GRAD_B * n for n, p in zip(numels, placements, strict=True)
+                                     if transient_grad(p.state_tier, frozen)), reverse=True)[:2])
     on_disk = [s for s, p in enumerate(placements) if p.state_tier == Tier.DISK]
     held[Tier.HOST] += max((0 if frozen else update_staging_bytes(
         numels[s], MASTER_B * numels[s] + slots[s]

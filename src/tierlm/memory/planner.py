@@ -591,6 +591,7 @@ class _CountingStep:
         self.act = _Bytes(hidden)  # a boundary input or its gradient
         self.grad_written = [False] * len(placements)
         self.ahead_held: list[_Bytes] = []  # read ahead, freed by the update
+        self.landing: _Bytes | None = None  # the gradient the landing in flight reads
 
     def begin(self, k: int, a: Any) -> None:
         self.on_action(k, "run", a)
@@ -672,7 +673,18 @@ class _CountingStep:
         for link, nbytes in path.moves(GRAD_B * numel):
             self.ledger.record_move(link, nbytes)
         self.grad_written[s] = path.written
-        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+        # a landing into host RAM runs on the engine's landing worker: its device gradient is
+        # freed when the engine next waits for it (the next landing, or the sweep's end)
+        self.settle_landing()
+        if path.to_host:
+            self.landing = grad
+        else:
+            self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+
+    def settle_landing(self) -> None:
+        if self.landing is not None:
+            self.store.free(Tier.DEVICE, TensorClass.GRAD, self.landing)
+            self.landing = None
 
 
 _NOTHING = contextlib.nullcontext()
@@ -789,6 +801,7 @@ def _simulate(
     )
     with ring:  # held from the first landing to the end of the sweep, as the engine does
         walk_step(step, actions, rules, ahead)
+        step.settle_landing()
 
     on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and slots, write master and slots

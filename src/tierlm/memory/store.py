@@ -77,9 +77,11 @@ class Store:
         trace."""
         return self._copy(dst, src, Link.H2D, what, after)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Any:
-        """Copy device -> host after the compute queued so far (which wrote `src`)."""
-        return self._copy(dst, src, Link.D2H, what, AFTER_COMPUTE)
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, what: str = "", *,
+                after: Sequence[Any] | None = AFTER_COMPUTE) -> Any:
+        """Copy device -> host after `after` (AFTER_COMPUTE: the compute queued so far, which
+        wrote `src`)."""
+        return self._copy(dst, src, Link.D2H, what, after)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, link: Link, what: str,
               after: Sequence[Any] | None) -> Any:

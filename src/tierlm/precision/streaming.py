@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tierlm.memory.device import AFTER_COMPUTE
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
@@ -274,10 +275,13 @@ class WireLoad:
 
     def __init__(self, store: Store, st) -> None:
         self.store, self.st = store, st
-        self.copied = None
+        self.started, self.copied = False, None
 
     def start(self, dst: torch.Tensor, after) -> None:
+        self.started = True
         self.copied = self.store.to_device(dst, self.st.wire, self.st.seg.name, after=after)
 
     def finish(self, dst: torch.Tensor) -> None:
+        if not self.started:
+            self.start(dst, AFTER_COMPUTE)
         self.store.wait(self.copied, self.st.seg.name)

@@ -243,6 +243,10 @@ class Engine(Stepper):
             self.borrowed[name] = (o.index, slot.offset, slot.numel)
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = self.dev.worker("update")
+        # gradient landings into host RAM, in the order the backward issues them
+        self._lander = self.dev.worker("landing")
+        # the landing in flight: its future, its device gradient and the segment it completes
+        self._landing: tuple[Future, torch.Tensor, SegmentState | None] | None = None
         self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
         self._updates: dict[int, Future] = {}
         # segment -> its master and slots being read ahead of its update (the read-ahead)
@@ -486,7 +490,10 @@ class Engine(Stepper):
         # leaving the block, an exception included; a skipped step has landed by then)
         with LandingRing(self.store, self.landing_ring_numel(actions, m)) as ring:
             run = _TensorStep(self, mbs, actions, names, ring, divisor)
-            walk_step(run, actions, self.step_rules(m), readahead)
+            try:
+                walk_step(run, actions, self.step_rules(m), readahead)
+            finally:
+                self._drain_landings()  # they add through the ring, released next
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
             grad_norm, skipped = self._finish_step(lr)
@@ -644,11 +651,19 @@ class Engine(Stepper):
             return
         what = f"grad {st.seg.name}"
         if path.to_host:  # host state, or disk state's held gradient
-            add_to_host(self.store, ring, st.grad, grad, self.chunk_numel, what)
-            self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
-            if final:
-                self._grad_complete(st, st.grad)
+            # on the landing worker, so the training thread goes on issuing the backward: the
+            # copies wait for the gradient (an event now), the adds for their copies; the sync
+            # and the norm read the host sum once `_drain_landings` has seen it done
+            # One landing at a time is in flight: the one before is waited for here, after this
+            # action's compute was issued, so it ran under it; its gradient leaves the device
+            # ledger now (tierlm.runtime.schedule.landing_held: the planner's replay holds it as
+            # long).
+            self._drain_landings()
+            done = self.dev.mark()
+            self._landing = (self._lander.submit(self._add_landing, ring, st.grad, grad, done,
+                                                 what), grad, st if final else None)
             return
+        self._drain_landings()  # the file path below adds through the ring too
         # Disk: chunk by chunk through host staging. The gradient file holds the sum of this
         # step's earlier contributions (grad_written); the step's last contribution completes
         # the sum in the device buffer, where the sync and the norms read it whole, before the
@@ -660,6 +675,23 @@ class Engine(Stepper):
             self._grad_file_chunks(st, grad, ring, add=p.add, back=p.back)
         self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
         st.grad_written = path.written
+
+    def _add_landing(self, ring: LandingRing, host: torch.Tensor, grad: torch.Tensor,
+                     done: object, what: str) -> None:
+        """`host += grad` through the ring, on the landing worker."""
+        add_to_host(self.store, ring, host, grad, self.chunk_numel, what, after=[done])
+
+    def _drain_landings(self) -> None:
+        """The landing in flight has added its gradient into host RAM (a failed one raises
+        here): its device gradient is freed, and its segment, if that was its step's last
+        contribution, is complete."""
+        if self._landing is None:
+            return
+        (fut, grad, st), self._landing = self._landing, None
+        fut.result()
+        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+        if st is not None:
+            self._grad_complete(st, st.grad)
 
     def _grad_file_chunks(
         self, st: SegmentState, grad: torch.Tensor, ring: LandingRing, *, add: bool, back: bool
@@ -690,6 +722,7 @@ class Engine(Stepper):
                                                                    st.layout.slots)))
 
     def _finish_syncs(self) -> None:
+        self._drain_landings()
         for st, grad, pending in self._syncing:
             pending.wait()
             self._record_norms(st, grad)
@@ -1006,6 +1039,7 @@ class Engine(Stepper):
     def close(self) -> None:
         self.synchronize()
         self._worker.shutdown(wait=True)
+        self._lander.shutdown(wait=True)
         self._writer.close()
         self.store.close()
 

@@ -5,7 +5,9 @@ and the CPU adds it from there. Staging the whole gradient would hold a second c
 segment's gradient in RAM (a 7B block: ~800 MB, pinned) that no plan counts. Instead the
 gradient crosses in chunks through `landing_staging_numel` elements (tierlm.runtime.schedule,
 the rule the planner's replay counts too): while the CPU adds chunk i, chunk i+1's copy is in
-flight on the store's copy stream. On a CPU-only machine the copy is a memcpy and the ring
+flight on the device-to-host stream. The engine runs each landing into host RAM on a worker of
+its own (the training thread goes on issuing the backward), its copies ordered after the
+gradient by an event. On a CPU-only machine the copy is a memcpy and the ring
 runs in turn; either way the arithmetic is the elementwise `host += dev`, chunk by chunk, so
 the sum is bitwise what one `host.add_(dev)` gives.
 
@@ -18,8 +20,12 @@ costlier still); the planner's replay holds the ring for the same span.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
+from tierlm.memory.device import AFTER_COMPUTE
 from tierlm.memory.placement import chunk_ranges
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
@@ -57,7 +63,7 @@ class LandingRing:
 
 def add_to_host(
     store: Store, ring: LandingRing, host: torch.Tensor, dev: torch.Tensor, chunk_numel: int,
-    what: str = "",
+    what: str = "", after: Sequence[Any] | None = AFTER_COMPUTE,
 ) -> None:
     """`host += dev` for a host buffer and a device tensor of the same length, through the first
     `landing_staging_numel(dev.numel(), chunk_numel)` elements of the step's `ring`. Returns
@@ -77,7 +83,7 @@ def add_to_host(
 
     def copy(k: int):
         lo, n = ranges[k]
-        return store.to_host(bufs[k % len(bufs)][:n], dev.narrow(0, lo, n), what)
+        return store.to_host(bufs[k % len(bufs)][:n], dev.narrow(0, lo, n), what, after=after)
 
     pending = copy(0)
     for k, (lo, n) in enumerate(ranges):

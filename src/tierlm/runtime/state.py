@@ -240,13 +240,16 @@ class HostLoad:
 
     def __init__(self, store: Store, st: SegmentState) -> None:
         self.store, self.st = store, st
-        self.copied = None
+        self.started, self.copied = False, None
 
     def start(self, dst: torch.Tensor, after) -> None:
+        self.started = True
         self.copied = self.store.to_device(dst.view(torch.float32), self.st.master,
                                            self.st.seg.name, after=after)
 
     def finish(self, dst: torch.Tensor) -> None:
+        if not self.started:
+            self.start(dst, AFTER_COMPUTE)
         self.store.wait(self.copied, self.st.seg.name)
 
 
@@ -264,6 +267,7 @@ class DiskLoad:
         self.bufs = [store.alloc(Tier.HOST, TensorClass.STAGING, self.ranges[0][1])
                      for _ in self.ranges[:STAGING_SETS]]
         self.reads = [self._read(k) for k in range(len(self.bufs))]
+        self.after = AFTER_COMPUTE  # what the uploads wait for (`start` may narrow it)
 
     def _read(self, k: int):
         lo, n = self.ranges[k]
@@ -300,7 +304,8 @@ class ComputeFileLoad:
         self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.compute_format.nbytes,
                                    dtype=torch.uint8)
         self.future = store.read_file(st.file("compute"), self.staging)
-        self.copied = None
+        self.copied, self.uploaded = None, False
+        self.after = AFTER_COMPUTE  # what the upload waits for (`start` may narrow it)
 
     def start(self, dst: torch.Tensor, after) -> None:
         self.after = after
@@ -308,12 +313,13 @@ class ComputeFileLoad:
             self._upload(dst)
 
     def _upload(self, dst: torch.Tensor) -> None:
+        self.uploaded = True
         self.future.result()
         self.copied = self.store.to_device(dst.view(self.staging.dtype), self.staging,
                                            self.name, after=self.after)
 
     def finish(self, dst: torch.Tensor) -> None:
-        if self.copied is None:
+        if not self.uploaded:
             self._upload(dst)
         copied = self.copied
         self.store.wait(copied)
