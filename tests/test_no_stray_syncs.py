@@ -176,10 +176,12 @@ STREAM_AND_SYNC_FUNCTIONS = {
     "torch.cuda.current_stream", "torch.cuda.default_stream", "torch.cuda.set_stream",
     "torch.cuda.synchronize", "torch.Stream", "torch.Event", "torch.accelerator.synchronize",
     "torch.accelerator.current_stream", "torch.accelerator.set_stream",
+    # answers on the host about device data
+    "torch.equal", "torch.allclose", "torch.nonzero",
 }
-# methods that wait for the device (a host read of a tensor waits for the queue before it)
-# or order streams
-BLOCKING_METHODS = {"item", "cpu", "tolist", "numpy", "synchronize", "wait_stream",
+# methods that wait for the device (a host read of a tensor waits for the queue before it;
+# nonzero's shape depends on the data) or order streams
+BLOCKING_METHODS = {"item", "cpu", "tolist", "numpy", "nonzero", "synchronize", "wait_stream",
                     "wait_event", "record_stream"}
 # float(x), int(x), bool(x) read a tensor on the host; told apart only where x is a subscript
 # or a method's result (not a shape's or a size's): a plain name (float(step)) is not
@@ -207,6 +209,8 @@ ALLOWED = {
         "Engine.synchronize before a checkpoint's shards",
     ("runtime/engine.py", "Engine.close", ".synchronize"): "Engine.synchronize at close",
     ("runtime/compile.py", "compiled_graphs", "int"): "torch._dynamo's counters: a dict",
+    ("memory/disk.py", "supports_direct_io", "torch.equal"):
+        "the O_DIRECT probe at setup, on host buffers",
     ("memory/probe.py", "decode_memory_Bps.decode", "torch.cuda.synchronize"):
         "tierlm probe's measurements, before training",
     ("memory/probe.py", "measure.mm", "torch.cuda.synchronize"): "tierlm probe's measurements",
@@ -367,6 +371,7 @@ class A:
         s.wait_event(e); e.synchronize(); torch.cuda.synchronize(); t.record_stream(s)
         y = t.item() + float(t.sum()) + int(steps[0]) + bool(t.any())
         z = t.cpu(); w = t.tolist(); v = t.to(d, non_blocking=True); n = t.numpy()
+        same = torch.equal(t, z); nz = t.nonzero()
         ok = int(t.shape[0]) + int(t.numel()) + int(math.ceil(x)) + float(x)
 """
     calls = [(fn, call) for _, fn, call, _ in _scan(source, "x.py")]
@@ -376,5 +381,6 @@ class A:
         ("A.f", ".wait_stream"), ("A.f", "torch.cuda.current_stream"), ("A.f", ".wait_event"),
         ("A.f", ".synchronize"), ("A.f", "torch.cuda.synchronize"), ("A.f", ".record_stream"),
         ("A.f", ".item"), ("A.f", "float"), ("A.f", "int"), ("A.f", "bool"), ("A.f", ".cpu"),
-        ("A.f", ".tolist"), ("A.f", "non_blocking"), ("A.f", ".numpy"),
+        ("A.f", ".tolist"), ("A.f", "non_blocking"), ("A.f", ".numpy"), ("A.f", "torch.equal"),
+        ("A.f", ".nonzero"),
     ]
