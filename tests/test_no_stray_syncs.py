@@ -31,6 +31,7 @@ from tierlm.optim import build_flat_optimizer
 from tierlm.optim.adafactor import _adafactor_step
 from tierlm.optim.flat import advance, new_step_counter, step_count
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.engine import _stack_on
 
 META = torch.device("meta")
 OPTIMIZERS = {
@@ -163,6 +164,19 @@ def test_step_reads_the_device_once(tmp_path, policy, opt):
     host_readers = {where for where, _, tainted in watch.reads if not tainted}
     assert host_readers <= {"Engine.step", "step_count"}, host_readers
     assert "Engine._record_norms" not in watch.copies
+
+
+def test_norms_cross_to_the_device_as_one_vector():
+    """The global norm's inputs: norms in host memory (host-state segments) join those on the
+    device in one copy, in their order (on the CPU the stack is torch.stack's, bit for bit)."""
+    host = [torch.tensor(float(i)) for i in range(4)]
+    on_device = [torch.empty((), device=META) for _ in range(3)]
+    with _StepWatch() as watch:
+        out = _stack_on(META, [host[0], on_device[0], host[1], host[2], on_device[1], host[3],
+                               on_device[2]])
+    assert out.device == META and out.shape == (7,)
+    assert len(watch.copies) == 1
+    assert torch.equal(_stack_on(torch.device("cpu"), host), torch.stack(host))
 
 
 # -- the source (AST) ----

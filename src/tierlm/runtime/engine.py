@@ -692,14 +692,8 @@ class Engine(Stepper):
         """Clip and update, or skip a non-finite step: (the step's loss, the global gradient
         norm, whether the step was skipped)."""
         self._finish_syncs()
-        norms = [self.param_norms[n] for n in self.norm_order]
-        if self.device.type != "cpu":  # host-state segments' norms cross as one vector
-            on_host = [i for i, t in enumerate(norms) if t.device.type == "cpu"]
-            if on_host:
-                moved = torch.stack([norms[i] for i in on_host]).to(self.device)
-                for j, i in enumerate(on_host):
-                    norms[i] = moved[j]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = torch.linalg.vector_norm(
+            _stack_on(self.device, [self.param_norms[n] for n in self.norm_order]))
         max_norm = self.opts.grad_clip if self.opts.grad_clip > 0 else math.inf
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # The step's one host read of the device: the global norm, with the clipping
@@ -1104,6 +1098,19 @@ def _parts(st: SegmentState, copy: str, buf: torch.Tensor) -> dict[str, torch.Te
     slot = st.slot(copy)
     return {p.name: v for p, v in zip(st.layout.slots, slot.views(st.layout, buf).values(),
                                       strict=True) if slot.param_numel(p)}
+
+
+def _stack_on(device: torch.device, scalars: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack of 0-dim tensors on `device`, in their order. Those elsewhere (host-state
+    segments' norms, in host memory) cross as one vector: a blocking copy each would wait for
+    the device's queue each time."""
+    away = [i for i, t in enumerate(scalars) if t.device.type != device.type]
+    if away:
+        moved = torch.stack([scalars[i] for i in away]).to(device)
+        scalars = list(scalars)
+        for j, i in enumerate(away):
+            scalars[i] = moved[j]
+    return torch.stack(scalars)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
