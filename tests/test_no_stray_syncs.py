@@ -146,15 +146,16 @@ def test_step_reads_the_device_once(tmp_path, policy, opt):
     """An engine step (device or host state, two micro-batches, clipping active) reads device
     data on the host once: the global norm, the clipping coefficient and the loss in one
     vector at the step's end. The only other host reads are of host memory: the step counters
-    and the batch's trained-token count, taken before the batch moves; and no norm is copied
-    to the device per parameter."""
+    (device-tier updates run on this thread; host-state ones on the update thread, unwatched,
+    in host memory) and the batch's trained-token count, taken before the batch moves; and no
+    norm is copied to the device per parameter."""
     eng = build_engine(
         tiny_model("llama_untied"), OPTIMIZERS[opt],
         EngineOptions(offload_dir=str(tmp_path), batch_size=2, seq_len=16, micro_batches=2,
                       grad_clip=0.05, policy=policy),
         device=torch.device("cpu"))
     steps = batches(2, 2)
-    eng.step(steps[0], 1e-2)  # the first step sizes the cache: watch a steady one
+    eng.step(steps[0], 1e-2)  # the first step does one-time work: watch the second
     with _StepWatch() as watch:
         out = eng.step(steps[1], 1e-2)
     eng.close()
