@@ -81,7 +81,8 @@ def build(base, mode: str, cache: Path):
     def step(ids: torch.Tensor, targets: torch.Tensor) -> float:
         h = model.model(input_ids=ids).last_hidden_state
         return chunked_cross_entropy(model.lm_head, h.reshape(-1, h.shape[-1]),
-                                     targets.reshape(-1), chunk_tokens=chunk, loss_of=loss_of)
+                                     targets.reshape(-1), chunk_tokens=chunk,
+                                     loss_of=loss_of).item()
 
     return model, step
 

@@ -426,7 +426,7 @@ def test_chunked_loss_peak_is_4x_below_full_logits_with_the_same_loss_and_gradie
     def chunked():
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
         loss = chunked_cross_entropy(lambda x: F.linear(x, w), h, targets, chunk_tokens=chunk)
-        return loss, h.grad, w.grad
+        return loss.item(), h.grad, w.grad
 
     full_bytes, (loss_a, dh_a, dw_a) = peak_rss_increase(full)
     chunk_bytes, (loss_b, dh_b, dw_b) = peak_rss_increase(chunked)

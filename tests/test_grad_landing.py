@@ -105,7 +105,7 @@ class _AsyncStore:
     def free(self, tier, cls, t):
         self.freed += t.numel()
 
-    def to_host(self, dst, src, what=""):
+    def to_host(self, dst, src, what="", after=None):
         k = len([e for e in self.log if e[0] == "copy"])
         self.log.append(("copy", k, self.added()))
         self.inflight[k] = (dst, src.clone())

@@ -44,9 +44,12 @@ def chunked_cross_entropy(
     ledger: Ledger | None = None,
     segment: str = "head",
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-) -> float:
+) -> torch.Tensor:
     """Summed cross-entropy of `project(h)` (logits) against `targets` over `divisor`;
-    backpropagates it into whatever `h` and `project` depend on and returns its value.
+    backpropagates it into whatever `h` and `project` depend on and returns its value, a 0-dim
+    fp64 tensor on `h`'s device (the chunks' fp32 losses summed in fp64, as Python floats
+    would be): reading each chunk's value on the host would wait for the device per chunk, so
+    the caller reads the sum once, when it needs it.
 
     `h`: (N, D) hidden states, a tensor requiring grad; `targets`: (N,) token ids, -100 where
     the loss does not look. `divisor`: None, the trained targets here (the mean); a step of
@@ -59,7 +62,7 @@ def chunked_cross_entropy(
     loss_of = loss_of or sum_cross_entropy
     if divisor is None:
         divisor = local_divisor(int((targets != IGNORE_INDEX).sum()))
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=h.device)
     for c0 in range(0, targets.numel(), chunk_tokens):
         scope = saved() if saved is not None else None
         with torch.enable_grad():
@@ -74,5 +77,5 @@ def chunked_cross_entropy(
             loss.backward()
         if held:
             ledger.release_activation(segment, "saved", held)
-        total += loss.item()
+        total += loss.detach()
     return total

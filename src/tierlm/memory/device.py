@@ -128,7 +128,7 @@ class Device:
         s, self._compute_s = self._compute_s, 0.0
         return s
 
-    def cpu(self, name: str, *, moved_bytes: int = 0, params: float = 0.0
+    def cpu_work(self, name: str, *, moved_bytes: int = 0, params: float = 0.0
             ) -> contextlib.AbstractContextManager[None]:
         """CPU work on the calling thread, priced by the time model as `moved_bytes` through
         memory (a landed gradient's add) plus `params` of AdamW-equivalent update work; only
@@ -140,9 +140,13 @@ class Device:
         on the drive's lane."""
         return fut
 
-    def worker(self, name: str) -> Executor:
+    def worker(self, name: str, *, overlaps_device: bool = False) -> Executor:
         """The executor of a background thread of the step (the update worker, the
-        write-back)."""
+        write-back, the gradient landing). `overlaps_device`: the thread exists only to keep
+        the device busy meanwhile (the landing); where the device is this CPU, its tasks run
+        when submitted, on the calling thread."""
+        if overlaps_device and not self.asynchronous:
+            return _Immediate()
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierlm-{name}")
 
     # -- per step ----
@@ -260,6 +264,21 @@ def _poison(t: torch.Tensor) -> None:
         t.fill_(255)  # as bf16, fp16, fp32 or fp8 bytes: NaN
     else:
         t.fill_(-1)
+
+
+class _Immediate(Executor):
+    """An executor that runs each task when it is submitted, on the calling thread."""
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # re-raised where the result is taken, as a thread's
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
 
 
 class _Done(Future):
@@ -396,7 +415,7 @@ class SimDevice(Device):
         return s
 
     @contextlib.contextmanager
-    def cpu(self, name, *, moved_bytes=0, params=0.0):
+    def cpu_work(self, name, *, moved_bytes=0, params=0.0):
         yield
         rates = self.timeline.rates
         self.timeline.cpu(moved_bytes / rates.host_copy_Bps
@@ -405,7 +424,7 @@ class SimDevice(Device):
     def io(self, fut, link, nbytes, what=""):
         return _TimedIO(fut, self.timeline, self.timeline.disk(link, nbytes, what), what)
 
-    def worker(self, name):
+    def worker(self, name, *, overlaps_device=False):
         return _InlineWorker(self.timeline, f"cpu {name}")
 
     def begin_step(self):

@@ -218,8 +218,11 @@ class ModelAdapter:
         cfg = self.model.config
         position_ids = (torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
                         if positions is None else positions)
+        # the mask builders get the positions only where examples are packed: given any, they
+        # search them for resets, a host read that waits for the device's queue (per
+        # micro-batch); plain rows make the same causal mask without the search
         kwargs = dict(config=cfg, inputs_embeds=hidden, attention_mask=None,
-                      position_ids=position_ids)
+                      position_ids=positions)
         kwargs[_mask_cache_arg(create_causal_mask)] = None  # no KV cache in training
         masks: dict[str, Any] = {"full_attention": create_causal_mask(**kwargs)}
         if getattr(cfg, "sliding_window", None) and self.model_type in LLAMA_FAMILY:

@@ -22,7 +22,7 @@ import torch
 
 from tierlm.memory.layout import FlatLayout, ParamSlot
 from tierlm.optim import native as kernels  # `native` names the flag below
-from tierlm.optim.flat import FlatOptimizer, StateSlot
+from tierlm.optim.flat import FlatOptimizer, StateSlot, step_count
 
 # torch.optim.Adafactor's settings as the reference trainer passes them
 BETA2_DECAY = -0.8
@@ -80,7 +80,7 @@ class FlatAdafactor(FlatOptimizer):
                                                               strict=True)}
         eps1, eps2 = EPS
         # (p, t, weight decay, eps1) per parameter
-        todo = [(p, counts[p.decay].item() + 1, self.cfg.weight_decay if p.decay else 0.0,
+        todo = [(p, step_count(counts[p.decay]) + 1, self.cfg.weight_decay if p.decay else 0.0,
                  torch.finfo(master.dtype).eps if eps1 is None else eps1)
                 for p in layout.slots]
         on_cpu = master.device.type == "cpu" and master.dtype == torch.float32
@@ -105,12 +105,22 @@ class FlatAdafactor(FlatOptimizer):
 def _adafactor_step(
     param: torch.Tensor, grad: torch.Tensor, row_var: torch.Tensor, col_var: torch.Tensor,
     variance: torch.Tensor, t: float, *, lr: float, weight_decay: float, eps1: float,
-    eps2: float,
+    eps2: float, host_scale: bool | None = None,
 ) -> None:
-    """One step of torch.optim.Adafactor (single-tensor path) on one parameter at count `t`."""
+    """One step of torch.optim.Adafactor (single-tensor path) on one parameter at count `t`.
+    Its two data-dependent scalars (the RMS scale and the clipping divisor) stay 0-dim fp64
+    tensors on the parameter's device, computed as torch computes them in Python floats; only
+    the final add differs by device (`_add_scaled`; `host_scale`: None, the CPU's way where
+    `param` is in host memory)."""
     one_minus_beta2_t = t**BETA2_DECAY
     rho_t = min(lr, 1 / (t**0.5))
-    alpha = max(eps2, param.norm(2).item() / (param.numel() ** 0.5)) * rho_t
+
+    def scalar(value: float) -> torch.Tensor:  # made on the device by a fill, no copy
+        return torch.full((), value, dtype=torch.float64, device=param.device)
+
+    # torch.fmax(x, c) is Python's max(c, x), NaN included
+    alpha = torch.fmax(param.norm(2).double() / scalar(param.numel() ** 0.5), scalar(eps2))
+    alpha.mul_(rho_t)
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     if grad.dim() > 1:
@@ -126,6 +136,22 @@ def _adafactor_step(
         var_estimate = variance.clone()
     update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
     update.mul_(grad)
-    denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * D))
-    param.add_(update, alpha=-alpha / denom)
+    denom = torch.fmax(update.norm(2).double() / scalar((update.numel() ** 0.5) * D),
+                       scalar(1.0))
+    if host_scale is None:
+        host_scale = param.device.type == "cpu"
+    _add_scaled(param, update, alpha.neg_().div_(denom), host_scale)
+
+
+def _add_scaled(param: torch.Tensor, update: torch.Tensor, scale: torch.Tensor,
+                host_scale: bool) -> None:
+    """param += scale * update, `scale` a 0-dim fp64 tensor beside `param`. `host_scale`: as
+    torch.optim.Adafactor adds, with the scale as a number (one rounding, the add's alpha):
+    reading it is free in host memory, and would wait for the whole queue on an accelerator.
+    Else the scale stays on the device and the product rounds once more than torch's (within
+    an ulp of each value)."""
+    if host_scale:
+        param.add_(update, alpha=scale.item())
+    else:
+        param.add_(update.mul_(scale.to(update.dtype)))
 

@@ -30,7 +30,7 @@ import torch
 
 from tierlm.memory.layout import FlatLayout, ParamSlot
 from tierlm.optim import native as kernels  # `native` names the flag below
-from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in
+from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in, step_count
 
 if TYPE_CHECKING:
     from tierlm.config import OptimConfig
@@ -100,7 +100,8 @@ def step_span(p: torch.Tensor, g: torch.Tensor, qm: torch.Tensor, qv: torch.Tens
               sm: torch.Tensor, sv: torch.Tensor, h: torch.Tensor, native: bool) -> None:
     """One step on a span of whole blocks: flat p, g, qm, qv of n elements whose blocks start
     at the span's start (only the last may be short), sm/sv their ceil(n/256) scales. The C
-    kernel runs CPU tensors; the eager one anything else (a segment resident on the GPU)."""
+    kernel runs CPU tensors; the eager one anything else (a segment resident on the GPU), with
+    `h` (CPU, fp32) as scalars."""
     fn = kernels.kernel() if native and p.device.type == "cpu" else None
     if fn is not None:
         kernels.run(fn, p, g, qm, qv, sm, sv, h)
@@ -154,9 +155,11 @@ class FlatAdamW8bit(FlatOptimizer):
         s0 = SLOTS[2].range(layout, lo, hi)[0]
         for p, a, b, first_scale in _spans(params_in(layout, lo, hi), scale_at):
             g = groups.index(p.decay)
+            # h stays in host memory on any device: the eager kernel's operations take its
+            # elements as CPU scalars, where a copy to the device would block until the
+            # device's queue drained, once per span
             h = _hyper(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps,
-                       self.cfg.weight_decay if p.decay else 0.0,
-                       float(steps[g]) + 1).to(master.device)
+                       self.cfg.weight_decay if p.decay else 0.0, step_count(steps[g]) + 1)
             e0, e1 = a - lo, b - lo
             k0 = first_scale - s0
             k1 = k0 + n_blocks(b - a)

@@ -202,6 +202,27 @@ def advance(steps: list[torch.Tensor]) -> None:
         step.add_(1)
 
 
-def new_step_counter(device: torch.device) -> torch.Tensor:
-    """The per-group step count, as torch's optimizers keep it (fp32 scalar)."""
-    return torch.zeros((), dtype=torch.float32, device=device)
+def new_step_counter(device: torch.device | None = None) -> torch.Tensor:
+    """The per-group step count, as torch's optimizers keep it (fp32 scalar), in host memory
+    whatever `device` the segment's state lives on: every update reads the count on the host
+    (bias corrections, Adafactor's rho, GaLore's refresh), and reading a device copy would wait
+    for the device's whole queue. Only the optimizer (`advance`) and a checkpoint restore write
+    it; torch's fused kernels get a device copy made from it (`device_steps`)."""
+    return torch.zeros((), dtype=torch.float32)
+
+
+def step_count(counter: torch.Tensor) -> float:
+    """The steps `counter` (a `new_step_counter`) has counted, read from host memory."""
+    if counter.device.type != "cpu":
+        raise ValueError(f"a step counter on {counter.device}: reading it would wait for the "
+                         "device; counters live in host memory (new_step_counter)")
+    return counter.item()
+
+
+def device_steps(step: torch.Tensor, device: torch.device, n: int = 1) -> list[torch.Tensor]:
+    """`n` copies of a step counter on `device`, for torch's fused kernels to advance (the
+    counter itself is advanced by `advance`). A host counter reaches a device as a fill of its
+    value: no copy from host memory, which would block until the device's queue drained."""
+    if step.device == device:
+        return [step.clone() for _ in range(n)]
+    return [torch.full((), step_count(step), dtype=step.dtype, device=device) for _ in range(n)]

@@ -8,7 +8,7 @@ import torch
 from torch.optim.adam import adam
 
 from tierlm.memory.layout import FlatLayout
-from tierlm.optim.flat import FlatOptimizer, StateSlot
+from tierlm.optim.flat import FlatOptimizer, StateSlot, device_steps
 
 
 class FlatAdamW(FlatOptimizer):
@@ -42,7 +42,7 @@ class FlatAdamW(FlatOptimizer):
                 [exp_avg[a - lo : b - lo]],
                 [exp_avg_sq[a - lo : b - lo]],
                 [],
-                [step.clone()],  # the kernel advances this copy, not the group's counter
+                device_steps(step, master.device),  # the kernel advances this copy
                 fused=True,
                 decoupled_weight_decay=True,
                 amsgrad=False,

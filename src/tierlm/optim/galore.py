@@ -28,7 +28,7 @@ import torch
 from torch.optim.adam import adam
 
 from tierlm.memory.layout import FlatLayout, ParamSlot
-from tierlm.optim.flat import FlatOptimizer, StateSlot
+from tierlm.optim.flat import FlatOptimizer, StateSlot, device_steps, step_count
 
 if TYPE_CHECKING:
     from tierlm.config import OptimConfig
@@ -90,7 +90,9 @@ def galore_step(w: torch.Tensor, g: torch.Tensor, proj: torch.Tensor, exp_avg: t
     # made eight, each a parallel region): run on a zero buffer with lr 1 and no decay, it
     # leaves minus Adam's direction there, m_hat / (sqrt(v_hat) + eps)
     neg_direction = torch.zeros_like(r)
-    adam([neg_direction], [r], [exp_avg], [exp_avg_sq], [], [torch.tensor(count - 1.0)],
+    # the count before this step, made on r's device by a fill (no copy from host memory)
+    before = torch.full((), count - 1.0, dtype=torch.float32, device=r.device)
+    adam([neg_direction], [r], [exp_avg], [exp_avg_sq], [], [before],
          fused=True, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
          lr=1.0, weight_decay=0.0, eps=eps, maximize=False)
     # decay, back-projection and update in one GEMM: w = (1 - lr wd) w - lr scale back(direction)
@@ -101,11 +103,11 @@ def galore_step(w: torch.Tensor, g: torch.Tensor, proj: torch.Tensor, exp_avg: t
 def adamw_step(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor],
                vs: list[torch.Tensor], step: torch.Tensor, *, lr: float,
                betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Plain AdamW on the unprojected parameters: torch's fused kernel, on a copy of the
+    """Plain AdamW on the unprojected parameters: torch's fused kernel, on copies of the
     counter (the caller advances it)."""
     if not ws:
         return
-    adam(ws, gs, ms, vs, [], [step.clone() for _ in ws], fused=True,
+    adam(ws, gs, ms, vs, [], device_steps(step, ws[0].device, len(ws)), fused=True,
          decoupled_weight_decay=True, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
          weight_decay=weight_decay, eps=eps, maximize=False)
 
@@ -177,7 +179,7 @@ class FlatGaLoreAdamW(FlatOptimizer):
                     continue
                 if projected(p.shape, p.decay):
                     galore_step(w[p.name], g[p.name], proj[p.name], m[p.name], v[p.name],
-                                float(step) + 1, lr=lr, betas=self.betas, eps=eps,
+                                step_count(step) + 1, lr=lr, betas=self.betas, eps=eps,
                                 weight_decay=wd, scale=self.scale, rank=self.rank,
                                 update_every=self.update_every)
                 else:

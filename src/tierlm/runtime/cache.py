@@ -57,6 +57,7 @@ class StreamCache:
         capacity_bytes: int,
         start_load: Callable[[int], PendingLoad],
         ready: Callable[[int], bool] = lambda s: True,
+        reusable: Callable[[int], bool] = lambda s: True,
     ) -> None:
         self.store = store
         # streamed segment -> bytes of its device copy, asked when its slot is taken (after its
@@ -65,6 +66,9 @@ class StreamCache:
         self.capacity_bytes = capacity_bytes
         self.start_load = start_load
         self.ready = ready  # False while the segment's optimizer update is still running
+        # False where a saved graph may still hold the segment's weights for a backward (an
+        # activation policy that keeps its graph): its slot is freed, never overwritten
+        self.reusable = reusable
         self.entries: dict[int, torch.Tensor] = {}
         self.pending: dict[int, PendingLoad] = {}
         self.used_bytes = 0
@@ -117,7 +121,7 @@ class StreamCache:
         after: Sequence[Any] | None = AFTER_COMPUTE
         while (victim := self._victim(nbytes, k, protect)) is not None:
             if (self._held[victim] == nbytes and victim not in self.pending
-                    and victim in self._read):
+                    and victim in self._read and self.reusable(victim)):
                 # the same size, read since it was loaded: its buffer, once its last reader is
                 # done
                 buf, after = self.entries.pop(victim), [self._read.pop(victim)]

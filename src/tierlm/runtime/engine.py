@@ -233,6 +233,9 @@ class Engine(Stepper):
             0,  # sized by _size_cache
             lambda s: start_load(self.store, self.states[s], self.chunk_numel),
             ready=lambda s: s not in self._updates or self._updates[s].done(),
+            # a graph a segment keeps (keep, selective, offload) holds its weights until its
+            # backward; the head's is spent within its action
+            reusable=lambda s: s >= len(self.policies) or self.policies[s].recomputes,
         )
         self._size_cache()
         self.borrowed: dict[str, tuple[int, int, int]] = {}  # name -> (owner, offset, numel)
@@ -244,7 +247,7 @@ class Engine(Stepper):
         self._borrowed_leaf: dict[str, torch.Tensor] = {}
         self._worker = self.dev.worker("update")
         # gradient landings into host RAM, in the order the backward issues them
-        self._lander = self.dev.worker("landing")
+        self._lander = self.dev.worker("landing", overlaps_device=True)
         # the landing in flight: its future, its device gradient and the segment it completes
         self._landing: tuple[Future, torch.Tensor, SegmentState | None] | None = None
         self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
@@ -466,19 +469,23 @@ class Engine(Stepper):
             self.clock.take()  # drop what evaluation or a checkpoint measured
             m = len(batches)
             mbs = []
+            # the step's loss is its summed token loss over the step's trained tokens, known
+            # before the forward: every micro-batch's (this rank's share of each row, under
+            # context parallel), and every rank's where the sync averages gradients
+            tokens = 0
+            share = self.opts.sequence_share
             for b in batches:
-                ids, targets = (self.dev.upload(t) for t in inputs_and_targets(b))
-                positions = _to(position_ids(b), self.device)
-                share = self.opts.sequence_share
-                ids, targets, positions = share.take(ids, targets, positions)
+                ids, targets = inputs_and_targets(b)
+                ids, targets, positions = share.take(ids, targets, position_ids(b))
+                # counted in the batch's own memory, before it moves: on the device, the count
+                # would be a host read waiting for the device's queue, per micro-batch
+                tokens += int((targets != IGNORE_INDEX).sum())
+                ids, targets = self.dev.upload(ids), self.dev.upload(targets)
+                positions = None if positions is None else self.dev.upload(positions)
                 # the embed segment reads the positions (GPT-2's are learned); the full context
                 # replaces this one once the embedding exists
                 mbs.append(_MicroBatch(ids, targets, positions,
                                        ctx=self.adapter.embed_context(ids, positions)))
-            # the step's loss is its summed token loss over the step's trained tokens, known
-            # before the forward: every micro-batch's (this rank's share of each row, under
-            # context parallel), and every rank's where the sync averages gradients
-            tokens = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in mbs)
             divisor = self.opts.grad_sync.loss_divisor(tokens)
             actions = self.schedule(m)
             readahead = self.readahead_plan(actions)
@@ -486,6 +493,9 @@ class Engine(Stepper):
                 self._size_cache()
             self.cache.begin(self.stream_plan(m))
             self.param_norms = {}
+            # the step's summed token loss, added up on the device (`_TensorStep.head`) and
+            # read once, with the gradient norm (`_finish_step`)
+            self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         # every landing of the sweep adds into host RAM through this one ring (released on
         # leaving the block, an exception included; a skipped step has landed by then)
         with LandingRing(self.store, self.landing_ring_numel(actions, m)) as ring:
@@ -496,9 +506,9 @@ class Engine(Stepper):
                 self._drain_landings()  # they add through the ring, released next
         sweep_s = time.perf_counter() - t0
         with trace.span("step", "finish step", cat="step"):
-            grad_norm, skipped = self._finish_step(lr)
+            loss, grad_norm, skipped = self._finish_step(lr)
         return {
-            "loss": run.loss_sum,  # the step's summed token loss over `divisor`
+            "loss": loss,  # the step's summed token loss over `divisor`
             "loss_tokens": tokens,  # trained targets of this rank's step
             "loss_divisor": divisor,
             "grad_norm": grad_norm,
@@ -553,9 +563,10 @@ class Engine(Stepper):
     def _head(
         self, k: int, mb: _MicroBatch, divisor: float, w: torch.Tensor, x: torch.Tensor,
         grad: torch.Tensor, tied: torch.Tensor | None,
-    ) -> tuple[float, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed token loss of one micro-batch over `divisor` (the step's, see
-        tierlm.data.batch) and its gradient at the head's input `x`, chunk by chunk over tokens,
+        tierlm.data.batch; a 0-dim fp64 tensor on the device, not read here) and its gradient
+        at the head's input `x`, chunk by chunk over tokens,
         so the full (tokens x vocab) logits never exist at once. The head's gradient
         accumulates in `grad`, the borrowed weights' in `tied` (None without trained ties)."""
         s = len(self.states) - 1
@@ -729,20 +740,32 @@ class Engine(Stepper):
         self._syncing.clear()
 
     def _record_norms(self, st: SegmentState, grad: torch.Tensor) -> None:
-        """Per-parameter gradient norms. The global norm is the norm of these, stacked in the
-        reference optimizer's parameter order, so clipping matches it bit for bit."""
+        """Per-parameter gradient norms, each kept where its gradient is (host-state segments'
+        in host memory: a copy to the device per parameter would block the training thread
+        until the device's queue drained, each time). The global norm is the norm of these,
+        stacked in the reference optimizer's parameter order, so clipping matches it bit for
+        bit (`_finish_step`)."""
         for name, view in st.layout.views(grad).items():
-            self.param_norms[name] = torch.linalg.vector_norm(view).to(self.device)
+            self.param_norms[name] = torch.linalg.vector_norm(view)
 
     # -- update ----
 
-    def _finish_step(self, lr: float) -> tuple[float, bool]:
+    def _finish_step(self, lr: float) -> tuple[float, float, bool]:
+        """Clip and update, or skip a non-finite step: (the step's loss, the global gradient
+        norm, whether the step was skipped)."""
         self._finish_syncs()
         total = torch.linalg.vector_norm(
-            torch.stack([self.param_norms[n] for n in self.norm_order])
-        )
-        grad_norm = total.item()
+            _stack_on(self.device, [self.param_norms[n] for n in self.norm_order]))
         max_norm = self.opts.grad_clip if self.opts.grad_clip > 0 else math.inf
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # The step's one host read of the device: the global norm, with the clipping
+        # coefficient the host-state updates scale by and the step's loss, in one vector
+        # (fp32 values widen to fp64 exactly). Invariant: the CPU update may write the pinned
+        # masters only after this read. The updates of host state are submitted below, once
+        # the norm is known, and the next upload of those masters reads them only after their
+        # update (`_wait_update` before `_weights`).
+        grad_norm, coef_value, loss = self.dev.read(
+            torch.stack([total.double(), coef.double(), self.loss_sum]))
         self.cache.drop_all()  # every streamed copy is about to be stale
         if not math.isfinite(grad_norm):
             self.skipped_steps += 1
@@ -753,17 +776,17 @@ class Engine(Stepper):
             for read in self._readahead.values():  # nothing to update: the reads are dropped
                 free_copies(self.store, read.st, read.buffers())
             self._readahead.clear()
-            return grad_norm, True
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            return loss, grad_norm, True
+        host_coef = torch.tensor(coef_value, dtype=coef.dtype)  # exact: an fp32 value
         for st in self.trainable:
             if st.tier == Tier.DEVICE:
                 with self.clock.measure(f"update {st.seg.name}"):
                     self._update(st, coef, lr)
             else:
-                self._updates[st.index] = self._worker.submit(self._update, st, coef.cpu(), lr)
+                self._updates[st.index] = self._worker.submit(self._update, st, host_coef, lr)
                 if st.placement.resident:
                     st.device_stale = True
-        return grad_norm, False
+        return loss, grad_norm, False
 
     def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
         slots = [s.name for s in st.slots]
@@ -772,7 +795,7 @@ class Engine(Stepper):
         def cpu(params: float) -> contextlib.AbstractContextManager[None]:
             if st.tier == Tier.DEVICE:
                 return contextlib.nullcontext()
-            return self.dev.cpu(f"update {st.seg.name}", params=params)
+            return self.dev.cpu_work(f"update {st.seg.name}", params=params)
 
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
             """The optimizer on elements [lo, lo + n) of the segment (all of it, off the disk
@@ -1053,7 +1076,6 @@ class _TensorStep:
         self.eng, self.mbs, self.actions, self.names = eng, mbs, actions, names
         self.ring = ring  # the step's landing ring
         self.divisor = divisor  # of the step's summed token loss
-        self.loss_sum = 0.0
 
     def begin(self, k: int, a: Action) -> None:
         self.eng._bring_back(self.actions[k + 1 : k + 2], self.mbs)
@@ -1082,7 +1104,7 @@ class _TensorStep:
     def head(self, k: int, a: Action, i: int, w: torch.Tensor, x: torch.Tensor,
              grad: torch.Tensor, tied: torch.Tensor | None) -> torch.Tensor:
         loss, dx = self.eng._head(k, self.mbs[i], self.divisor, w, x, grad, tied)
-        self.loss_sum += loss
+        self.eng.loss_sum += loss  # on the device; read once, at the step's end
         return dx
 
     def backward(self, a: Action, i: int, w: torch.Tensor, x: torch.Tensor | None,
@@ -1147,6 +1169,19 @@ def _parts(st: SegmentState, copy: str, buf: torch.Tensor) -> dict[str, torch.Te
     slot = st.slot(copy)
     return {p.name: v for p, v in zip(st.layout.slots, slot.views(st.layout, buf).values(),
                                       strict=True) if slot.param_numel(p)}
+
+
+def _stack_on(device: torch.device, scalars: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack of 0-dim tensors on `device`, in their order. Those elsewhere (host-state
+    segments' norms, in host memory) cross as one vector: a blocking copy each would wait for
+    the device's queue each time."""
+    away = [i for i, t in enumerate(scalars) if t.device.type != device.type]
+    if away:
+        moved = torch.stack([scalars[i] for i in away]).to(device)
+        scalars = list(scalars)
+        for j, i in enumerate(away):
+            scalars[i] = moved[j]
+    return torch.stack(scalars)
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

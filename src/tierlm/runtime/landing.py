@@ -91,6 +91,6 @@ def add_to_host(
         following = copy(k + 1) if k + 1 < len(ranges) else None
         store.wait_host(pending)  # the CPU reads chunk k once its copy has landed
         # an add reads two buffers and writes one: 1.5 memcpys of the chunk
-        with store.dev.cpu(f"add {what}", moved_bytes=3 * n * dev.element_size() // 2):
+        with store.dev.cpu_work(f"add {what}", moved_bytes=3 * n * dev.element_size() // 2):
             host.narrow(0, lo, n).add_(bufs[k % len(bufs)][:n])
         pending = following
