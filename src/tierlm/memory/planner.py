@@ -35,7 +35,9 @@ from tierlm.memory.placement import (
     GRAD_B,
     MASTER_B,
     STAGING_CHUNK_NUMEL,
+    STAGING_SETS,
     SegmentPlacement,
+    chunk_ranges,
     gib,
     staging_numel,
     update_staging_bytes,
@@ -489,12 +491,13 @@ class Plan:
 
 
 class _Bytes:
-    """Stands in for a tensor in the replay: only its size matters."""
+    """Stands in for a tensor in the replay: only its size matters (and whether it is pinned)."""
 
-    def __init__(self, numel: int, itemsize: int = 4) -> None:
+    def __init__(self, numel: int, itemsize: int = 4, pinned: bool = False) -> None:
         self._numel = numel
         self._itemsize = itemsize
         self.nbytes = numel * itemsize
+        self.pinned = pinned
 
     def numel(self) -> int:
         return self._numel
@@ -507,13 +510,20 @@ class _CountingStore:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
 
-    def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
-        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize)
-        self.ledger.allocate(tier, cls, t.nbytes)
+    def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None, *,
+              pinned: bool = False) -> _Bytes:
+        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize, pinned)
+        self.ledger.allocate(tier, cls, t.nbytes, pinned=pinned)
         return t
 
     def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
-        self.ledger.release(tier, cls, t.nbytes)
+        self.ledger.release(tier, cls, t.nbytes, pinned=t.pinned)
+
+    def alloc_pinned(self, cls: TensorClass, nbytes: int, buffers: int) -> list[_Bytes]:
+        """`nbytes` of pinned host buffers in `buffers` equal parts (the engine's chunk sets:
+        each its own footprint in the arena)."""
+        return [self.alloc(Tier.HOST, cls, nbytes // buffers, torch.uint8, pinned=True)
+                for _ in range(buffers)]
 
 
 def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int | None]:
@@ -582,7 +592,8 @@ class _CountingStep:
 
     def __init__(self, shape: ModelShape, placements: list[SegmentPlacement], store,
                  cache, actions: list, hidden: int, chunk_numel: int,
-                 on_action: Callable[[int, str, Any], None], ring) -> None:
+                 on_action: Callable[[int, str, Any], None], ring,
+                 load: Callable[[int], Any] | None = None) -> None:
         self.shape, self.placements, self.store, self.cache = shape, placements, store, cache
         self.ring = ring  # the step's landing ring (tierlm.runtime.landing.LandingRing)
         self.ledger: Ledger = store.ledger
@@ -591,6 +602,11 @@ class _CountingStep:
         self.act = _Bytes(hidden)  # a boundary input or its gradient
         self.grad_written = [False] * len(placements)
         self.ahead_held: list[_Bytes] = []  # read ahead, freed by the update
+        # resident segments off the device whose copy the last update made stale: each reloads
+        # at its first use (Engine._weights), a disk-tier one through the load's staging
+        self.stale = {s for s, p in enumerate(placements)
+                      if p.resident and p.state_tier != Tier.DEVICE and not shape.frozen}
+        self.load = load  # the replay's loader of a segment's weights (start_load's bytes)
 
     def begin(self, k: int, a: Any) -> None:
         self.on_action(k, "run", a)
@@ -598,6 +614,9 @@ class _CountingStep:
     def weights(self, k: int, s: int) -> None:
         if self.streamed[s]:
             self.cache.acquire(k, s)
+        elif s in self.stale and self.load is not None:  # moves counted with the persistent
+            self.stale.discard(s)
+            self.load(s, count=False).finish(None)
 
     def running(self, k: int, a: Any) -> contextlib.AbstractContextManager:
         return _NOTHING
@@ -630,7 +649,7 @@ class _CountingStep:
         self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, t.nbytes)
 
     def park(self, s: int, x: _Bytes) -> _Bytes:
-        copy = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel())
+        copy = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), pinned=True)
         self.ledger.record_move(Link.D2H, x.nbytes)
         return copy
 
@@ -666,9 +685,10 @@ class _CountingStep:
         if path.ring_numel(numel, self.chunk_numel):
             self.ring.hold()
         staged = path.host_staging_numel(numel, self.chunk_numel)
-        if staged:
-            self.store.free(Tier.HOST, TensorClass.STAGING,
-                            self.store.alloc(Tier.HOST, TensorClass.STAGING, staged))
+        if staged:  # the file pass's chunk sets, pinned: the gradient crosses into them
+            sets = min(STAGING_SETS, len(chunk_ranges(numel, self.chunk_numel)))
+            for t in self.store.alloc_pinned(TensorClass.STAGING, GRAD_B * staged, sets):
+                self.store.free(Tier.HOST, TensorClass.STAGING, t)
         for link, nbytes in path.moves(GRAD_B * numel):
             self.ledger.record_move(link, nbytes)
         self.grad_written[s] = path.written
@@ -709,7 +729,7 @@ def _simulate(
     from tierlm.runtime.cache import StreamCache, window_bytes
     from tierlm.runtime.landing import LandingRing
     from tierlm.runtime.schedule import landing_ring_numel, parked_inputs
-    from tierlm.runtime.state import load_bytes, persistent_bytes
+    from tierlm.runtime.state import load_bytes, persistent_bytes, pinned_class
     from tierlm.runtime.walk import StepRules, walk_step
 
     ledger = Ledger() if ledger is None else ledger
@@ -731,25 +751,28 @@ def _simulate(
         ledger.allocate(Tier.DEVICE, TensorClass.OPTIM, shape.trained_optim_bytes)
     for s, p in enumerate(placements):  # persistent state
         base = shape.base_copy(s)
+        copy = wire[s] if base is None else base
+        pinned = pinned_class(p, copy)  # what the segment's H2D copies read
         for tier, cls, nbytes in persistent_bytes(
                 p, numels[s], 0 if frozen else shape.optim_state_bytes[s],
-                wire[s] if base is None else base, frozen=frozen, base_copy=base is not None):
-            ledger.allocate(tier, cls, nbytes)
+                copy, frozen=frozen, base_copy=base is not None):
+            ledger.allocate(tier, cls, nbytes, pinned=tier == Tier.HOST and cls == pinned)
 
     class Load:  # tierlm.runtime.state.start_load's loader, on byte counts
-        def __init__(self, s: int) -> None:
+        def __init__(self, s: int, count: bool = True) -> None:
             self.load = loads[s]
-            self.staging = None
-            if self.load.staging_bytes:
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING,
-                                           self.load.staging_bytes, torch.uint8)
-            if self.load.disk_read_bytes:
+            self.count = count  # the moves (a resident reload's are counted with the state)
+            # the disk read's staging, pinned: the H2D copy reads it
+            self.staging = store.alloc_pinned(TensorClass.STAGING, self.load.staging_bytes,
+                                              self.load.staging_buffers)
+            if self.load.disk_read_bytes and count:
                 ledger.record_move(Link.DISK_READ, self.load.disk_read_bytes)
 
         def finish(self, dst) -> None:
-            ledger.record_move(Link.H2D, self.load.h2d_bytes)
-            if self.staging is not None:
-                store.free(Tier.HOST, TensorClass.STAGING, self.staging)
+            if self.count:
+                ledger.record_move(Link.H2D, self.load.h2d_bytes)
+            for t in self.staging:
+                store.free(Tier.HOST, TensorClass.STAGING, t)
 
     streamed = {i: loads[i].h2d_bytes for i, p in enumerate(placements) if not p.resident}
     cache = StreamCache(store, streamed.__getitem__, window_bytes(streamed.values()), Load)  # type: ignore[arg-type]
@@ -770,7 +793,7 @@ def _simulate(
     ring_numel = landing_ring_numel(actions, train.micro_batches, landings, chunk_numel)
     ring = LandingRing(store, ring_numel)  # type: ignore[arg-type]
     step = _CountingStep(shape, placements, store, cache, actions, hidden, chunk_numel,
-                         on_action, ring)
+                         on_action, ring, Load)
     tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     rules = StepRules(
         micro_batches=train.micro_batches,

@@ -655,7 +655,8 @@ class Engine(Stepper):
                 self.store.wait_host(copied)  # before the staging buffer takes a later chunk
 
         stream_chunks(self.store, st, chunk_ranges(st.numel, self.chunk_numel),
-                      read=("grad",) if add else (), write=() if back else ("grad",), step=step)
+                      read=("grad",) if add else (), write=() if back else ("grad",), step=step,
+                      pinned=True)
 
     def _grad_complete(self, st: SegmentState, grad: torch.Tensor) -> None:
         """The segment's gradient for this step is all in: start its sync across ranks (a no-op
@@ -1036,7 +1037,7 @@ class _TensorStep:
     def park(self, s: int, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Size]:
         """The input's flat host copy, the copy's event and the input's shape."""
         store = self.eng.store
-        host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), x.dtype)
+        host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), x.dtype, pinned=True)
         copied = store.to_host(host.view(x.shape), x, f"boundary {self.names[s]}")
         return host, copied, x.shape
 
