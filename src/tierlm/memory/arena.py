@@ -110,9 +110,10 @@ class FreeList:
 
     def give(self, offset: int, nbytes: int) -> None:
         i = bisect.bisect_left(self._starts, offset)
-        before = i > 0 and self._starts[i - 1] + self._sizes[i - 1]
+        before = self._starts[i - 1] + self._sizes[i - 1] if i > 0 else None  # its end
         after = self._starts[i] if i < len(self._starts) else None
-        if (before and before > offset) or (after is not None and offset + nbytes > after):
+        if (before is not None and before > offset) or (
+                after is not None and offset + nbytes > after):
             raise AssertionError(f"pinned arena: range [{offset}, {offset + nbytes}) given back "
                                  "overlaps a free range (freed twice?)")
         if before == offset:  # joins the range before it

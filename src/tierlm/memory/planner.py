@@ -111,6 +111,10 @@ class ModelShape:
     # averages); None: unknown (one unnamed parameter per segment, no slots)
     param_numels: list[tuple[tuple[str, int], ...]] | None = field(default=None, repr=False)
     optim_slot_numels: list[tuple[int, ...]] | None = field(default=None, repr=False)
+    # per segment, its compute copy's bytes as the engine lays it out (tierlm.precision.streaming:
+    # each entry padded to 16 bytes), in the run's precision, where the shape is made from the
+    # engine's own parts (tierlm.runtime.pinned); None: estimated from the precision
+    copy_bytes: list[int | None] | None = field(default=None, repr=False)
 
     @property
     def n_params(self) -> int:
@@ -238,6 +242,8 @@ class ModelShape:
         head (sensitive, fp32). A frozen base held in its own copy: that copy's bytes."""
         if self.base_copy(s) is not None:
             return self.base_copy(s)
+        if self.copy_bytes is not None:
+            return self.copy_bytes[s]
         if precision not in ("bf16", "fp8") or s in (0, len(self.numels) - 1):
             return None
         n = self.numels[s]
@@ -711,6 +717,7 @@ def _simulate(
     on_action: Callable[[int, str, Any], None] = lambda k, phase, action: None,
     chunk_numel: int = STAGING_CHUNK_NUMEL,
     readahead: ReadAhead | None = None,
+    parked: frozenset[int] | None = None,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
     activation workspace outside it, and the host staging held by a concurrent update.
@@ -719,7 +726,9 @@ def _simulate(
     after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
     Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy;
     `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
-    backward actions the engine issues them after.
+    backward actions the engine issues them after; `parked`: the segments whose boundary input
+    waits on the host where the engine's activation policies say so (None: those `keep_resident`
+    and `boundary_host` give).
 
     The sweep is the engine's own walk (tierlm.runtime.walk) over a counting backend, and the
     rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an action
@@ -799,7 +808,8 @@ def _simulate(
         micro_batches=train.micro_batches,
         # the boundary inputs that wait on the host: the engine's rule on the policies `keep`
         # gives (resident graphs kept, the rest recomputed)
-        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host),
+        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host)
+        if parked is None else parked,
         tied_owners=tied_owners,
         # the head's contribution to tied weights is held in a buffer the size of the owner's
         # gradient, which the owner's backward then accumulates its own into (frozen: none)

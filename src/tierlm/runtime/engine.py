@@ -46,6 +46,7 @@ from tierlm.activations import (
 from tierlm.activations.saved import FrozenWeights
 from tierlm.config import OptimConfig
 from tierlm.data.batch import IGNORE_INDEX, inputs_and_targets, position_ids, trained_targets
+from tierlm.memory.arena import PinnedBytes
 from tierlm.memory.placement import (
     PlacementReport,
     SegmentPlacement,
@@ -58,6 +59,7 @@ from tierlm.optim.flat import advance
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.landing import LandingRing, add_to_host
+from tierlm.runtime.pinned import step_pinned_bytes
 from tierlm.runtime.plan import EngineOptions, StepParts, StepPlan, plan_step
 from tierlm.runtime.readahead import readahead_starts
 from tierlm.runtime.schedule import (
@@ -188,6 +190,13 @@ class Engine(Stepper):
         self.chunk_tokens = parts.chunk_tokens  # tokens per cross-entropy chunk at the head
         self._make_policy = PolicyFactory(device, dropout=self.has_dropout)
         self.set_activation_policies(list(plan.activation_policies))
+        # The host buffers PCIe copies read or write come from one pinned arena, sized before
+        # anything is allocated by the rule the plan's pinned bytes come from
+        # (tierlm.runtime.pinned) for the planned step; a step of another shape checks it again.
+        self._pinned_rule = functools.partial(step_pinned_bytes, parts, self.report.placements,
+                                              options)
+        self.store.open_arena(self.pinned_bytes(options.micro_batches, options.batch_size,
+                                                options.seq_len))
         self.states: list[SegmentState] = []
         # per segment: the state the optimizer updates (the segment's own, or its adapters on
         # the device; None: nothing of it is trained), and its frozen weights' current copy
@@ -405,6 +414,8 @@ class Engine(Stepper):
         self.parked_inputs = parked_inputs(names, self.host_boundaries)
         self.activation_policies = list(names)
         self.policies = [self._make_policy(name) for name in names]
+        # what a step pins depends on the inputs parked: counted again under these policies
+        self._pinned_need: dict[tuple[int, int, int], PinnedBytes] = {}
 
     def _run(self, st: SegmentState, mb: _MicroBatch):
         """Segment `st` on micro-batch `mb`: (flat weights, boundary input) -> output."""
@@ -458,6 +469,10 @@ class Engine(Stepper):
             # the step's loss is its summed token loss over the step's trained tokens, known
             # before the forward: every micro-batch's (this rank's share of each row, under
             # context parallel), and every rank's where the sync averages gradients
+            # a step of a larger shape than planned (more micro-batches, longer rows) grows
+            # the arena's step region, between steps
+            b, t = mbs[0].ids.shape
+            self.store.arena.reserve_transient(self.pinned_bytes(m, b, t).transient_bytes)
             tokens = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in mbs)
             divisor = self.opts.grad_sync.loss_divisor(tokens)
             actions = self.schedule(m)
@@ -486,6 +501,17 @@ class Engine(Stepper):
             "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
             "step_time_s": time.perf_counter() - t0,
         }
+
+    def pinned_bytes(self, m: int, batch_size: int, seq_len: int) -> PinnedBytes:
+        """Pinned host bytes (arena footprints) a step of `m` micro-batches of `batch_size` x
+        `seq_len` tokens holds: the persistent ones and the step's peak
+        (tierlm.runtime.pinned, the planner's replay on this engine's parts)."""
+        key = (m, batch_size, seq_len)
+        if key not in self._pinned_need:
+            self._pinned_need[key] = self._pinned_rule(
+                micro_batches=m, batch_size=batch_size, seq_len=seq_len,
+                parked=self.parked_inputs)
+        return self._pinned_need[key]
 
     def landing_ring_numel(self, actions: list[Action], m: int) -> int:
         """Elements of the landing ring a step of `actions` over `m` micro-batches holds
