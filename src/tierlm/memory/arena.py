@@ -70,11 +70,18 @@ class _Done(Protocol):  # a CUDA event, or anything that says when a copy has fi
 
 
 class FreeList:
-    """Free ranges of [0, capacity): best fit, split on take, coalesced on give. Offsets only:
-    the arena maps them onto memory."""
+    """Free ranges of [0, capacity): best fit among the holes, the top (the free range that
+    ends at the capacity) only when no hole holds a request, split on take, coalesced on give.
+    Offsets only: the arena maps them onto memory.
 
-    def __init__(self, capacity_bytes: int) -> None:
+    Keeping the top for last is what lets a replay size an arena: with `grow` the list has no
+    end and takes from above its `capacity_bytes` (raising it) where the top is too small, so
+    replaying a sequence of takes and gives yields the capacity that sequence needs; a list of
+    that capacity given the same sequence makes the same choices and never runs out."""
+
+    def __init__(self, capacity_bytes: int, *, grow: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
+        self.grow = grow
         self._starts: list[int] = [0] if capacity_bytes else []
         self._sizes: list[int] = [capacity_bytes] if capacity_bytes else []
 
@@ -91,15 +98,31 @@ class FreeList:
         """(offset, size) of every free range, by offset."""
         return list(zip(self._starts, self._sizes, strict=True))
 
+    def _top(self) -> int | None:
+        """Index of the free range that ends at the capacity, if any."""
+        last = len(self._starts) - 1
+        if last >= 0 and self._starts[last] + self._sizes[last] == self.capacity_bytes:
+            return last
+        return None
+
     def take(self, nbytes: int) -> int | None:
-        """The offset of `nbytes` taken from the smallest free range that holds them (the lowest
-        of equals), or None where none does."""
+        """The offset of `nbytes` taken from the smallest hole that holds them (the lowest of
+        equals), else from the top; None where neither does (never with `grow`)."""
+        top = self._top()
         best = None
         for i, size in enumerate(self._sizes):
-            if size >= nbytes and (best is None or size < self._sizes[best]):
+            if i != top and size >= nbytes and (best is None or size < self._sizes[best]):
                 best = i
+        if best is None and top is not None and (self.grow or self._sizes[top] >= nbytes):
+            best = top
+            if self._sizes[top] < nbytes:  # grow: the top extends past the capacity
+                self.capacity_bytes += nbytes - self._sizes[top]
+                self._sizes[top] = nbytes
         if best is None:
-            return None
+            if not self.grow:
+                return None
+            self.capacity_bytes += nbytes
+            return self.capacity_bytes - nbytes
         offset = self._starts[best]
         if self._sizes[best] == nbytes:
             del self._starts[best], self._sizes[best]
@@ -125,6 +148,26 @@ class FreeList:
         if i + 1 < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[i + 1]:
             self._sizes[i] += self._sizes.pop(i + 1)
             del self._starts[i + 1]
+
+
+class ArenaReplay:
+    """The arena's two regions as offsets only, growing: what a replay of a step's pinned
+    allocations (tierlm.memory.planner._CountingStore) cuts them from. Its capacities are the
+    arena that sequence needs, fragmentation included (`pinned_bytes`)."""
+
+    def __init__(self) -> None:
+        self._regions = {True: FreeList(0, grow=True), False: FreeList(0, grow=True)}
+
+    def take(self, cls: TensorClass, nbytes: int) -> int:
+        return self._regions[cls in PERSISTENT_CLASSES].take(footprint_bytes(nbytes))
+
+    def give(self, cls: TensorClass, nbytes: int, offset: int) -> None:
+        if footprint_bytes(nbytes):
+            self._regions[cls in PERSISTENT_CLASSES].give(offset, footprint_bytes(nbytes))
+
+    def pinned_bytes(self) -> PinnedBytes:
+        return PinnedBytes(persistent_bytes=self._regions[True].capacity_bytes,
+                           transient_bytes=self._regions[False].capacity_bytes)
 
 
 class _Block:

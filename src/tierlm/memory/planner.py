@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierlm.memory.arena import ArenaReplay
 from tierlm.memory.hardware import GiB, HardwareProfile
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
@@ -456,6 +457,12 @@ class Plan:
     readahead_segments: list[int] = field(default_factory=list)  # which ones, in update order
     # disk-tier master and slots written back behind the step (None: inside the update)
     writeback: WriteBack | None = DEFAULT_WRITEBACK
+    # of the host bytes, those pinned for PCIe copies (arena footprints, tierlm.memory.arena):
+    # the peak the replay holds at once, per class, and the arena the engine allocates for
+    # them (the peak, and what the order of allocations leaves unusable between them)
+    pinned_peak_bytes: int = 0
+    pinned_arena_bytes: int = 0
+    pinned_by_class: dict[str, int] = field(default_factory=dict)
 
     @property
     def device_total_bytes(self) -> int:
@@ -504,6 +511,7 @@ class _Bytes:
         self._itemsize = itemsize
         self.nbytes = numel * itemsize
         self.pinned = pinned
+        self.offset = 0  # in the pinned arena's region, when pinned
 
     def numel(self) -> int:
         return self._numel
@@ -513,17 +521,25 @@ class _Bytes:
 
 
 class _CountingStore:
-    def __init__(self, ledger: Ledger) -> None:
+    """The store on byte counts. Pinned buffers are also cut from an arena of offsets in the
+    engine's order, whose size is what the engine's pinned arena needs (`arena.pinned_bytes`)."""
+
+    def __init__(self, ledger: Ledger, arena: ArenaReplay | None = None) -> None:
         self.ledger = ledger
+        self.arena = ArenaReplay() if arena is None else arena
 
     def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None, *,
               pinned: bool = False) -> _Bytes:
         t = _Bytes(numel, 4 if dtype is None else dtype.itemsize, pinned)
         self.ledger.allocate(tier, cls, t.nbytes, pinned=pinned)
+        if pinned:
+            t.offset = self.arena.take(cls, t.nbytes)
         return t
 
     def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
         self.ledger.release(tier, cls, t.nbytes, pinned=t.pinned)
+        if t.pinned:
+            self.arena.give(cls, t.nbytes, t.offset)
 
     def alloc_pinned(self, cls: TensorClass, nbytes: int, buffers: int) -> list[_Bytes]:
         """`nbytes` of pinned host buffers in `buffers` equal parts (the engine's chunk sets:
@@ -718,9 +734,12 @@ def _simulate(
     chunk_numel: int = STAGING_CHUNK_NUMEL,
     readahead: ReadAhead | None = None,
     parked: frozenset[int] | None = None,
+    arena: ArenaReplay | None = None,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
-    activation workspace outside it, and the host staging held by a concurrent update.
+    activation workspace outside it, and the host staging held by a concurrent update. Its
+    pinned buffers are cut from `arena` in the engine's order, whose `pinned_bytes()` is then
+    the pinned arena the engine needs for that step.
     `on_action(k, phase, action)` marks where the replay is (phase "run": action k's waits,
     compute and gradient landing; "prefetch": the loads it starts for action k+1; "update":
     after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
@@ -742,7 +761,7 @@ def _simulate(
     from tierlm.runtime.walk import StepRules, walk_step
 
     ledger = Ledger() if ledger is None else ledger
-    store = _CountingStore(ledger)
+    store = _CountingStore(ledger, arena)
     last = len(shape.names) - 1
     numels = shape.numels
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
@@ -765,7 +784,10 @@ def _simulate(
         for tier, cls, nbytes in persistent_bytes(
                 p, numels[s], 0 if frozen else shape.optim_state_bytes[s],
                 copy, frozen=frozen, base_copy=base is not None):
-            ledger.allocate(tier, cls, nbytes, pinned=tier == Tier.HOST and cls == pinned)
+            if tier == Tier.HOST and cls == pinned:  # cut from the arena's persistent region
+                store.alloc(tier, cls, nbytes, torch.uint8, pinned=True)
+            else:
+                ledger.allocate(tier, cls, nbytes)
 
     class Load:  # tierlm.runtime.state.start_load's loader, on byte counts
         def __init__(self, s: int, count: bool = True) -> None:
@@ -1278,7 +1300,7 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
               writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None) -> Plan:
     """`replay`: this placement's `_replay` when the caller has it (the write-back options
     change neither the sweep's bytes nor its ledger)."""
-    ledger, workspace, read_ahead = replay or _replay(
+    ledger, workspace, read_ahead, arena = replay or _replay(
         shape, train, placements, order, keep, boundary_host, chunk_numel, readahead)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
@@ -1315,6 +1337,9 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
         names=shape.names, numels=shape.numels, boundary_on_host=boundary_host,
         readahead=readahead, readahead_segments=read_ahead, writeback=writeback,
+        pinned_peak_bytes=ledger.pinned_peak_bytes, pinned_arena_bytes=arena.total_bytes,
+        pinned_by_class={c.value: ledger.pinned_class_peak_bytes[c] for c in TensorClass
+                         if ledger.pinned_class_peak_bytes[c]},
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
@@ -1322,12 +1347,14 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
 
 
 def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
-    """The sweep's replay (ledger, workspace) and the segments it reads ahead."""
+    """The sweep's replay (ledger, workspace), the segments it reads ahead and the pinned arena
+    it needs."""
+    arena = ArenaReplay()
     ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
-                                     chunk_numel=chunk_numel, readahead=readahead)
+                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena)
     read_ahead = [s for segs in readahead_schedule(
         shape, train, placements, order, boundary_host, readahead).values() for s in segs]
-    return ledger, workspace, read_ahead
+    return ledger, workspace, read_ahead, arena.pinned_bytes()
 
 
 def _problems(plan: Plan, budgets: dict[str, int]) -> list[str]:
@@ -1855,6 +1882,10 @@ def describe(
         lines.append(f"  {tier:6s} {gib(total):>10s}  ({parts})")
     lines.append(f"  + device activation workspace {gib(p.workspace_bytes)} -> device total "
                  f"{gib(p.device_total_bytes)}")
+    pinned = ", ".join(f"{c} {gib(v)}" for c, v in p.pinned_by_class.items())
+    lines.append(f"  of host, pinned for PCIe copies {gib(p.pinned_peak_bytes)} at peak"
+                 + (f" ({pinned})" if pinned else "")
+                 + f", in one arena of {gib(p.pinned_arena_bytes)} (4 KiB units)")
     counts = p.tier_counts()
     resident = p.resident_names()
     lines.append("")

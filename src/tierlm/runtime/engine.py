@@ -652,7 +652,10 @@ class Engine(Stepper):
         # Disk: chunk by chunk through host staging. The gradient file holds the sum of this
         # step's earlier contributions (grad_written); the step's last contribution completes
         # the sum in the device buffer, where the sync and the norms read it whole, before the
-        # pass that writes it out.
+        # pass that writes it out. The ring is taken before the passes' chunk sets, as the
+        # replay takes it: the pinned arena then holds it below them, not in a hole they leave.
+        if path.ring_numel(st.numel, self.chunk_numel):
+            ring.hold()
         for p in path.passes:
             if final and not p.back:
                 self._grad_complete(st, grad)

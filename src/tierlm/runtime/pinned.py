@@ -8,8 +8,10 @@ the planner's replay (tierlm.memory.planner._simulate) already walks with the en
 and rules. So the arena is sized by that replay, run on a shape made from the engine's own
 parts (its flat layouts, its compute copies' exact bytes, its parked inputs): one byte model for
 the plan's pinned peak, the placement report preflight checks, and the arena the engine
-allocates. The persistent region is what the replay pins before the step; the step's region is
-its peak beyond that.
+allocates. The replay cuts its pinned buffers from an arena of offsets with the engine's
+allocator in the engine's order (tierlm.memory.arena.ArenaReplay), so the size includes what that
+order leaves unusable between buffers: the persistent region is what it pins before the step,
+the step's region what the step's buffers reach.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def step_pinned_bytes(
     host, the most any activation policy parks)."""
     # the planner imports runtime/ lazily; runtime/ sits above memory/, so this import is a
     # downward one
+    from tierlm.memory.arena import ArenaReplay
     from tierlm.memory.planner import ModelShape, TrainShape, _simulate
 
     segs = parts.adapter.segments
@@ -63,12 +66,11 @@ def step_pinned_bytes(
     if parked is None and parts.host_boundaries:
         parked = frozenset(range(1, len(segs) - 1))
     train = TrainShape(batch_size, seq_len, micro_batches)
-    ledger, _, _ = _simulate(
-        shape, train, placements, options.microbatch_order,
-        keep_resident=options.keep_resident_activations, boundary_host=parts.host_boundaries,
-        chunk_numel=options.staging_chunk_numel, readahead=options.readahead,
-        parked=parked if parked is not None else frozenset())
-    persistent = ledger.pinned_bytes  # the step's own buffers are all released by its end
-    return PinnedBytes(persistent_bytes=persistent,
-                       transient_bytes=ledger.pinned_peak_bytes - persistent)
+    arena = ArenaReplay()
+    _simulate(shape, train, placements, options.microbatch_order,
+              keep_resident=options.keep_resident_activations,
+              boundary_host=parts.host_boundaries, chunk_numel=options.staging_chunk_numel,
+              readahead=options.readahead, parked=parked if parked is not None else frozenset(),
+              arena=arena)
+    return arena.pinned_bytes()
 
