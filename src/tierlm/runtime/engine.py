@@ -195,6 +195,9 @@ class Engine(Stepper):
         # (tierlm.runtime.pinned) for the planned step; a step of another shape checks it again.
         self._pinned_rule = functools.partial(step_pinned_bytes, parts, self.report.placements,
                                               options)
+        if plan.report.pinned is not None:  # plan_step's count, for these very policies
+            self._pinned_need[(options.micro_batches, options.batch_size, options.seq_len)] = (
+                plan.report.pinned)
         self.store.open_arena(self.pinned_bytes(options.micro_batches, options.batch_size,
                                                 options.seq_len))
         self.states: list[SegmentState] = []
