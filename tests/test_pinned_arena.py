@@ -173,6 +173,21 @@ def test_the_step_region_grows_between_steps_only():
     arena.alloc(3 * 1024, torch.float32, STAGING)
 
 
+def test_a_persistent_copy_past_the_plan_gets_a_block_of_its_own():
+    """An fp8 layer switched to bf16 widens its segment's compute copy after the arena was
+    sized: the copy is pinned in a block of exactly its size, not refused."""
+    arena = _arena(0, persistent=8 * KiB)
+    wire = arena.alloc(8 * KiB, torch.uint8, COMPUTE)
+    arena.free(wire)
+    wider = arena.alloc(12 * KiB, torch.uint8, COMPUTE)
+    assert arena.owns(wider) and arena.persistent_bytes == 20 * KiB
+    assert wider.data_ptr() % ALIGN_BYTES == 0
+    narrow = arena.alloc(8 * KiB, torch.uint8, COMPUTE)  # the first block's range again
+    assert arena.persistent_bytes == 20 * KiB and arena.used_bytes == 20 * KiB
+    arena.free(narrow)
+    arena.free(wider)
+
+
 def test_the_store_pins_only_what_it_is_asked_to():
     store = Store(CPU)
     store.open_arena(PinnedBytes(persistent_bytes=0, transient_bytes=8 * KiB))

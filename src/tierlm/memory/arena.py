@@ -15,7 +15,10 @@ Two regions, by what a buffer is (`PERSISTENT_CLASSES`): the copies streamed hos
 cross from, held for the whole run, and the step's staging, landing ring and parked
 activations, all free again between steps. Each region is one block, allocated once for a run
 whose step keeps its shape; a step that needs more staging than any before (more micro-batches
-than planned) grows the staging block between steps, while nothing is cut from it.
+than planned) grows the step's block between steps, while nothing is cut from it, and a
+persistent copy that outgrows its plan (an fp8 layer switched to bf16 widens its segment's
+compute copy) gets a block of its own, of its size. Running out of the step's block is an
+error: the plan's count was short.
 
 On CUDA a block is registered with the driver (`cudaHostRegister`), so copies from and to it run
 as asynchronous DMA; on a CPU-only build the same arena is plain memory, and the CPU tests
@@ -219,17 +222,17 @@ class PinnedArena:
     def __init__(self, pinned: PinnedBytes, *, pin: bool | None = None) -> None:
         """`pin`: register the blocks with CUDA (default: where CUDA is available)."""
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._persistent = _Block("persistent", pinned.persistent_bytes, self.pin)
+        self._persistent = [_Block("persistent", pinned.persistent_bytes, self.pin)]
         self._transient = _Block("step", pinned.transient_bytes, self.pin)
         self.peak_bytes = 0  # footprints held at once, both regions
 
     @property
     def capacity_bytes(self) -> int:
-        return self._persistent.capacity_bytes + self._transient.capacity_bytes
+        return self.persistent_bytes + self._transient.capacity_bytes
 
     @property
     def persistent_bytes(self) -> int:
-        return self._persistent.capacity_bytes
+        return sum(b.capacity_bytes for b in self._persistent)
 
     @property
     def transient_bytes(self) -> int:
@@ -237,16 +240,21 @@ class PinnedArena:
 
     @property
     def used_bytes(self) -> int:
-        return self._persistent.used_bytes() + self._transient.used_bytes()
+        return sum(b.used_bytes() for b in self._blocks())
 
     def _blocks(self) -> Iterable[_Block]:
-        return (self._persistent, self._transient)
-
-    def _block_of(self, cls: TensorClass) -> _Block:
-        return self._persistent if cls in PERSISTENT_CLASSES else self._transient
+        return (*self._persistent, self._transient)
 
     def owns(self, t: torch.Tensor) -> bool:
         return any(t.data_ptr() in b.held for b in self._blocks())
+
+    @staticmethod
+    def _take(block: _Block, size: int) -> int | None:
+        block.reclaim(wait=False)
+        offset = block.free.take(size)
+        while offset is None and block.reclaim(wait=True):
+            offset = block.free.take(size)
+        return offset
 
     def alloc(self, numel: int, dtype: torch.dtype, cls: TensorClass) -> torch.Tensor:
         """An uninitialised 1-D tensor of `numel` `dtype` elements at an ALIGN_BYTES-aligned
@@ -255,11 +263,18 @@ class PinnedArena:
         size = footprint_bytes(nbytes)
         if size == 0:
             return torch.empty(0, dtype=dtype)
-        block = self._block_of(cls)
-        block.reclaim(wait=False)
-        offset = block.free.take(size)
-        while offset is None and block.reclaim(wait=True):
-            offset = block.free.take(size)
+        if cls in PERSISTENT_CLASSES:
+            found = next(((b, o) for b in self._persistent
+                          if (o := self._take(b, size)) is not None), None)
+            if found is None:
+                # a copy the plan did not size (an fp8 layer switched to bf16 grows its
+                # segment's compute copy): a block of its own, exactly its size
+                self._persistent.append(_Block("persistent", size, self.pin))
+                found = (self._persistent[-1], self._persistent[-1].free.take(size))
+            block, offset = found
+        else:
+            block = self._transient
+            offset = self._take(block, size)
         if offset is None:
             raise ArenaFullError(
                 f"pinned arena: {cls} asked for {nbytes:,} bytes ({size:,} with alignment) in the "
