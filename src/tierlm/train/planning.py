@@ -410,9 +410,9 @@ def prediction_record(p: Plan, engine: Any | None, step: int,
                       measured: dict[str, float] | None = None,
                       rates: dict[str, float | None] | None = None) -> dict[str, Any]:
     """Predicted vs measured peak bytes per tier and of pinned host memory (measured: the
-    engine's ledger; on CUDA also torch.cuda.max_memory_allocated), and with `rates` (`predicted_rates`) and `measured` (the
-    run's median `step_time_s`, `tokens_per_s`, `trained_tokens_per_s`) the step time and
-    tokens/s beside them."""
+    engine's ledger; on CUDA also torch.cuda.max_memory_allocated), and with `rates`
+    (`predicted_rates`) and `measured` (the run's median `step_time_s`, `tokens_per_s`,
+    `trained_tokens_per_s`) the step time and tokens/s beside them."""
     from tierlm.memory.tiers import Tier
 
     rec: dict[str, Any] = {"step": step, "predicted_device_total_bytes": p.device_total_bytes,
