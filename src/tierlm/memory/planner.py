@@ -1885,7 +1885,8 @@ def describe(
     pinned = ", ".join(f"{c} {gib(v)}" for c, v in p.pinned_by_class.items())
     lines.append(f"  of host, pinned for PCIe copies {gib(p.pinned_peak_bytes)} at peak"
                  + (f" ({pinned})" if pinned else "")
-                 + f", in one arena of {gib(p.pinned_arena_bytes)} (4 KiB units)")
+                 + f", in one arena of {gib(p.pinned_arena_bytes)} (4 KiB units)"
+                 if p.pinned_arena_bytes else "  of host, pinned for PCIe copies: nothing")
     counts = p.tier_counts()
     resident = p.resident_names()
     lines.append("")
