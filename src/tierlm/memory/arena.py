@@ -29,6 +29,7 @@ comes back only once the event given with it (recorded after that copy) has pass
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -225,6 +226,9 @@ class PinnedArena:
         self._persistent = [_Block("persistent", pinned.persistent_bytes, self.pin)]
         self._transient = _Block("step", pinned.transient_bytes, self.pin)
         self.peak_bytes = 0  # footprints held at once, both regions
+        # the training thread cuts the step's buffers; the update worker may re-cut a compute
+        # copy whose format changed (tierlm.precision.streaming.ComputeCopies.refresh)
+        self._lock = threading.RLock()
 
     @property
     def capacity_bytes(self) -> int:
@@ -246,7 +250,8 @@ class PinnedArena:
         return (*self._persistent, self._transient)
 
     def owns(self, t: torch.Tensor) -> bool:
-        return any(t.data_ptr() in b.held for b in self._blocks())
+        with self._lock:
+            return any(t.data_ptr() in b.held for b in self._blocks())
 
     @staticmethod
     def _take(block: _Block, size: int) -> int | None:
@@ -259,6 +264,10 @@ class PinnedArena:
     def alloc(self, numel: int, dtype: torch.dtype, cls: TensorClass) -> torch.Tensor:
         """An uninitialised 1-D tensor of `numel` `dtype` elements at an ALIGN_BYTES-aligned
         address, its footprint taken from `cls`'s region."""
+        with self._lock:
+            return self._alloc(numel, dtype, cls)
+
+    def _alloc(self, numel: int, dtype: torch.dtype, cls: TensorClass) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
         size = footprint_bytes(nbytes)
         if size == 0:
@@ -290,6 +299,10 @@ class PinnedArena:
     def free(self, t: torch.Tensor, done: _Done | None = None) -> None:
         """Return `t` (from `alloc`). `done`: passes once no copy reads or writes it any more
         (None: already so); until then its range is not handed out again."""
+        with self._lock:
+            self._free(t, done)
+
+    def _free(self, t: torch.Tensor, done: _Done | None) -> None:
         for block in self._blocks():
             held = block.held.pop(t.data_ptr(), None)
             if held is not None:
@@ -303,6 +316,10 @@ class PinnedArena:
     def reserve_transient(self, nbytes: int) -> bool:
         """Grow the step's region to at least `nbytes` (a step of a larger shape than planned),
         only while nothing is cut from it. Returns whether it grew."""
+        with self._lock:
+            return self._reserve_transient(nbytes)
+
+    def _reserve_transient(self, nbytes: int) -> bool:
         need = footprint_bytes(nbytes)
         block = self._transient
         if need <= block.capacity_bytes:
