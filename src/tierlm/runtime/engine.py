@@ -469,13 +469,13 @@ class Engine(Stepper):
                 # replaces this one once the embedding exists
                 mbs.append(_MicroBatch(ids, targets, positions,
                                        ctx=self.adapter.embed_context(ids, positions)))
+            # a step of a larger shape than planned (more micro-batches, longer rows) grows
+            # the pinned arena's step region, between steps
+            b, t = mbs[0].ids.shape
+            self.store.arena.reserve_transient(self.pinned_bytes(m, b, t).transient_bytes)
             # the step's loss is its summed token loss over the step's trained tokens, known
             # before the forward: every micro-batch's (this rank's share of each row, under
             # context parallel), and every rank's where the sync averages gradients
-            # a step of a larger shape than planned (more micro-batches, longer rows) grows
-            # the arena's step region, between steps
-            b, t = mbs[0].ids.shape
-            self.store.arena.reserve_transient(self.pinned_bytes(m, b, t).transient_bytes)
             tokens = sum(int((mb.targets != IGNORE_INDEX).sum()) for mb in mbs)
             divisor = self.opts.grad_sync.loss_divisor(tokens)
             actions = self.schedule(m)
@@ -1081,8 +1081,8 @@ class _TensorStep:
         host, _, shape = copy
         dev = torch.empty(shape, dtype=host.dtype, device=self.eng.device)
         store.wait(store.to_device(dev, host.view(shape), f"boundary {self.names[s]}"))
-        # pinned host memory goes back to torch's host allocator, which holds it until the copy
-        # reading it has finished
+        # the pinned arena holds its range back until the copy reading it has finished
+        # (Store.free records the copies queued so far)
         store.free(Tier.HOST, TensorClass.ACTIVATION, host)
         return dev
 
