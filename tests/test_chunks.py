@@ -139,10 +139,10 @@ def test_checkpoint_shards_of_disk_state_read_one_parameter_at_a_time(tmp_path):
     sizes = []
     alloc = eng.store.alloc
 
-    def counting_alloc(tier, cls, numel, dtype=torch.float32):
+    def counting_alloc(tier, cls, numel, dtype=torch.float32, **kw):
         if cls == TensorClass.STAGING:
             sizes.append(numel)
-        return alloc(tier, cls, numel, dtype)
+        return alloc(tier, cls, numel, dtype, **kw)
 
     eng.store.alloc = counting_alloc
     got = {}

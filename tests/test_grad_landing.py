@@ -97,8 +97,8 @@ class _AsyncStore:
             self.host[k * self.chunk:(k + 1) * self.chunk],
             self.before[k * self.chunk:(k + 1) * self.chunk]))
 
-    def alloc(self, tier, cls, numel, dtype=torch.float32):
-        assert (tier, cls) == (Tier.HOST, TensorClass.STAGING)
+    def alloc(self, tier, cls, numel, dtype=torch.float32, *, pinned=False):
+        assert (tier, cls, pinned) == (Tier.HOST, TensorClass.STAGING, True)
         self.allocated += numel
         return torch.full((numel,), float("nan"), dtype=dtype)
 
@@ -233,8 +233,8 @@ def _watch_engine(eng: Engine) -> _LandingStaging:
     store, land = eng.store, eng._land_grad
     alloc, free = store.alloc, store.free
 
-    def spy_alloc(tier, cls, numel, dtype=torch.float32):
-        t = alloc(tier, cls, numel, dtype)
+    def spy_alloc(tier, cls, numel, dtype=torch.float32, **kw):
+        t = alloc(tier, cls, numel, dtype, **kw)
         watch.alloc(t, tier, cls)
         return t
 
@@ -251,8 +251,8 @@ def _watch_replay(monkeypatch) -> _LandingStaging:
     watch = _LandingStaging()
 
     class Store(planner._CountingStore):
-        def alloc(self, tier, cls, numel, dtype=None):
-            t = super().alloc(tier, cls, numel, dtype)
+        def alloc(self, tier, cls, numel, dtype=None, **kw):
+            t = super().alloc(tier, cls, numel, dtype, **kw)
             watch.alloc(t, tier, cls)
             return t
 

@@ -99,6 +99,11 @@ class Device:
     def synchronize(self) -> None:
         """The host waits for everything queued on the device (between steps only)."""
 
+    def copies_done(self) -> Any:
+        """Something whose `query()` is True once every copy queued so far has finished (None:
+        they have): a pinned range freed now is reused only after it (tierlm.memory.arena)."""
+        return None
+
     def read(self, t: torch.Tensor) -> list[float]:
         """The values of device tensor `t` on the host: a host synchronisation. A step makes
         exactly one, for the global gradient norm (Engine._finish_step says why it is safe)."""
@@ -219,6 +224,15 @@ class CudaDevice(Device):
     def synchronize(self):
         torch.cuda.synchronize(self.torch_device)
 
+    def copies_done(self):
+        return _AllDone([self._record(stream) for stream in self.streams.values()])
+
+    @staticmethod
+    def _record(stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
     def upload(self, t):
         if t.device.type == "cpu":
             t = t.pin_memory()
@@ -252,6 +266,16 @@ class CudaDevice(Device):
             b, s = out.get(link, (0, 0.0))
             out[link] = (b + nbytes, s + start.elapsed_time(end) / 1000)
         return out
+
+
+class _AllDone:
+    """Events that have all passed."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def query(self) -> bool:
+        return all(e.query() for e in self.events)
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -393,9 +417,18 @@ class SimDevice(Device):
             self.timeline.wait_host(event.t_s, what, "transfer wait")
 
     def synchronize(self):
+        self._land_all()
+        self.timeline.synchronize()
+
+    def _land_all(self) -> None:
         for name in self._pending:
             self._land(self.timeline.mark(name))
-        self.timeline.synchronize()
+
+    def copies_done(self):
+        # a pinned range freed now may be cut again at once: what the copies queued so far
+        # read and write lands first (on a GPU the arena waits for them)
+        self._land_all()
+        return None
 
     def read(self, t):
         self.timeline.wait_host(self.timeline.compute.t_s, "read", "sync")

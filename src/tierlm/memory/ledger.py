@@ -3,6 +3,10 @@
 Every managed allocation and every move goes through `Store`, which reports here; the trainer
 logs `snapshot()` each step and the planner's predictions are checked against it. Updates come
 from the training thread and the update worker, hence the lock.
+
+Pinned host buffers (tierlm.memory.arena) are counted twice: in the host tier by their bytes, as
+every buffer, and in a pinned dimension of their own by their footprint in the arena (whole
+4 KiB units), per tensor class, current and peak: what RAM the run locks for PCIe copies.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import threading
 from collections import defaultdict
 from typing import Any
 
+from tierlm.memory.arena import footprint_bytes
 from tierlm.memory.tiers import Link, TensorClass, Tier
 
 
@@ -38,12 +43,26 @@ class Ledger:
         self.peak_device_total_bytes = 0  # device tier + saved + workspace
         self.step_peak_device_total_bytes = 0
         self.step_peak_activation_bytes = 0  # boundary + saved + workspace on the device
+        # pinned host buffers by class: arena footprints (also in the host tier by their bytes)
+        self.pinned_class_bytes: dict[TensorClass, int] = defaultdict(int)
+        self.pinned_class_peak_bytes: dict[TensorClass, int] = defaultdict(int)
+        self.pinned_peak_bytes = 0
+        self.step_pinned_peak_bytes = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held now (arena footprints)."""
+        return sum(self.pinned_class_bytes.values())
 
     def tier_bytes(self, tier: Tier) -> int:
         return sum(v for (t, _), v in self.current_bytes.items() if t == tier)
 
-    def allocate(self, tier: Tier, cls: TensorClass, nbytes: int) -> None:
+    def allocate(self, tier: Tier, cls: TensorClass, nbytes: int, *, pinned: bool = False
+                 ) -> None:
+        """`pinned`: a host buffer from the pinned arena (counted in the pinned class too)."""
         with self._lock:
+            if pinned:
+                self._pin(tier, cls, footprint_bytes(nbytes))
             self.current_bytes[(tier, cls)] += nbytes
             total = self.tier_bytes(tier)
             self.peak_tier_bytes[tier] = max(self.peak_tier_bytes[tier], total)
@@ -53,11 +72,26 @@ class Ledger:
             if tier == Tier.DEVICE:
                 self._observe_device(total)
 
-    def release(self, tier: Tier, cls: TensorClass, nbytes: int) -> None:
+    def release(self, tier: Tier, cls: TensorClass, nbytes: int, *, pinned: bool = False
+                ) -> None:
         with self._lock:
+            if pinned:
+                self.pinned_class_bytes[cls] -= footprint_bytes(nbytes)
+                if self.pinned_class_bytes[cls] < 0:
+                    raise AssertionError(f"ledger underflow for pinned {cls}")
             self.current_bytes[(tier, cls)] -= nbytes
             if self.current_bytes[(tier, cls)] < 0:
                 raise AssertionError(f"ledger underflow for {tier}/{cls}")
+
+    def _pin(self, tier: Tier, cls: TensorClass, footprint: int) -> None:
+        if tier != Tier.HOST:
+            raise ValueError(f"only host buffers are pinned, not {tier} {cls}")
+        self.pinned_class_bytes[cls] += footprint
+        self.pinned_class_peak_bytes[cls] = max(self.pinned_class_peak_bytes[cls],
+                                                self.pinned_class_bytes[cls])
+        total = self.pinned_bytes
+        self.pinned_peak_bytes = max(self.pinned_peak_bytes, total)
+        self.step_pinned_peak_bytes = max(self.step_pinned_peak_bytes, total)
 
     def record_move(self, link: Link, nbytes: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -77,6 +111,7 @@ class Ledger:
             self.step_kind_peak = defaultdict(int, self.kind_bytes)
             self.step_peak_device_total_bytes = 0
             self.step_peak_activation_bytes = 0
+            self.step_pinned_peak_bytes = self.pinned_bytes
             self._observe_device(self.tier_bytes(Tier.DEVICE))
 
     # -- activations ----
@@ -135,6 +170,9 @@ class Ledger:
                 seconds = self.moved_s[link]
                 out[f"{link}_bytes"] = nbytes
                 out[f"{link}_Bps"] = nbytes / seconds if seconds > 0 else None
+            out["host_pinned_bytes"] = self.pinned_bytes
+            out["host_pinned_peak_bytes"] = self.pinned_peak_bytes
+            out["host_pinned_step_peak_bytes"] = self.step_pinned_peak_bytes
             out["device_total_step_peak_bytes"] = self.step_peak_device_total_bytes
             out["activation_step_peak_bytes"] = self.step_peak_activation_bytes
             for kind in ("saved", "offloaded", "workspace"):

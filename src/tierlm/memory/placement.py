@@ -18,6 +18,7 @@ import functools
 import re
 from dataclasses import dataclass
 
+from tierlm.memory.arena import PinnedBytes
 from tierlm.memory.tiers import Tier
 
 # Bytes per parameter of fp32 compute weights, master weights and gradients. With
@@ -89,6 +90,9 @@ class PlacementReport:
     device_bytes: int  # predicted managed peak: weights, grads, state, boundary activations
     host_bytes: int
     disk_bytes: int
+    # of the host bytes, what the run pins for PCIe copies (its pinned arena, sized by
+    # tierlm.runtime.pinned; plan_step fills it in); None: not known yet
+    pinned: PinnedBytes | None = None
 
 
 def update_staging_bytes(

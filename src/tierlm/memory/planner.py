@@ -29,13 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierlm.memory.arena import ArenaReplay
 from tierlm.memory.hardware import GiB, HardwareProfile
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
     GRAD_B,
     MASTER_B,
     STAGING_CHUNK_NUMEL,
+    STAGING_SETS,
     SegmentPlacement,
+    chunk_ranges,
     gib,
     staging_numel,
     update_staging_bytes,
@@ -109,6 +112,10 @@ class ModelShape:
     # averages); None: unknown (one unnamed parameter per segment, no slots)
     param_numels: list[tuple[tuple[str, int], ...]] | None = field(default=None, repr=False)
     optim_slot_numels: list[tuple[int, ...]] | None = field(default=None, repr=False)
+    # per segment, its compute copy's bytes as the engine lays it out (tierlm.precision.streaming:
+    # each entry padded to 16 bytes), in the run's precision, where the shape is made from the
+    # engine's own parts (tierlm.runtime.pinned); None: estimated from the precision
+    copy_bytes: list[int | None] | None = field(default=None, repr=False)
 
     @property
     def n_params(self) -> int:
@@ -236,6 +243,8 @@ class ModelShape:
         head (sensitive, fp32). A frozen base held in its own copy: that copy's bytes."""
         if self.base_copy(s) is not None:
             return self.base_copy(s)
+        if self.copy_bytes is not None:
+            return self.copy_bytes[s]
         if precision not in ("bf16", "fp8") or s in (0, len(self.numels) - 1):
             return None
         n = self.numels[s]
@@ -448,6 +457,12 @@ class Plan:
     readahead_segments: list[int] = field(default_factory=list)  # which ones, in update order
     # disk-tier master and slots written back behind the step (None: inside the update)
     writeback: WriteBack | None = DEFAULT_WRITEBACK
+    # of the host bytes, those pinned for PCIe copies (arena footprints, tierlm.memory.arena):
+    # the peak the replay holds at once, per class, and the arena the engine allocates for
+    # them (the peak, and what the order of allocations leaves unusable between them)
+    pinned_peak_bytes: int = 0
+    pinned_arena_bytes: int = 0
+    pinned_by_class: dict[str, int] = field(default_factory=dict)
 
     @property
     def device_total_bytes(self) -> int:
@@ -489,12 +504,14 @@ class Plan:
 
 
 class _Bytes:
-    """Stands in for a tensor in the replay: only its size matters."""
+    """Stands in for a tensor in the replay: only its size matters (and whether it is pinned)."""
 
-    def __init__(self, numel: int, itemsize: int = 4) -> None:
+    def __init__(self, numel: int, itemsize: int = 4, pinned: bool = False) -> None:
         self._numel = numel
         self._itemsize = itemsize
         self.nbytes = numel * itemsize
+        self.pinned = pinned
+        self.offset = 0  # in the pinned arena's region, when pinned
 
     def numel(self) -> int:
         return self._numel
@@ -504,16 +521,31 @@ class _Bytes:
 
 
 class _CountingStore:
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
+    """The store on byte counts. Pinned buffers are also cut from an arena of offsets in the
+    engine's order, whose size is what the engine's pinned arena needs (`arena.pinned_bytes`)."""
 
-    def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
-        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize)
-        self.ledger.allocate(tier, cls, t.nbytes)
+    def __init__(self, ledger: Ledger, arena: ArenaReplay | None = None) -> None:
+        self.ledger = ledger
+        self.arena = ArenaReplay() if arena is None else arena
+
+    def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None, *,
+              pinned: bool = False) -> _Bytes:
+        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize, pinned)
+        self.ledger.allocate(tier, cls, t.nbytes, pinned=pinned)
+        if pinned:
+            t.offset = self.arena.take(cls, t.nbytes)
         return t
 
     def free(self, tier: Tier, cls: TensorClass, t: _Bytes) -> None:
-        self.ledger.release(tier, cls, t.nbytes)
+        self.ledger.release(tier, cls, t.nbytes, pinned=t.pinned)
+        if t.pinned:
+            self.arena.give(cls, t.nbytes, t.offset)
+
+    def alloc_pinned(self, cls: TensorClass, nbytes: int, buffers: int) -> list[_Bytes]:
+        """`nbytes` of pinned host buffers in `buffers` equal parts (the engine's chunk sets:
+        each its own footprint in the arena)."""
+        return [self.alloc(Tier.HOST, cls, nbytes // buffers, torch.uint8, pinned=True)
+                for _ in range(buffers)]
 
 
 def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int | None]:
@@ -582,7 +614,8 @@ class _CountingStep:
 
     def __init__(self, shape: ModelShape, placements: list[SegmentPlacement], store,
                  cache, actions: list, hidden: int, chunk_numel: int,
-                 on_action: Callable[[int, str, Any], None], ring) -> None:
+                 on_action: Callable[[int, str, Any], None], ring,
+                 load: Callable[[int], Any] | None = None) -> None:
         self.shape, self.placements, self.store, self.cache = shape, placements, store, cache
         self.ring = ring  # the step's landing ring (tierlm.runtime.landing.LandingRing)
         self.ledger: Ledger = store.ledger
@@ -592,6 +625,11 @@ class _CountingStep:
         self.grad_written = [False] * len(placements)
         self.ahead_held: list[_Bytes] = []  # read ahead, freed by the update
         self.landing: _Bytes | None = None  # the gradient the landing in flight reads
+        # resident segments off the device whose copy the last update made stale: each reloads
+        # at its first use (Engine._weights), a disk-tier one through the load's staging
+        self.stale = {s for s, p in enumerate(placements)
+                      if p.resident and p.state_tier != Tier.DEVICE and not shape.frozen}
+        self.load = load  # the replay's loader of a segment's weights (start_load's bytes)
 
     def begin(self, k: int, a: Any) -> None:
         self.on_action(k, "run", a)
@@ -599,6 +637,9 @@ class _CountingStep:
     def weights(self, k: int, s: int) -> None:
         if self.streamed[s]:
             self.cache.acquire(k, s)
+        elif s in self.stale and self.load is not None:  # moves counted with the persistent
+            self.stale.discard(s)
+            self.load(s, count=False).finish(None)
 
     def running(self, k: int, a: Any) -> contextlib.AbstractContextManager:
         return _NOTHING
@@ -631,7 +672,7 @@ class _CountingStep:
         self.ledger.release(Tier.DEVICE, TensorClass.ACTIVATION, t.nbytes)
 
     def park(self, s: int, x: _Bytes) -> _Bytes:
-        copy = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel())
+        copy = self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), pinned=True)
         self.ledger.record_move(Link.D2H, x.nbytes)
         return copy
 
@@ -667,9 +708,10 @@ class _CountingStep:
         if path.ring_numel(numel, self.chunk_numel):
             self.ring.hold()
         staged = path.host_staging_numel(numel, self.chunk_numel)
-        if staged:
-            self.store.free(Tier.HOST, TensorClass.STAGING,
-                            self.store.alloc(Tier.HOST, TensorClass.STAGING, staged))
+        if staged:  # the file pass's chunk sets, pinned: the gradient crosses into them
+            sets = min(STAGING_SETS, len(chunk_ranges(numel, self.chunk_numel)))
+            for t in self.store.alloc_pinned(TensorClass.STAGING, GRAD_B * staged, sets):
+                self.store.free(Tier.HOST, TensorClass.STAGING, t)
         for link, nbytes in path.moves(GRAD_B * numel):
             self.ledger.record_move(link, nbytes)
         self.grad_written[s] = path.written
@@ -703,15 +745,21 @@ def _simulate(
     on_action: Callable[[int, str, Any], None] = lambda k, phase, action: None,
     chunk_numel: int = STAGING_CHUNK_NUMEL,
     readahead: ReadAhead | None = None,
+    parked: frozenset[int] | None = None,
+    arena: ArenaReplay | None = None,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
-    activation workspace outside it, and the host staging held by a concurrent update.
+    activation workspace outside it, and the host staging held by a concurrent update. Its
+    pinned buffers are cut from `arena` in the engine's order, whose `pinned_bytes()` is then
+    the pinned arena the engine needs for that step.
     `on_action(k, phase, action)` marks where the replay is (phase "run": action k's waits,
     compute and gradient landing; "prefetch": the loads it starts for action k+1; "update":
     after the sweep), so a ledger that logs moves can place them (tierlm.memory.timeline).
     Disk-tier state crosses host staging in chunks of `chunk_numel` elements per copy;
     `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
-    backward actions the engine issues them after.
+    backward actions the engine issues them after; `parked`: the segments whose boundary input
+    waits on the host where the engine's activation policies say so (None: those `keep_resident`
+    and `boundary_host` give).
 
     The sweep is the engine's own walk (tierlm.runtime.walk) over a counting backend, and the
     rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an action
@@ -721,11 +769,11 @@ def _simulate(
     from tierlm.runtime.cache import StreamCache, window_bytes
     from tierlm.runtime.landing import LandingRing
     from tierlm.runtime.schedule import landing_ring_numel, parked_inputs
-    from tierlm.runtime.state import load_bytes, persistent_bytes
+    from tierlm.runtime.state import load_bytes, persistent_bytes, pinned_class
     from tierlm.runtime.walk import StepRules, walk_step
 
     ledger = Ledger() if ledger is None else ledger
-    store = _CountingStore(ledger)
+    store = _CountingStore(ledger, arena)
     last = len(shape.names) - 1
     numels = shape.numels
     hidden = train.batch_size * train.seq_len * shape.hidden_size  # elements per boundary
@@ -743,28 +791,34 @@ def _simulate(
         ledger.allocate(Tier.DEVICE, TensorClass.OPTIM, shape.trained_optim_bytes)
     for s, p in enumerate(placements):  # persistent state
         base = shape.base_copy(s)
+        copy = wire[s] if base is None else base
+        pinned = pinned_class(p, copy)  # what the segment's H2D copies read
         for tier, cls, nbytes in persistent_bytes(
                 p, numels[s], 0 if frozen else shape.optim_state_bytes[s],
-                wire[s] if base is None else base, frozen=frozen, base_copy=base is not None):
-            ledger.allocate(tier, cls, nbytes)
+                copy, frozen=frozen, base_copy=base is not None):
+            if tier == Tier.HOST and cls == pinned:  # cut from the arena's persistent region
+                store.alloc(tier, cls, nbytes, torch.uint8, pinned=True)
+            else:
+                ledger.allocate(tier, cls, nbytes)
 
     class Load:  # tierlm.runtime.state.start_load's loader, on byte counts
-        def __init__(self, s: int) -> None:
+        def __init__(self, s: int, count: bool = True) -> None:
             self.load = loads[s]
-            self.staging = None
-            if self.load.staging_bytes:
-                self.staging = store.alloc(Tier.HOST, TensorClass.STAGING,
-                                           self.load.staging_bytes, torch.uint8)
-            if self.load.disk_read_bytes:
+            self.count = count  # the moves (a resident reload's are counted with the state)
+            # the disk read's staging, pinned: the H2D copy reads it
+            self.staging = store.alloc_pinned(TensorClass.STAGING, self.load.staging_bytes,
+                                              self.load.staging_buffers)
+            if self.load.disk_read_bytes and count:
                 ledger.record_move(Link.DISK_READ, self.load.disk_read_bytes)
 
         def start(self, dst, after) -> None:
             pass
 
         def finish(self, dst) -> None:
-            ledger.record_move(Link.H2D, self.load.h2d_bytes)
-            if self.staging is not None:
-                store.free(Tier.HOST, TensorClass.STAGING, self.staging)
+            if self.count:
+                ledger.record_move(Link.H2D, self.load.h2d_bytes)
+            for t in self.staging:
+                store.free(Tier.HOST, TensorClass.STAGING, t)
 
     streamed = {i: loads[i].h2d_bytes for i, p in enumerate(placements) if not p.resident}
     cache = StreamCache(store, streamed.__getitem__, window_bytes(streamed.values()), Load)  # type: ignore[arg-type]
@@ -785,13 +839,14 @@ def _simulate(
     ring_numel = landing_ring_numel(actions, train.micro_batches, landings, chunk_numel)
     ring = LandingRing(store, ring_numel)  # type: ignore[arg-type]
     step = _CountingStep(shape, placements, store, cache, actions, hidden, chunk_numel,
-                         on_action, ring)
+                         on_action, ring, Load)
     tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     rules = StepRules(
         micro_batches=train.micro_batches,
         # the boundary inputs that wait on the host: the engine's rule on the policies `keep`
         # gives (resident graphs kept, the rest recomputed)
-        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host),
+        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host)
+        if parked is None else parked,
         tied_owners=tied_owners,
         # the head's contribution to tied weights is held in a buffer the size of the owner's
         # gradient, which the owner's backward then accumulates its own into (frozen: none)
@@ -1261,7 +1316,7 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
               writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None) -> Plan:
     """`replay`: this placement's `_replay` when the caller has it (the write-back options
     change neither the sweep's bytes nor its ledger)."""
-    ledger, workspace, read_ahead = replay or _replay(
+    ledger, workspace, read_ahead, arena = replay or _replay(
         shape, train, placements, order, keep, boundary_host, chunk_numel, readahead)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
@@ -1298,6 +1353,9 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
         names=shape.names, numels=shape.numels, boundary_on_host=boundary_host,
         readahead=readahead, readahead_segments=read_ahead, writeback=writeback,
+        pinned_peak_bytes=ledger.pinned_peak_bytes, pinned_arena_bytes=arena.total_bytes,
+        pinned_by_class={c.value: ledger.pinned_class_peak_bytes[c] for c in TensorClass
+                         if ledger.pinned_class_peak_bytes[c]},
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
@@ -1305,12 +1363,14 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
 
 
 def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
-    """The sweep's replay (ledger, workspace) and the segments it reads ahead."""
+    """The sweep's replay (ledger, workspace), the segments it reads ahead and the pinned arena
+    it needs."""
+    arena = ArenaReplay()
     ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
-                                     chunk_numel=chunk_numel, readahead=readahead)
+                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena)
     read_ahead = [s for segs in readahead_schedule(
         shape, train, placements, order, boundary_host, readahead).values() for s in segs]
-    return ledger, workspace, read_ahead
+    return ledger, workspace, read_ahead, arena.pinned_bytes()
 
 
 def _problems(plan: Plan, budgets: dict[str, int]) -> list[str]:
@@ -1838,6 +1898,11 @@ def describe(
         lines.append(f"  {tier:6s} {gib(total):>10s}  ({parts})")
     lines.append(f"  + device activation workspace {gib(p.workspace_bytes)} -> device total "
                  f"{gib(p.device_total_bytes)}")
+    pinned = ", ".join(f"{c} {gib(v)}" for c, v in p.pinned_by_class.items())
+    lines.append(f"  of host, pinned for PCIe copies {gib(p.pinned_peak_bytes)} at peak"
+                 + (f" ({pinned})" if pinned else "")
+                 + f", in one arena of {gib(p.pinned_arena_bytes)} (4 KiB units)"
+                 if p.pinned_arena_bytes else "  of host, pinned for PCIe copies: nothing")
     counts = p.tier_counts()
     resident = p.resident_names()
     lines.append("")

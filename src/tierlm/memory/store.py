@@ -1,7 +1,9 @@
 """The store: the one place that allocates managed tensors and moves them between tiers.
 
 Every allocation and move reports to the ledger. Host buffers are 4096-byte aligned (so the disk
-tier can use O_DIRECT on them) and pinned where CUDA exists; device copies go through the device
+tier can use O_DIRECT on them); those that cross PCIe are asked for `pinned` and cut from the
+run's pinned arena (tierlm.memory.arena), the rest (optimizer state, host gradients, masters a
+compute copy streams for) stay pageable. Device copies go through the device
 (tierlm.memory.device: a stream per direction on CUDA, virtual time on a simulated device). On a
 CPU-only machine the device is the CPU itself: copies are plain memcpys, still accounted as
 H2D/D2H so the ledger shows what a GPU run would move.
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from tierlm.crashpoints import crash_point
+from tierlm.memory.arena import PinnedArena, PinnedBytes
 from tierlm.memory.device import (
     AFTER_COMPUTE,
     Device,
@@ -47,26 +50,60 @@ class Store:
         self._disk: DiskTier | None = None
         self._offload_dir = Path(offload_dir) if offload_dir else None
         self._disk_files: dict[str, int] = {}
+        # The run's pinned arena (`open_arena`, sized by the plan); until one is open, pinned
+        # buffers come one by one from torch's pinned allocator (a store used on its own).
+        self.arena: PinnedArena | None = None
+        self._pinned: set[int] = set()  # data_ptr of every pinned buffer held (arena or not)
 
     # -- allocation ----
 
+    def open_arena(self, pinned: PinnedBytes) -> PinnedArena:
+        """Allocate the run's pinned arena (before the first pinned buffer is asked for)."""
+        if self.arena is not None or self._pinned:
+            raise ValueError("the store's pinned arena is opened once, before any pinned buffer")
+        self.arena = PinnedArena(pinned, pin=self.cuda)
+        return self.arena
+
     def alloc(
-        self, tier: Tier, cls: TensorClass, numel: int, dtype: torch.dtype = torch.float32
+        self, tier: Tier, cls: TensorClass, numel: int, dtype: torch.dtype = torch.float32, *,
+        pinned: bool = False,
     ) -> torch.Tensor:
+        """A managed buffer of `numel` `dtype` elements on `tier`. `pinned` (host only): it is a
+        source or destination of PCIe copies, cut from the pinned arena."""
+        if pinned and tier != Tier.HOST:
+            raise ValueError(f"only host buffers are pinned, not a {tier} {cls} buffer")
         if tier == Tier.DEVICE:
             t = torch.empty(numel, dtype=dtype, device=self.device)
+        elif tier == Tier.HOST and pinned:
+            t = (self.arena.alloc(numel, dtype, cls) if self.arena is not None
+                 else aligned_empty(numel, dtype, pin=self.cuda))
+            if t.numel():
+                self._pinned.add(t.data_ptr())
         elif tier == Tier.HOST:
-            t = aligned_empty(numel, dtype)
+            t = aligned_empty(numel, dtype, pin=False)
         else:
             raise ValueError("disk space is allocated with write_file")
-        self.ledger.allocate(tier, cls, nbytes_of(t))
+        self.ledger.allocate(tier, cls, nbytes_of(t), pinned=pinned)
         return t
 
-    def zeros(self, tier: Tier, cls: TensorClass, numel: int) -> torch.Tensor:
-        return self.alloc(tier, cls, numel).zero_()
+    def zeros(self, tier: Tier, cls: TensorClass, numel: int, *, pinned: bool = False
+              ) -> torch.Tensor:
+        return self.alloc(tier, cls, numel, pinned=pinned).zero_()
 
     def free(self, tier: Tier, cls: TensorClass, t: torch.Tensor) -> None:
-        self.ledger.release(tier, cls, nbytes_of(t))
+        pinned = tier == Tier.HOST and t.numel() > 0 and t.data_ptr() in self._pinned
+        if pinned:
+            self._pinned.discard(t.data_ptr())
+            if self.arena is not None and self.arena.owns(t):
+                # an asynchronous copy may still read or write it: its range comes back once
+                # the copies queued so far have finished
+                self.arena.free(t, self._copies_done())
+        # a pinned buffer of no bytes has no footprint: released unpinned, the same
+        self.ledger.release(tier, cls, nbytes_of(t), pinned=pinned)
+
+    def _copies_done(self):
+        """What passes once every copy queued so far has finished (None: they have)."""
+        return self.dev.copies_done()
 
     # -- device <-> host --------------------------------------------------------------------------
 
@@ -160,3 +197,5 @@ class Store:
     def close(self) -> None:
         if self._disk is not None:
             self._disk.close()
+        if self.arena is not None:
+            self.arena.close()

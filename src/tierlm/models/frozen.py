@@ -123,8 +123,10 @@ class FrozenBase:
             init_state(store, st, fill, optim_device, ranges)
             return
         host = st.tier == Tier.HOST
+        # host: the copy the stream crosses from, pinned (runtime.state.pinned_class); else
+        # staging on its way to the file, pageable
         wire = store.alloc(Tier.HOST, TensorClass.COMPUTE if host else TensorClass.STAGING,
-                           fmt.nbytes, dtype=torch.uint8)
+                           fmt.nbytes, dtype=torch.uint8, pinned=host)
         wire.zero_()  # alignment padding: the file's bytes are deterministic
         largest = max(slot.numel for slot in st.layout.slots)
         values = store.alloc(Tier.HOST, TensorClass.STAGING, largest)

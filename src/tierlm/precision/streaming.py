@@ -252,8 +252,9 @@ class ComputeCopies:
 
     @staticmethod
     def _alloc_wire(store: Store, st) -> None:
+        # what the segment's H2D copies read: pinned (runtime.state.pinned_class)
         st.wire = store.alloc(Tier.HOST, TensorClass.COMPUTE, st.compute_format.nbytes,
-                              dtype=torch.uint8)
+                              dtype=torch.uint8, pinned=True)
 
     @staticmethod
     def _write_file(store: Store, st, master: torch.Tensor, *, keep: bool = False):

@@ -46,6 +46,7 @@ from tierlm.activations import (
 from tierlm.activations.saved import FrozenWeights
 from tierlm.config import OptimConfig
 from tierlm.data.batch import IGNORE_INDEX, inputs_and_targets, position_ids, trained_targets
+from tierlm.memory.arena import PinnedBytes
 from tierlm.memory.device import Device
 from tierlm.memory.placement import (
     PlacementReport,
@@ -60,6 +61,7 @@ from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.landing import LandingRing, add_to_host
+from tierlm.runtime.pinned import step_pinned_bytes
 from tierlm.runtime.plan import EngineOptions, StepParts, StepPlan, plan_step
 from tierlm.runtime.readahead import readahead_starts
 from tierlm.runtime.schedule import (
@@ -192,6 +194,16 @@ class Engine(Stepper):
         self.chunk_tokens = parts.chunk_tokens  # tokens per cross-entropy chunk at the head
         self._make_policy = PolicyFactory(self.dev, dropout=self.has_dropout)
         self.set_activation_policies(list(plan.activation_policies))
+        # The host buffers PCIe copies read or write come from one pinned arena, sized before
+        # anything is allocated by the rule the plan's pinned bytes come from
+        # (tierlm.runtime.pinned) for the planned step; a step of another shape checks it again.
+        self._pinned_rule = functools.partial(step_pinned_bytes, parts, self.report.placements,
+                                              options)
+        if plan.report.pinned is not None:  # plan_step's count, for these very policies
+            self._pinned_need[(options.micro_batches, options.batch_size, options.seq_len)] = (
+                plan.report.pinned)
+        self.store.open_arena(self.pinned_bytes(options.micro_batches, options.batch_size,
+                                                options.seq_len))
         self.states: list[SegmentState] = []
         # per segment: the state the optimizer updates (the segment's own, or its adapters on
         # the device; None: nothing of it is trained), and its frozen weights' current copy
@@ -427,6 +439,8 @@ class Engine(Stepper):
         self.parked_inputs = parked_inputs(names, self.host_boundaries)
         self.activation_policies = list(names)
         self.policies = [self._make_policy(name) for name in names]
+        # what a step pins depends on the inputs parked: counted again under these policies
+        self._pinned_need: dict[tuple[int, int, int], PinnedBytes] = {}
 
     def _run(self, st: SegmentState, mb: _MicroBatch):
         """Segment `st` on micro-batch `mb`: (flat weights, boundary input) -> output."""
@@ -486,6 +500,10 @@ class Engine(Stepper):
                 # replaces this one once the embedding exists
                 mbs.append(_MicroBatch(ids, targets, positions,
                                        ctx=self.adapter.embed_context(ids, positions)))
+            # a step of a larger shape than planned (more micro-batches, longer rows) grows
+            # the pinned arena's step region, between steps
+            b, t = mbs[0].ids.shape
+            self.store.arena.reserve_transient(self.pinned_bytes(m, b, t).transient_bytes)
             divisor = self.opts.grad_sync.loss_divisor(tokens)
             actions = self.schedule(m)
             readahead = self.readahead_plan(actions)
@@ -520,6 +538,17 @@ class Engine(Stepper):
             "step_time_s": time.perf_counter() - t0,
             **self.dev.end_step(begun),  # a simulated device's step in virtual time
         }
+
+    def pinned_bytes(self, m: int, batch_size: int, seq_len: int) -> PinnedBytes:
+        """Pinned host bytes (arena footprints) a step of `m` micro-batches of `batch_size` x
+        `seq_len` tokens holds: the persistent ones and the step's peak
+        (tierlm.runtime.pinned, the planner's replay on this engine's parts)."""
+        key = (m, batch_size, seq_len)
+        if key not in self._pinned_need:
+            self._pinned_need[key] = self._pinned_rule(
+                micro_batches=m, batch_size=batch_size, seq_len=seq_len,
+                parked=self.parked_inputs)
+        return self._pinned_need[key]
 
     def landing_ring_numel(self, actions: list[Action], m: int) -> int:
         """Elements of the landing ring a step of `actions` over `m` micro-batches holds
@@ -662,14 +691,15 @@ class Engine(Stepper):
             return
         what = f"grad {st.seg.name}"
         if path.to_host:  # host state, or disk state's held gradient
-            # on the landing worker, so the training thread goes on issuing the backward: the
+            # On the landing worker, so the training thread goes on issuing the backward: the
             # copies wait for the gradient (an event now), the adds for their copies; the sync
-            # and the norm read the host sum once `_drain_landings` has seen it done
-            # One landing at a time is in flight: the one before is waited for here, after this
+            # and the norm read the host sum once `_drain_landings` has seen it done. One
+            # landing at a time is in flight: the one before is waited for here, after this
             # action's compute was issued, so it ran under it; its gradient leaves the device
-            # ledger now (tierlm.runtime.schedule.landing_held: the planner's replay holds it as
-            # long).
+            # ledger now (the planner's replay holds it as long: `_CountingStep.land`). The
+            # ring is taken here, on this thread, in the order the replay takes it.
             self._drain_landings()
+            ring.hold()
             done = self.dev.mark()
             self._landing = (self._lander.submit(self._add_landing, ring, st.grad, grad, done,
                                                  what), grad, st if final else None)
@@ -678,7 +708,10 @@ class Engine(Stepper):
         # Disk: chunk by chunk through host staging. The gradient file holds the sum of this
         # step's earlier contributions (grad_written); the step's last contribution completes
         # the sum in the device buffer, where the sync and the norms read it whole, before the
-        # pass that writes it out.
+        # pass that writes it out. The ring is taken before the passes' chunk sets, as the
+        # replay takes it: the pinned arena then holds it below them, not in a hole they leave.
+        if path.ring_numel(st.numel, self.chunk_numel):
+            ring.hold()
         for p in path.passes:
             if final and not p.back:
                 self._grad_complete(st, grad)
@@ -724,7 +757,8 @@ class Engine(Stepper):
                 self.store.wait_host(copied)  # before the staging buffer takes a later chunk
 
         stream_chunks(self.store, st, chunk_ranges(st.numel, self.chunk_numel),
-                      read=("grad",) if add else (), write=() if back else ("grad",), step=step)
+                      read=("grad",) if add else (), write=() if back else ("grad",), step=step,
+                      pinned=True)
 
     def _grad_complete(self, st: SegmentState, grad: torch.Tensor) -> None:
         """The segment's gradient for this step is all in: start its sync across ranks (a no-op
@@ -1126,7 +1160,7 @@ class _TensorStep:
     def park(self, s: int, x: torch.Tensor) -> tuple[torch.Tensor, object, torch.Size]:
         """The input's flat host copy, the copy's event and the input's shape."""
         store = self.eng.store
-        host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), x.dtype)
+        host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), x.dtype, pinned=True)
         copied = store.to_host(host.view(x.shape), x, f"boundary {self.names[s]}")
         return host, copied, x.shape
 
@@ -1138,8 +1172,8 @@ class _TensorStep:
         host, _, shape = copy
         dev = torch.empty(shape, dtype=host.dtype, device=self.eng.device)
         store.wait(store.to_device(dev, host.view(shape), f"boundary {self.names[s]}"))
-        # pinned host memory goes back to torch's host allocator, which holds it until the copy
-        # reading it has finished
+        # the pinned arena holds its range back until the copy reading it has finished
+        # (Store.free records the copies queued so far)
         store.free(Tier.HOST, TensorClass.ACTIVATION, host)
         return dev
 

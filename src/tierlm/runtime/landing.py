@@ -46,7 +46,9 @@ class LandingRing:
     def hold(self) -> torch.Tensor:
         """The ring's buffer, taken from the store on the first call."""
         if self._buf is None:
-            self._buf = self.store.alloc(Tier.HOST, TensorClass.STAGING, self.numel, self.dtype)
+            # the D2H copies land in it: pinned
+            self._buf = self.store.alloc(Tier.HOST, TensorClass.STAGING, self.numel, self.dtype,
+                                         pinned=True)
         return self._buf
 
     def release(self) -> None:

@@ -11,6 +11,7 @@ costs) with the byte rules of `StepParts`, the very sizes the engine builds its 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,8 +42,13 @@ from tierlm.models.frozen import FrozenBase
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
+from tierlm.runtime.pinned import step_pinned_bytes
 from tierlm.runtime.readahead import ReadAhead
-from tierlm.runtime.schedule import boundary_activation_bytes, micro_batches_in_flight
+from tierlm.runtime.schedule import (
+    boundary_activation_bytes,
+    micro_batches_in_flight,
+    parked_inputs,
+)
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
@@ -157,6 +163,7 @@ class StepParts:
             (4 + 4) * lay.numel + self.optimizer.state_nbytes(lay)
             for lay in self.trained_layouts if lay.numel) if self.frozen_base else 0
         config = model.config
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.hidden_bytes = options.batch_size * options.seq_len * config.hidden_size * 4
         self.in_flight = micro_batches_in_flight(options.micro_batches,
                                                  options.microbatch_order)
@@ -218,8 +225,8 @@ def plan_step(
     """Choose the step's plan for `model`: its placement (`options.placements`, the planner's,
     or the placement policy's over the budgets) and activation policies (`dynamic` probes one
     block per policy on `initial_weights` and spends what the placement leaves of the device
-    budget), then give the placement to `options.check_placement` before anything is
-    allocated."""
+    budget), then give the placement (with the pinned bytes the step will hold) to
+    `options.check_placement` before anything is allocated."""
     parts = StepParts(model, optim, options)
     segs = parts.adapter.segments
     names = [s.name for s in segs]
@@ -264,7 +271,6 @@ def plan_step(
         frozen=parts.frozen_base,
         chunk_numel=options.staging_chunk_numel,
     )
-    options.check_placement(report)
     budget = options.device_budget_bytes
     activation_budget = options.activation_budget_bytes if (
         options.activation_budget_bytes is not None) else (
@@ -275,6 +281,12 @@ def plan_step(
         budget_bytes=activation_budget, head_bytes=parts.head_bytes,
         boundary_bytes=boundary_bytes,
     )
+    # the host RAM the step pins (tierlm.runtime.pinned), which the engine's arena will hold
+    report = dataclasses.replace(report, pinned=step_pinned_bytes(
+        parts, report.placements, options, micro_batches=options.micro_batches,
+        batch_size=options.batch_size, seq_len=options.seq_len,
+        parked=parked_inputs(policies, parts.host_boundaries)))
+    options.check_placement(report)
     return StepPlan(options=options, report=report, activation_policies=tuple(policies),
                     park_recomputed=dynamic, activation_costs=costs,
                     activation_reserve_bytes=reserve)

@@ -173,7 +173,10 @@ def init_state(
 
         stream_chunks(store, st, ranges, read=(), write=copies, step=step)
         return
-    st.master = store.alloc(st.tier, TensorClass.MASTER, n)
+    # a host master crosses PCIe itself where no compute copy streams for it: pinned
+    copy = None if st.compute_format is None else st.compute_format.nbytes
+    st.master = store.alloc(st.tier, TensorClass.MASTER, n,
+                            pinned=pinned_class(st.placement, copy) == TensorClass.MASTER)
     fill(st.master, 0)
     for slot in st.slots:
         st.state[slot.name] = store.alloc(st.tier, slot.cls, slot.numel(st.layout), slot.dtype)
@@ -213,13 +216,26 @@ def persistent_bytes(
     return out
 
 
+def pinned_class(placement: SegmentPlacement, copy_bytes: int | None) -> TensorClass | None:
+    """The class of a segment's persistent host buffer that crosses PCIe, pinned for the run
+    (tierlm.memory.arena): host-tier state streams (and a resident copy is refreshed) from its
+    compute copy (`copy_bytes`; None: it has none) or else its fp32 master. None for device
+    state, and for disk state, which crosses from the step's staging. Its optimizer state and
+    gradient never cross and stay pageable. The engine allocates by it and the planner's replay
+    counts by it."""
+    if placement.state_tier != Tier.HOST:
+        return None
+    return TensorClass.MASTER if copy_bytes is None else TensorClass.COMPUTE
+
+
 @dataclass(frozen=True)
 class LoadBytes:
     """What one load of a streamed segment's device copy (`start_load`) stages and moves."""
 
-    staging_bytes: int  # host staging held until the copy is on the device
+    staging_bytes: int  # host staging (pinned) held until the copy is on the device
     disk_read_bytes: int
     h2d_bytes: int
+    staging_buffers: int = 1  # the staging comes in this many equal buffers
 
 
 def load_bytes(tier: Tier, numel: int, copy_bytes: int | None, chunk_numel: int) -> LoadBytes:
@@ -230,7 +246,8 @@ def load_bytes(tier: Tier, numel: int, copy_bytes: int | None, chunk_numel: int)
     if tier == Tier.DISK and copy_bytes is not None:
         return LoadBytes(copy_bytes, copy_bytes, copy_bytes)
     if tier == Tier.DISK:
-        return LoadBytes(4 * staging_numel(numel, chunk_numel), 4 * numel, 4 * numel)
+        return LoadBytes(4 * staging_numel(numel, chunk_numel), 4 * numel, 4 * numel,
+                         staging_buffers=min(STAGING_SETS, len(chunk_ranges(numel, chunk_numel))))
     return LoadBytes(0, 0, 4 * numel if copy_bytes is None else copy_bytes)
 
 
@@ -264,7 +281,7 @@ class DiskLoad:
         self.name = st.seg.name
         self.file = st.file("master")
         self.ranges = chunk_ranges(st.numel, chunk_numel)
-        self.bufs = [store.alloc(Tier.HOST, TensorClass.STAGING, self.ranges[0][1])
+        self.bufs = [store.alloc(Tier.HOST, TensorClass.STAGING, self.ranges[0][1], pinned=True)
                      for _ in self.ranges[:STAGING_SETS]]
         self.reads = [self._read(k) for k in range(len(self.bufs))]
         self.after = AFTER_COMPUTE  # what the uploads wait for (`start` may narrow it)
@@ -302,7 +319,7 @@ class ComputeFileLoad:
         self.store = store
         self.name = st.seg.name
         self.staging = store.alloc(Tier.HOST, TensorClass.STAGING, st.compute_format.nbytes,
-                                   dtype=torch.uint8)
+                                   dtype=torch.uint8, pinned=True)
         self.future = store.read_file(st.file("compute"), self.staging)
         self.copied, self.uploaded = None, False
         self.after = AFTER_COMPUTE  # what the upload waits for (`start` may narrow it)
@@ -488,7 +505,7 @@ def _spans(slot: StateSlot, layout: FlatLayout, lo: int, hi: int, block: int) ->
 
 def stream_chunks(
     store: Store, st: SegmentState, ranges: list[tuple[int, int]], *, read: tuple[str, ...],
-    write: tuple[str, ...], step: ChunkStep,
+    write: tuple[str, ...], step: ChunkStep, pinned: bool = False,
 ) -> None:
     """Run `step` over a disk-tier segment's state chunk by chunk: `ranges` are (first, length)
     in parameter elements (`chunk_ranges`, or the optimizer's `chunk_ranges` where slots are
@@ -503,7 +520,11 @@ def stream_chunks(
     a cut at a parameter's start) shares that block with its neighbours: its head is patched
     with the previous chunk's final bytes of the block before it is written, and a chunk's writes
     go out only after the previous chunk's have landed, so the last write of a shared block holds
-    every chunk's update."""
+    every chunk's update.
+
+    `pinned`: `step` copies between the device and the chunk buffers (a gradient's file
+    passes), so they come from the pinned arena; an update, a load or a checkpoint's chunks
+    stay on the host and are pageable."""
     copies = tuple(dict.fromkeys(read + write))
     block = ALIGN_BYTES if store.disk.direct else 1
     spans = [{c: _spans(st.slot(c), st.layout, lo, lo + n, block) for c in copies}
@@ -513,7 +534,8 @@ def stream_chunks(
     size = {c: dtypes[c].itemsize for c in copies}
     longest = {c: max(sp[c].env_end - sp[c].env_start for sp in spans) // size[c]
                for c in copies}
-    sets = [{c: store.alloc(Tier.HOST, TensorClass.STAGING, max(longest[c], 1), dtypes[c])
+    sets = [{c: store.alloc(Tier.HOST, TensorClass.STAGING, max(longest[c], 1), dtypes[c],
+                            pinned=pinned)
              for c in copies} for _ in ranges[:STAGING_SETS]]
     writes: list[list] = [[] for _ in sets]
     carry: dict[str, tuple[int, torch.Tensor]] = {}  # copy -> (block start, its bytes so far)

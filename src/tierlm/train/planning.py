@@ -413,21 +413,23 @@ def plan_start_lines(p: Plan, rates: dict[str, float | None], trained_share: flo
 def prediction_record(p: Plan, engine: Any | None, step: int,
                       measured: dict[str, float] | None = None,
                       rates: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """Predicted vs measured peak bytes per tier (measured: the engine's ledger; on CUDA also
-    torch.cuda.max_memory_allocated), and with `rates` (`predicted_rates`) and `measured` (the
-    run's median `step_time_s`, `tokens_per_s`, `trained_tokens_per_s`) the step time and
-    tokens/s beside them."""
+    """Predicted vs measured peak bytes per tier and of pinned host memory (measured: the
+    engine's ledger; on CUDA also torch.cuda.max_memory_allocated), and with `rates`
+    (`predicted_rates`) and `measured` (the run's median `step_time_s`, `tokens_per_s`,
+    `trained_tokens_per_s`) the step time and tokens/s beside them."""
     from tierlm.memory.tiers import Tier
 
     rec: dict[str, Any] = {"step": step, "predicted_device_total_bytes": p.device_total_bytes,
                            "predicted_device_peak_bytes": p.device_peak_bytes,
                            "predicted_host_peak_bytes": p.host_peak_bytes,
-                           "predicted_disk_bytes": p.disk_bytes}
+                           "predicted_disk_bytes": p.disk_bytes,
+                           "predicted_pinned_peak_bytes": p.pinned_peak_bytes}
     if engine is not None:
         led = engine.ledger
         rec.update(measured_device_peak_bytes=led.peak_tier_bytes[Tier.DEVICE],
                    measured_host_peak_bytes=led.peak_tier_bytes[Tier.HOST],
-                   measured_disk_bytes=led.tier_bytes(Tier.DISK))
+                   measured_disk_bytes=led.tier_bytes(Tier.DISK),
+                   measured_pinned_peak_bytes=led.pinned_peak_bytes)
     if torch.cuda.is_available():
         rec["measured_cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     rec.update(rates or {})
@@ -439,7 +441,8 @@ def prediction_lines(rec: dict[str, Any]) -> list[str]:
     """The run's closing lines of `prediction_record`: predicted vs measured peak per tier,
     step time and tokens/s (all and trained)."""
     lines = []
-    for tier, key in (("device", "peak_bytes"), ("host", "peak_bytes"), ("disk", "bytes")):
+    for tier, key in (("device", "peak_bytes"), ("host", "peak_bytes"), ("disk", "bytes"),
+                      ("pinned", "peak_bytes")):  # pinned: host bytes locked for PCIe copies
         measured = rec.get(f"measured_{tier}_{key}")
         predicted = rec.get(f"predicted_{tier}_{key}")
         if measured is None or predicted is None:

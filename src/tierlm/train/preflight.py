@@ -5,7 +5,8 @@ allocation succeed that the OOM killer ends once its pages are touched.
 
 `Preflight` is handed to the runtime (`EngineOptions.check_placement`), which calls it with the
 placement before it allocates or writes anything; the reference runtime calls it with no
-placement. The numbers in every refusal are the ones it compared.
+placement. The numbers in every refusal are the ones it compared. On a GPU the host RAM the run
+pins for PCIe copies is checked on its own too: pinned pages cannot be swapped.
 """
 
 from __future__ import annotations
@@ -146,6 +147,32 @@ def check_host_memory(
             f"{gib(available_bytes)} is available; lower --host-budget so more state goes to "
             "the disk tier, use --offload-policy disk or tiered, or free RAM"
         )
+
+
+PINNED_WARN_SHARE = 0.5
+"""Warn when the run pins more than this share of the machine's physical RAM."""
+
+
+def check_pinned_memory(
+    pinned_bytes: int, other_bytes: int, available_bytes: int, physical_bytes: int,
+    log: Callable[[str], None],
+) -> None:
+    """Pinned pages (the run's pinned arena, tierlm.memory.arena) cannot be swapped out or
+    reclaimed: refuse when they and the rest of the run's host bytes (`other_bytes`) exceed the
+    RAM available, warn when they alone take more than PINNED_WARN_SHARE of the machine's."""
+    if pinned_bytes <= 0:
+        return
+    if pinned_bytes + other_bytes > available_bytes:
+        raise HostMemoryError(
+            f"host memory: this run pins {gib(pinned_bytes)} of RAM for PCIe copies (pinned pages "
+            f"cannot be swapped) beside {gib(other_bytes)} of other host state, but only "
+            f"{gib(available_bytes)} is available; lower --host-budget so more state goes to the "
+            "disk tier (which pins only its staging), use --boundary-activations device, or free "
+            "RAM")
+    if pinned_bytes > PINNED_WARN_SHARE * physical_bytes:
+        log(f"WARNING: this run pins {gib(pinned_bytes)} of host RAM for PCIe copies, more than "
+            f"{PINNED_WARN_SHARE:.0%} of the machine's {gib(physical_bytes)}; pinned pages cannot "
+            "be swapped, so the rest of the system has less room. Lower --host-budget to pin less")
 
 
 # -- disk ----
@@ -297,4 +324,8 @@ class Preflight:
                 what += f" + device tier {gib(report.device_bytes)}, which is RAM on this machine"
             # the runtime releases the built model's parameters as it packs them
             available = available_ram_bytes() + model_bytes
+            if report.pinned is not None and not self.device_is_cpu:  # CPU runs pin nothing
+                pinned = report.pinned.total_bytes
+                check_pinned_memory(pinned, max(0, need - pinned), available,
+                                    psutil.virtual_memory().total, self.log)
         check_host_memory(need, available, what, self.log, _system_overcommit())
