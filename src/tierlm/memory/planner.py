@@ -488,19 +488,50 @@ class Plan:
 # -- memory: replay the runtime's schedule over byte counts ------------------------------------
 
 
-class _Bytes:
-    """Stands in for a tensor in the replay: only its size matters."""
+_DTYPE_OF_SIZE = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}
 
-    def __init__(self, numel: int, itemsize: int = 4) -> None:
+
+class _Bytes:
+    """Stands in for a tensor in the replay: only its size matters. It takes the views,
+    slices and in-place arithmetic the runtime's loaders and landing apply to their buffers
+    (tierlm.memory.replay runs them on it), which change nothing but sizes."""
+
+    def __init__(self, numel: int, itemsize: int = 4, dtype: torch.dtype | None = None
+                 ) -> None:
         self._numel = numel
-        self._itemsize = itemsize
-        self.nbytes = numel * itemsize
+        self.dtype = dtype or _DTYPE_OF_SIZE[itemsize]
+        self._itemsize = self.dtype.itemsize
+        self.nbytes = numel * self._itemsize
 
     def numel(self) -> int:
         return self._numel
 
     def element_size(self) -> int:
         return self._itemsize
+
+    def view(self, dtype: torch.dtype) -> _Bytes:
+        return _Bytes(self.nbytes // dtype.itemsize, dtype=dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> _Bytes:
+        return _Bytes(length, dtype=self.dtype)
+
+    def __getitem__(self, key: slice) -> _Bytes:
+        return _Bytes(len(range(self._numel)[key]), dtype=self.dtype)
+
+    def split(self, size: int) -> list[_Bytes]:
+        return [self.narrow(0, lo, min(size, self._numel - lo))
+                for lo in range(0, self._numel, size)]
+
+    def clone(self) -> _Bytes:
+        return _Bytes(self._numel, dtype=self.dtype)
+
+    def add_(self, other: object) -> _Bytes:
+        return self
+
+    copy_ = mul_ = add_
+
+    def zero_(self) -> _Bytes:
+        return self
 
 
 class _CountingStore:

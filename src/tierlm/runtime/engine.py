@@ -708,7 +708,9 @@ class Engine(Stepper):
         total = torch.linalg.vector_norm(
             torch.stack([self.param_norms[n] for n in self.norm_order])
         )
-        grad_norm = total.item()
+        # the step's one host read (a GPU's `.item()` waits for the queued compute): through
+        # the device, so a simulated device and the planner's replay wait for it too
+        grad_norm = self.dev.read(total)[0]
         max_norm = self.opts.grad_clip if self.opts.grad_clip > 0 else math.inf
         self.cache.drop_all()  # every streamed copy is about to be stale
         if not math.isfinite(grad_norm):
