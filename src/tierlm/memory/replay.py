@@ -134,7 +134,8 @@ class _State:
         self.seg = SimpleNamespace(name=name)
         self.tier = placement.state_tier
         self.layout = FlatLayout([(name, (numel,), True)])
-        self._slots = {"master": MASTER, "grad": GRAD}
+        # "state": a disk update's master and slots together (the replay moves them as one)
+        self._slots = {"master": MASTER, "grad": GRAD, "state": MASTER}
         self.compute_format = None if copy_bytes is None else _Format(copy_bytes)
         self.optim_bytes = optim_bytes
         on_host = self.tier == Tier.HOST
@@ -260,15 +261,13 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             ahead_reads[s] = [store.read_file(st.file("state"), _Bytes(
                 shape.update_state_bytes(s), 1))]
 
-        def forward(self, a: Any, w: None, xs: list) -> list:
-            out = []
-            for _ in xs:
+        def forward(self, a: Any, w: None, xs: list):
+            for _ in xs:  # each output is held (and parked) before the next micro-batch runs
                 with dev.compute(f"forward {shape.names[a.seg]}",
                                  costs[a.seg].forward(tokens, train.seq_len, shape.hidden_size),
                                  block=costs[a.seg].block):
                     pass
-                out.append(self.act)
-            return out
+                yield self.act
 
         def head(self, k, a, i, w, x, grad, tied):
             with dev.compute(f"head {shape.names[a.seg]}", costs[a.seg].head(tokens)):
