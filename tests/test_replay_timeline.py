@@ -16,6 +16,8 @@ from tierlm.memory.replay import ReplayConfig, simulate_step
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.writeback import WriteBack
 
 B, T, M, STEPS = 1, 8, 2, 2
 HW = PROFILES["rtx4090"]
@@ -43,13 +45,7 @@ def _placements(kind: str, n: int) -> list[SegmentPlacement]:
             + [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST)])
 
 
-DISK_UPDATE = pytest.mark.xfail(strict=True, reason=(
-    "the replay's disk-tier update is a byte-level stand-in (state read and written as one "
-    "'state' file per chunk), not Engine._update_disk's per-copy files through stream_chunks; "
-    "the sweep (DiskLoad, the gradient file passes) is the runtime's own code and matches"))
-
-
-def _engine_ops(preset, kind, order, precision, tmp_path):
+def _engine_ops(preset, kind, order, precision, tmp_path, **options):
     model = _model(preset)
     extra = {}
     if precision == "bf16":
@@ -62,7 +58,7 @@ def _engine_ops(preset, kind, order, precision, tmp_path):
     eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order=order,
         keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=B, seq_len=T,
-        micro_batches=M, boundary_tier=boundary, **extra), device=sim)
+        micro_batches=M, boundary_tier=boundary, **extra, **options), device=sim)
     # the steps start from an empty timeline, as the replay's do (placing the state at
     # construction wrote the disk tier's files on it)
     tl = sim.timeline
@@ -70,15 +66,18 @@ def _engine_ops(preset, kind, order, precision, tmp_path):
     eng._worker.clock.t_s = 0.0
     ops = []
     try:
+        if options.get("readahead") is not None:  # the backward reads update state ahead
+            assert any(eng.readahead_plan(eng.schedule(M)).values())
         for b in batches(STEPS, M, B, T):
             eng.step(b, OPTIM.lr)
             ops.append(sim.step_ops)
         copies = [st.device_nbytes() if st.compute_format is not None else None
                   for st in eng.states]
         direct = eng.store.disk.direct if kind == "disk" else True
+        disk_options = {"readahead": eng.opts.readahead, "writeback": eng.opts.writeback}
     finally:
         eng.close()
-    return ops, placements, boundary == Tier.HOST, copies, direct
+    return ops, placements, boundary == Tier.HOST, copies, direct, disk_options
 
 
 def _key(op):
@@ -91,24 +90,37 @@ def _same(a, b) -> bool:
         abs(a.end_s - b.end_s) <= REL * scale
 
 
-CASES = [pytest.param(preset, kind, order, precision,
-                      marks=[DISK_UPDATE] if kind == "disk" else [])
+CASES = [(preset, kind, order, precision)
          for preset in ("tiny", "small") for kind in ("device", "host", "disk", "tiered")
          for order in ("microbatch-outer", "layer-outer") for precision in ("fp32", "bf16")]
 
 
 @pytest.mark.parametrize(("preset", "kind", "order", "precision"), CASES)
 def test_engine_and_replay_share_one_timeline(preset, kind, order, precision, tmp_path):
-    engine, placements, boundary_host, copies, direct = _engine_ops(preset, kind, order,
-                                                                    precision, tmp_path)
+    _check(preset, kind, order, precision, tmp_path)
+
+
+@pytest.mark.parametrize(("readahead", "writeback"), [
+    (ReadAhead(extra_bytes=1 << 30), WriteBack(segments=2)), (None, None)])
+def test_the_disk_options_share_it_too(readahead, writeback, tmp_path):
+    """The update's read-ahead during the backward, a deferred write-back of two segments,
+    and the write-back inside the update."""
+    _check("tiny", "disk", "layer-outer", "fp32", tmp_path, readahead=readahead,
+           writeback=writeback)
+
+
+def _check(preset, kind, order, precision, tmp_path, **options):
+    engine, placements, boundary_host, copies, direct, disk = _engine_ops(
+        preset, kind, order, precision, tmp_path, **options)
     shape = ModelShape.from_config(preset_config(preset), optim=OPTIM)
     # the compute copies' sizes as the engine lays them out (the planner's wire_bytes leaves
     # out their 16-byte entry padding: a byte-model gap, not the time model's)
     replay = simulate_step(shape, TrainShape(B, T, M, precision), placements, order, False,
                            boundary_host, ReplayConfig(hw=HW, copy_bytes=copies,
-                                                       direct=direct, steps=STEPS))
+                                                       direct=direct, steps=STEPS), **disk)
     for k, (got, want) in enumerate(zip(replay.step_ops, engine, strict=True)):
-        bad = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same(a, b)), None)
+        pairs = enumerate(zip(got, want, strict=False))  # the lengths are compared below
+        bad = next((i for i, (a, b) in pairs if not _same(a, b)), None)
         assert bad is None, (f"step {k}, op {bad}: replay {got[bad]} != engine {want[bad]}")
         assert [_key(o) for o in got] == [_key(o) for o in want], f"step {k}"
     computes = [o for o in replay.ops if o.lane == "compute" and o.end_s > o.start_s]
@@ -129,3 +141,19 @@ def test_the_simulated_step_is_the_plan_s():
     assert t["simulated_h2d"] == t["simulated_d2h"] == t["simulated_disk"] == 0.0
     # the host reads the global norm once the compute has run: the step is the compute
     assert t["simulated_step"] == pytest.approx(t["simulated_compute"], rel=1e-9)
+
+
+def test_a_simulated_step_lasts_until_the_norm_read():
+    """The step's one host read (the global norm) waits for the compute queued before it, as
+    a GPU's does: with every segment on the device the simulated step is its compute, not the
+    zero of a host that never waited."""
+    sim = SimDevice(HW, "fp32")
+    eng = build_engine(_model("tiny"), OPTIM, EngineOptions(
+        policy="none", batch_size=B, seq_len=T, micro_batches=M), device=sim)
+    try:
+        recs = [eng.step(b, OPTIM.lr) for b in batches(STEPS, M, B, T)]
+    finally:
+        eng.close()
+    for r in recs:
+        assert r["sim_compute_s"] > 0
+        assert r["sim_step_s"] == pytest.approx(r["sim_compute_s"], rel=1e-9)

@@ -75,6 +75,9 @@ class ModelShape:
     optim_whole: bool = False
     # the optimizer's CPU update time per parameter relative to fused fp32 AdamW's
     optim_cpu_cost: float = 1.0
+    # the optimizer's config (a tierlm.config.OptimConfig; None: the default), which the
+    # replay in virtual time builds the optimizer's slots and update chunks from
+    optim_config: Any = field(default=None, compare=False, repr=False)
     # per segment, the entries of its 2-D weights (the matmuls a precision policy lowers to
     # bf16 or fp8; the rest, norms and biases, stays fp32); None: every entry
     matrix_numels: list[int] | None = None
@@ -261,7 +264,7 @@ def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str
     optimizer = build_flat_optimizer(optim)
     return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
             "optim_name": optimizer.name, "optim_whole": optimizer.align == 0,
-            "optim_cpu_cost": optimizer.cpu_cost,
+            "optim_cpu_cost": optimizer.cpu_cost, "optim_config": optim,
             "optim_slot_numels": [tuple(s.numel(lay) for s in optimizer.slots)
                                   for lay in layouts],
             "trained_optim_bytes": optimizer.state_nbytes(trained) if trained else 0}
@@ -539,7 +542,7 @@ class _CountingStore:
         self.ledger = ledger
 
     def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None) -> _Bytes:
-        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize)
+        t = _Bytes(numel, dtype=dtype or torch.float32)
         self.ledger.allocate(tier, cls, t.nbytes)
         return t
 

@@ -122,31 +122,38 @@ class _Format:
 
 
 class _State:
-    """What the runtime's loaders, stream_chunks and the update read of a SegmentState."""
+    """What the runtime's loaders, stream_chunks, CopiesRead and the update read of a
+    SegmentState: its name, size, placement, compute copy, the optimizer's slots over a flat
+    layout of its parameters (1-D: an elementwise slot's chunks and spans do not depend on the
+    shapes) and its host buffers as byte counts."""
 
-    def __init__(self, s: int, name: str, numel: int, placement: SegmentPlacement,
-                 copy_bytes: int | None, optim_bytes: int, store) -> None:
+    def __init__(self, s: int, name: str, params: Sequence[tuple[str, int]],
+                 placement: SegmentPlacement, copy_bytes: int | None, slots: tuple) -> None:
         from tierlm.memory.layout import FlatLayout
         from tierlm.memory.planner import _Bytes
-        from tierlm.runtime.state import GRAD, MASTER
 
-        self.index, self.numel, self.placement = s, numel, placement
+        self.index, self.placement = s, placement
         self.seg = SimpleNamespace(name=name)
         self.tier = placement.state_tier
-        self.layout = FlatLayout([(name, (numel,), True)])
-        # "state": a disk update's master and slots together (the replay moves them as one)
-        self._slots = {"master": MASTER, "grad": GRAD, "state": MASTER}
+        self.layout = FlatLayout([(p, (n,), True) for p, n in params])
+        self.numel = self.layout.numel
+        self.slots = slots
         self.compute_format = None if copy_bytes is None else _Format(copy_bytes)
-        self.optim_bytes = optim_bytes
         on_host = self.tier == Tier.HOST
-        self.master = _Bytes(numel) if self.tier != Tier.DISK else None
-        self.grad = _Bytes(numel) if on_host or placement.host_grad else None
+        self.master = _Bytes(self.numel) if self.tier != Tier.DISK else None
+        self.grad = _Bytes(self.numel) if on_host or placement.host_grad else None
+        self.state = {sl.name: _Bytes(sl.numel(self.layout), dtype=sl.dtype) for sl in slots
+                      } if self.tier != Tier.DISK else {}
         self.wire = _Bytes(copy_bytes, 1) if on_host and copy_bytes is not None else None
         self.device_weights = None
         if placement.resident:
             self.device_weights = _Bytes(self.device_nbytes(), 1)
         self.device_stale = False
         self.grad_written = False
+
+    @property
+    def state_copies(self) -> tuple[str, ...]:
+        return ("master", *(sl.name for sl in self.slots))
 
     def device_nbytes(self) -> int:
         return self.numel * 4 if self.compute_format is None else self.compute_format.nbytes
@@ -155,7 +162,16 @@ class _State:
         return f"{self.seg.name}/{copy}.bin"
 
     def slot(self, copy: str):
-        return self._slots[copy]
+        from tierlm.runtime.state import GRAD, MASTER
+
+        if copy == "master":
+            return MASTER
+        if copy == "grad":
+            return GRAD
+        return next(sl for sl in self.slots if sl.name == copy)
+
+    def buffer(self, copy: str):
+        return getattr(self, copy) if copy in ("master", "grad") else self.state[copy]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +192,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                   readahead=None, writeback=None) -> StepTiming:
     """`config.steps` steps of the engine on `placements`, replayed over byte counts on a
     `TimingDevice`; the last one's timing."""
+    from tierlm.config import OptimConfig
     from tierlm.memory.planner import (
         _actions,
         _Bytes,
@@ -184,6 +201,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         _stream_plan,
         readahead_schedule,
     )
+    from tierlm.optim import build_flat_optimizer
     from tierlm.runtime.cache import StreamCache, window_bytes
     from tierlm.runtime.costs import SegmentCost
     from tierlm.runtime.landing import LandingRing, add_to_host
@@ -193,9 +211,16 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         parked_inputs,
         transient_grad,
     )
-    from tierlm.runtime.state import reload_resident, start_load, stream_chunks
+    from tierlm.runtime.state import (
+        CopiesRead,
+        read_copies,
+        reload_resident,
+        start_load,
+        stream_chunks,
+        write_back_copies,
+    )
     from tierlm.runtime.walk import StepRules, walk_step
-    from tierlm.runtime.writeback import Writer
+    from tierlm.runtime.writeback import Writer, deferred_copies
 
     dev = TimingDevice(config.hw, train.precision, tf32=train.tf32)
     ledger = Ledger()
@@ -206,8 +231,11 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     frozen = shape.frozen
     copies = (list(config.copy_bytes) if config.copy_bytes is not None
               else _compute_copies(shape, train.precision, placements))
-    states = [_State(s, shape.names[s], shape.numels[s], p, copies[s],
-                     0 if frozen else shape.optim_state_bytes[s], store)
+    optimizer = build_flat_optimizer(shape.optim_config or OptimConfig())
+    slots = () if frozen else tuple(optimizer.slots)
+    params = shape.param_numels or [((name, numel),) for name, numel in
+                                    zip(shape.names, shape.numels, strict=True)]
+    states = [_State(s, shape.names[s], params[s], p, copies[s], slots)
               for s, p in enumerate(placements)]
     costs = [SegmentCost(params=shape.numels[s] + (shape.tied_numel if s == last else 0),
                          block=0 < s < last, frozen=frozen) for s in range(n)]
@@ -256,10 +284,8 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 st.device_stale = False
 
         def read_ahead(self, s: int) -> None:  # _TensorStep.read_ahead
-            writer.wait(s)
-            st = states[s]
-            ahead_reads[s] = [store.read_file(st.file("state"), _Bytes(
-                shape.update_state_bytes(s), 1))]
+            writer.wait(s)  # the last update's write-back of them has landed
+            ahead_reads[s] = CopiesRead(store, states[s], states[s].state_copies)
 
         def forward(self, a: Any, w: None, xs: list):
             for _ in xs:  # each output is held (and parked) before the next micro-batch runs
@@ -328,55 +354,65 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             store.free(Tier.DEVICE, TensorClass.GRAD, grad)
             st.grad_written = path.written
 
-    cpu_cost = shape.optim_cpu_cost
+    cpu_cost = optimizer.cpu_cost
 
-    def update(s: int) -> None:  # Engine._update on the worker
-        st = states[s]
-        name = f"update {shape.names[s]}"
-        if st.tier != Tier.DISK:
-            with dev.cpu(name, params=st.numel * cpu_cost):
+    def step_fn(st: _State):  # Engine._update's `step` on one chunk of the segment
+        def step(lo: int, bufs: dict) -> None:
+            with dev.cpu(f"update {st.seg.name}", params=bufs["grad"].numel() * cpu_cost):
                 pass
+            if st.tier == Tier.DISK and st.compute_format is not None:  # the compute file
+                staging = store.alloc(Tier.HOST, TensorClass.STAGING,
+                                      st.compute_format.nbytes, torch.uint8)
+                store.write_file(st.file("compute"), staging, TensorClass.COMPUTE).result()
+                store.free(Tier.HOST, TensorClass.STAGING, staging)
+        return step
+
+    def update(s: int) -> None:  # Engine._update, on the update worker
+        st = states[s]
+        if st.tier == Tier.DISK:
+            update_disk(st, step_fn(st))
+        else:
+            step_fn(st)(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
+
+    def update_ranges(st: _State) -> list[tuple[int, int]]:  # Engine._update_ranges
+        if st.compute_format is not None:
+            return [(0, st.numel)]
+        return optimizer.chunk_ranges(st.layout, chunk)
+
+    def update_disk(st: _State, step) -> None:  # Engine._update_disk
+        writer.wait(st.index)
+        ahead = ahead_reads.pop(st.index, None)
+        held = {} if ahead is None else dict(ahead.buffers())
+        if st.grad is not None:
+            held["grad"] = st.grad
+        ranges = update_ranges(st)
+        if writeback is not None and len(ranges) == 1:
+            update_whole(st, step, held)
             return
-        _update_disk(s, name)
+        ends = {lo: lo + n for lo, n in ranges}
 
-    def _update_disk(s: int, name: str) -> None:
-        """Engine._update_disk in bytes: the state not in RAM read in chunks (the next chunk
-        read while this one updates), the CPU update, master and slots written back (their
-        compute copy with them); one chunk's write-back deferred to the writer."""
-        st = states[s]
-        writer.wait(s)
-        held = ahead_reads.pop(s, None)
-        for f in held or ():
-            f.result()
-        state_b = shape.update_state_bytes(s)
-        grad_b = 0 if st.placement.host_grad else 4 * st.numel
-        read_b = (0 if held is not None else state_b) + grad_b
-        ranges = chunk_ranges(st.numel, chunk) if st.compute_format is None else [(0, st.numel)]
-        whole = writeback is not None and len(ranges) == 1
-        if whole:
-            writer.make_room()
-        parts = len(ranges)
-        reads = [store.read_file(st.file("state"), _Bytes(read_b // parts, 1))] if read_b else []
-        for k in range(parts):
-            for f in reads:
-                f.result()
-            reads = ([store.read_file(st.file("state"), _Bytes(read_b // parts, 1))]
-                     if read_b and k + 1 < parts else [])
-            with dev.cpu(name, params=ranges[k][1] * cpu_cost):
-                pass
-            if st.compute_format is not None:
-                store.write_file(st.file("compute"), _Bytes(st.compute_format.nbytes, 1),
-                                 TensorClass.COMPUTE).result()
-            if not whole:
-                store.write_file(st.file("state"), _Bytes(state_b // parts, 1),
-                                 TensorClass.MASTER).result()
-        if whole:
-            later = state_b - (0 if st.compute_format is not None else 4 * st.numel)
-            if state_b - later:
-                store.write_file(st.file("master"), _Bytes(state_b - later, 1),
-                                 TensorClass.MASTER).result()
-            writer.submit(st, {"state": store.alloc(Tier.HOST, TensorClass.STAGING, later,
-                                                    torch.uint8)})
+        def chunk_step(lo: int, bufs: dict) -> None:
+            for c, buf in held.items():
+                a, b = st.slot(c).range(st.layout, lo, ends[lo])
+                bufs[c] = buf[a:b]
+            step(lo, bufs)
+
+        stream_chunks(store, st, ranges,
+                      read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk_step)
+        if ahead is not None:
+            write_back_copies(store, st, ahead.bufs)
+
+    def update_whole(st: _State, step, held: dict) -> None:  # Engine._update_whole
+        writer.make_room()
+        missing = tuple(c for c in (*st.state_copies, "grad") if c not in held)
+        bufs = {**read_copies(store, st, missing), **held}
+        step(0, bufs)
+        if st.grad is None and "grad" in bufs:
+            store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
+        later = deferred_copies(st.state_copies, st.compute_format is not None)
+        write_back_copies(store, st, {c: bufs[c] for c in st.state_copies if c not in later})
+        writer.submit(st, {c: bufs[c] for c in later})
 
     def finish_step() -> None:  # Engine._finish_step
         dev.read(_Bytes(1))  # the global norm: the step's one host read
