@@ -20,8 +20,9 @@ during a step (tests/test_no_stray_syncs.py holds that). Three devices answer:
   worker and the write-back run inline on host clocks of their own, so the timeline does not
   depend on how the OS schedules threads.
 
-The planner's replay issues the same operations to a `Timeline` of its own (byte counts instead
-of tensors), so the predicted step is the simulated one.
+`TimingDevice` is `SimDevice` without tensors: the planner's replay (tierlm.memory.replay) runs
+the engine's walk over byte counts on one, issuing the same operations, so the plan's simulated
+step is the timeline the engine gives on `SimDevice`.
 """
 
 from __future__ import annotations
