@@ -231,6 +231,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     frozen = shape.frozen
     copies = (list(config.copy_bytes) if config.copy_bytes is not None
               else _compute_copies(shape, train.precision, placements))
+    # wire_bytes (hence _compute_copies) already gives a frozen base's own copy off the device
     optimizer = build_flat_optimizer(shape.optim_config or OptimConfig())
     slots = () if frozen else tuple(optimizer.slots)
     params = shape.param_numels or [((name, numel),) for name, numel in
