@@ -21,6 +21,8 @@ The issue's targets (after its item 3): bf16 at most 1.15x its compute bound, ea
 at least 90% under compute. It runs the planner only (about a minute per case on 2 cores).
 
     python bench/simulated_step.py
+
+Results: docs/results/2026-12-03-simulated-step.md.
 """
 
 from __future__ import annotations
