@@ -157,3 +157,34 @@ def test_a_simulated_step_lasts_until_the_norm_read():
     for r in recs:
         assert r["sim_compute_s"] > 0
         assert r["sim_step_s"] == pytest.approx(r["sim_compute_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("precision", "host_budget"), [("bf16", None), ("fp32", "6MiB")])
+def test_a_planned_run_on_the_simulated_gpu_takes_the_plan_s_simulated_step(
+        precision, host_budget, tmp_path):
+    """`tierlm train --device sim:rtx4090 --offload-policy auto`: the plan's simulated step
+    (its replay) is the run's steady-state step on the simulated GPU (streamed from host RAM;
+    from disk, with the planner's read-ahead and write-back)."""
+    from tierlm.config import from_dict
+    from tierlm.train import Trainer
+
+    memory = {"offload_policy": "auto", "hardware": "rtx4090", "device_budget": "3MiB",
+              "offload_dir": str(tmp_path / "offload")}
+    if host_budget:
+        memory["host_budget"] = host_budget
+    trainer = Trainer(from_dict({
+        "model": {"size": "tiny"}, "data": {"seq_len": 32, "vocab_size": 512},
+        "memory": memory, "precision": {"mode": precision},
+        "train": {"max_steps": 3, "batch_size": 2, "grad_accum_steps": 2, "eval_every": 0,
+                  "eval_batches": 1, "save_final": False, "sample_tokens": 0},
+        "run": {"out": str(tmp_path / "run"), "device": "sim:rtx4090", "seed": 3},
+    }), log=lambda _m: None)
+    trainer.train()
+    p = trainer.plan
+    assert any(not pl.resident for pl in p.placements)  # it streams
+    if host_budget:
+        assert any(pl.state_tier == Tier.DISK for pl in p.placements)
+    steady = [s["sim_step_s"] for s in trainer._sim_steps[1:]]  # the first fills the cache
+    assert len(steady) == 2
+    for step_s in steady:
+        assert step_s == pytest.approx(p.times_s["simulated_step"], rel=REL)
