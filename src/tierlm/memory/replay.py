@@ -178,9 +178,7 @@ class _State:
 class ReplayConfig:
     """What the timed replay needs beyond the byte replay's arguments."""
 
-    hw: HardwareProfile
-    precision: str = "bf16"
-    tf32: bool = False
+    hw: HardwareProfile  # the rates (the precision and --tf32: the TrainShape's)
     chunk_numel: int = STAGING_CHUNK_NUMEL
     direct: bool = True  # the disk tier moves whole 4 KiB blocks (O_DIRECT)
     copy_bytes: Sequence[int | None] | None = None  # per segment (None: the planner's rule)
@@ -229,9 +227,9 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     n = len(shape.names)
     last = n - 1
     frozen = shape.frozen
+    # each segment's compute copy off the device (a frozen base's own copy included)
     copies = (list(config.copy_bytes) if config.copy_bytes is not None
               else _compute_copies(shape, train.precision, placements))
-    # wire_bytes (hence _compute_copies) already gives a frozen base's own copy off the device
     optimizer = build_flat_optimizer(shape.optim_config or OptimConfig())
     slots = () if frozen else tuple(optimizer.slots)
     params = shape.param_numels or [((name, numel),) for name, numel in
