@@ -71,13 +71,11 @@ def _engine_ops(preset, kind, order, precision, tmp_path, **options):
         for b in batches(STEPS, M, B, T):
             eng.step(b, OPTIM.lr)
             ops.append(sim.step_ops)
-        copies = [st.device_nbytes() if st.compute_format is not None else None
-                  for st in eng.states]
         direct = eng.store.disk.direct if kind == "disk" else True
         disk_options = {"readahead": eng.opts.readahead, "writeback": eng.opts.writeback}
     finally:
         eng.close()
-    return ops, placements, boundary == Tier.HOST, copies, direct, disk_options
+    return ops, placements, boundary == Tier.HOST, direct, disk_options
 
 
 def _key(op):
@@ -110,14 +108,12 @@ def test_the_disk_options_share_it_too(readahead, writeback, tmp_path):
 
 
 def _check(preset, kind, order, precision, tmp_path, **options):
-    engine, placements, boundary_host, copies, direct, disk = _engine_ops(
+    engine, placements, boundary_host, direct, disk = _engine_ops(
         preset, kind, order, precision, tmp_path, **options)
     shape = ModelShape.from_config(preset_config(preset), optim=OPTIM)
-    # the compute copies' sizes as the engine lays them out (the planner's wire_bytes leaves
-    # out their 16-byte entry padding: a byte-model gap, not the time model's)
     replay = simulate_step(shape, TrainShape(B, T, M, precision), placements, order, False,
-                           boundary_host, ReplayConfig(hw=HW, copy_bytes=copies,
-                                                       direct=direct, steps=STEPS), **disk)
+                           boundary_host, ReplayConfig(hw=HW, direct=direct, steps=STEPS),
+                           **disk)
     for k, (got, want) in enumerate(zip(replay.step_ops, engine, strict=True)):
         pairs = enumerate(zip(got, want, strict=False))  # the lengths are compared below
         bad = next((i for i, (a, b) in pairs if not _same(a, b)), None)

@@ -181,7 +181,6 @@ class ReplayConfig:
     hw: HardwareProfile  # the rates (the precision and --tf32: the TrainShape's)
     chunk_numel: int = STAGING_CHUNK_NUMEL
     direct: bool = True  # the disk tier moves whole 4 KiB blocks (O_DIRECT)
-    copy_bytes: Sequence[int | None] | None = None  # per segment (None: the planner's rule)
     steps: int = STEPS
 
 
@@ -228,8 +227,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     last = n - 1
     frozen = shape.frozen
     # each segment's compute copy off the device (a frozen base's own copy included)
-    copies = (list(config.copy_bytes) if config.copy_bytes is not None
-              else _compute_copies(shape, train.precision, placements))
+    copies = _compute_copies(shape, train.precision, placements)
     optimizer = build_flat_optimizer(shape.optim_config or OptimConfig())
     slots = () if frozen else tuple(optimizer.slots)
     params = shape.param_numels or [((name, numel),) for name, numel in
