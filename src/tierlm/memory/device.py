@@ -20,8 +20,9 @@ during a step (tests/test_no_stray_syncs.py holds that). Three devices answer:
   worker and the write-back run inline on host clocks of their own, so the timeline does not
   depend on how the OS schedules threads.
 
-The planner's replay issues the same operations to a `Timeline` of its own (byte counts instead
-of tensors), so the predicted step is the simulated one.
+`TimingDevice` is `SimDevice` without tensors: the planner's replay (tierlm.memory.replay) runs
+the engine's walk over byte counts on one, issuing the same operations, so the plan's simulated
+step is the timeline the engine gives on `SimDevice`.
 """
 
 from __future__ import annotations
@@ -368,10 +369,13 @@ class _TimedIO(Future):
         return self.fut.exception(timeout)
 
 
-class SimDevice(Device):
-    """CPU tensors, a GPU's timing (see the module's docstring)."""
+class TimingDevice(Device):
+    """A GPU's timing without tensors: every copy, wait, compute region, disk request, CPU
+    price and worker books on a `Timeline` at the profile's rates and touches no memory. The
+    planner's replay (tierlm.memory.planner.simulate_step) runs the step over byte counts on
+    one, so its timeline is the one `SimDevice` gives the engine's real tensors."""
 
-    kind = "sim"
+    kind = "timing"
     asynchronous = True
 
     def __init__(self, profile: HardwareProfile, precision: str = "bf16", *, tf32: bool = False,
@@ -379,60 +383,29 @@ class SimDevice(Device):
         super().__init__(torch.device("cpu"), tracer)
         self.profile = profile
         self.timeline = Timeline(Rates.of(profile, precision, tf32=tf32))
-        # per stream: copies issued and not yet landed, in order: (seq, dst, src, events waited)
-        self._pending: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, list]]] = {
-            H2D: [], D2H: []}
         self._compute_mark = 0.0  # busy seconds of the compute lane at the last take
 
     def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
         tl = self.timeline
         deps = [tl.mark()] if after is AFTER_COMPUTE else [e for e in after if e is not None]
-        event = tl.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
-        _poison(dst)
-        self._pending[event.stream.name].append((event.seq, dst, src, deps))
-        return event
-
-    def _land(self, event) -> None:
-        """Every copy on `event`'s stream up to it lands, in issue order, each after the
-        copies it waited for."""
-        if event is None or event.stream.name not in self._pending:
-            return
-        queue = self._pending[event.stream.name]
-        while queue and queue[0][0] <= event.seq:
-            _, dst, src, deps = queue.pop(0)
-            for dep in deps:
-                self._land(dep)
-            dst.copy_(src)
+        return tl.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
 
     def mark(self):
         return self.timeline.mark(COMPUTE)
 
     def wait(self, event, what=""):
-        self._land(event)
         self.timeline.wait(event, COMPUTE, what)
 
     def wait_host(self, event, what=""):
-        self._land(event)
         if event is not None:
             self.timeline.wait_host(event.t_s, what, "transfer wait")
 
     def synchronize(self):
-        self._land_all()
         self.timeline.synchronize()
-
-    def _land_all(self) -> None:
-        for name in self._pending:
-            self._land(self.timeline.mark(name))
-
-    def copies_done(self):
-        # a pinned range freed now may be cut again at once: what the copies queued so far
-        # read and write lands first (on a GPU the arena waits for them)
-        self._land_all()
-        return None
 
     def read(self, t):
         self.timeline.wait_host(self.timeline.compute.t_s, "read", "sync")
-        return super().read(t)
+        return [0.0] * t.numel()
 
     def upload(self, t):
         return t
@@ -489,6 +462,65 @@ class SimDevice(Device):
             "sim_cpu_s": lane_s("cpu"),  # the training thread's own CPU work (gradient adds)
             "sim_transfer_wait_s": tl.wait_s - wait_s,  # compute idle, waiting for copies
         }
+
+
+class SimDevice(TimingDevice):
+    """CPU tensors, a GPU's timing (see the module's docstring)."""
+
+    kind = "sim"
+
+    def __init__(self, profile: HardwareProfile, precision: str = "bf16", *, tf32: bool = False,
+                 tracer: Tracer | NoTracer = NO_TRACER) -> None:
+        super().__init__(profile, precision, tf32=tf32, tracer=tracer)
+        # per stream: copies issued and not yet landed, in order: (seq, dst, src, events waited)
+        self._pending: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, list]]] = {
+            H2D: [], D2H: []}
+
+    def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
+        tl = self.timeline
+        deps = [tl.mark()] if after is AFTER_COMPUTE else [e for e in after if e is not None]
+        event = tl.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
+        _poison(dst)
+        self._pending[event.stream.name].append((event.seq, dst, src, deps))
+        return event
+
+    def _land(self, event) -> None:
+        """Every copy on `event`'s stream up to it lands, in issue order, each after the
+        copies it waited for."""
+        if event is None or event.stream.name not in self._pending:
+            return
+        queue = self._pending[event.stream.name]
+        while queue and queue[0][0] <= event.seq:
+            _, dst, src, deps = queue.pop(0)
+            for dep in deps:
+                self._land(dep)
+            dst.copy_(src)
+
+    def wait(self, event, what=""):
+        self._land(event)
+        super().wait(event, what)
+
+    def wait_host(self, event, what=""):
+        self._land(event)
+        super().wait_host(event, what)
+
+    def synchronize(self):
+        self._land_all()
+        super().synchronize()
+
+    def _land_all(self) -> None:
+        for name in self._pending:
+            self._land(self.timeline.mark(name))
+
+    def copies_done(self):
+        # a pinned range freed now may be cut again at once: what the copies queued so far
+        # read and write lands first (on a GPU the arena waits for them)
+        self._land_all()
+        return None
+
+    def read(self, t):
+        self.timeline.wait_host(self.timeline.compute.t_s, "read", "sync")
+        return Device.read(self, t)
 
 
 def sim_profile(name: str) -> HardwareProfile | None:

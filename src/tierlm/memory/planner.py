@@ -78,6 +78,9 @@ class ModelShape:
     optim_whole: bool = False
     # the optimizer's CPU update time per parameter relative to fused fp32 AdamW's
     optim_cpu_cost: float = 1.0
+    # the optimizer's config (a tierlm.config.OptimConfig; None: the default), which the
+    # replay in virtual time builds the optimizer's slots and update chunks from
+    optim_config: Any = field(default=None, compare=False, repr=False)
     # per segment, the entries of its 2-D weights (the matmuls a precision policy lowers to
     # bf16 or fp8; the rest, norms and biases, stays fp32); None: every entry
     matrix_numels: list[int] | None = None
@@ -270,7 +273,7 @@ def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str
     optimizer = build_flat_optimizer(optim)
     return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
             "optim_name": optimizer.name, "optim_whole": optimizer.align == 0,
-            "optim_cpu_cost": optimizer.cpu_cost,
+            "optim_cpu_cost": optimizer.cpu_cost, "optim_config": optim,
             "optim_slot_numels": [tuple(s.numel(lay) for s in optimizer.slots)
                                   for lay in layouts],
             "trained_optim_bytes": optimizer.state_nbytes(trained) if trained else 0}
@@ -503,13 +506,20 @@ class Plan:
 # -- memory: replay the runtime's schedule over byte counts ------------------------------------
 
 
-class _Bytes:
-    """Stands in for a tensor in the replay: only its size matters (and whether it is pinned)."""
+_DTYPE_OF_SIZE = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}
 
-    def __init__(self, numel: int, itemsize: int = 4, pinned: bool = False) -> None:
+
+class _Bytes:
+    """Stands in for a tensor in the replay: only its size matters (and whether it is pinned).
+    It takes the views, slices and in-place arithmetic the runtime's loaders and landing apply
+    to their buffers (tierlm.memory.replay runs them on it), which change nothing but sizes."""
+
+    def __init__(self, numel: int, itemsize: int = 4, pinned: bool = False, *,
+                 dtype: torch.dtype | None = None) -> None:
         self._numel = numel
-        self._itemsize = itemsize
-        self.nbytes = numel * itemsize
+        self.dtype = dtype or _DTYPE_OF_SIZE[itemsize]
+        self._itemsize = self.dtype.itemsize
+        self.nbytes = numel * self._itemsize
         self.pinned = pinned
         self.offset = 0  # in the pinned arena's region, when pinned
 
@@ -518,6 +528,30 @@ class _Bytes:
 
     def element_size(self) -> int:
         return self._itemsize
+
+    def view(self, dtype: torch.dtype) -> _Bytes:
+        return _Bytes(self.nbytes // dtype.itemsize, dtype=dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> _Bytes:
+        return _Bytes(length, dtype=self.dtype)
+
+    def __getitem__(self, key: slice) -> _Bytes:
+        return _Bytes(len(range(self._numel)[key]), dtype=self.dtype)
+
+    def split(self, size: int) -> list[_Bytes]:
+        return [self.narrow(0, lo, min(size, self._numel - lo))
+                for lo in range(0, self._numel, size)]
+
+    def clone(self) -> _Bytes:
+        return _Bytes(self._numel, dtype=self.dtype)
+
+    def add_(self, other: object) -> _Bytes:
+        return self
+
+    copy_ = mul_ = add_
+
+    def zero_(self) -> _Bytes:
+        return self
 
 
 class _CountingStore:
@@ -530,7 +564,7 @@ class _CountingStore:
 
     def alloc(self, tier: Tier, cls: TensorClass, numel: int, dtype=None, *,
               pinned: bool = False) -> _Bytes:
-        t = _Bytes(numel, 4 if dtype is None else dtype.itemsize, pinned)
+        t = _Bytes(numel, pinned=pinned, dtype=dtype or torch.float32)
         self.ledger.allocate(tier, cls, t.nbytes, pinned=pinned)
         if pinned:
             t.offset = self.arena.take(cls, t.nbytes)
@@ -1433,7 +1467,33 @@ def plan(
     if not p.fits and advise:
         p.problems = p.problems + _what_would_fit(search, shape, train, hw, p, device_budget,
                                                   host_budget)
+    p.times_s.update(simulated_times(shape, train, hw, p))
     return p
+
+
+SIMULATED_LANES = {"compute": "compute", "h2d": "H2D", "d2h": "D2H", "disk": "disk",
+                   "cpu_update": "cpu update", "cpu_adds": "cpu"}
+
+
+def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
+                    ) -> dict[str, float]:
+    """`p`'s steady-state step as the replay simulates it (tierlm.memory.replay: the engine's
+    operations on a timing device, two steps, the second's), for `times_s`: the step, each
+    lane's busy time in it (`simulated_<lane>`) and each copy lane's busy time under compute
+    (`simulated_<lane>_overlap`). Run for the chosen plan only: the search still ranks
+    candidates by `_times` (a replay in virtual time costs ~0.3-2 s at 7B; the search
+    evaluates thousands of candidates)."""
+    from tierlm.memory.replay import ReplayConfig, simulate_step
+
+    r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
+                      p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
+                      writeback=p.writeback)
+    out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
+    for key, lane in SIMULATED_LANES.items():
+        out[f"simulated_{key}"] = r.lane_busy_s.get(lane, 0.0)
+    for key in ("h2d", "d2h", "disk"):
+        out[f"simulated_{key}_overlap"] = r.overlap_s.get(SIMULATED_LANES[key], 0.0)
+    return out
 
 
 def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
@@ -1947,6 +2007,14 @@ def describe(
                  if train.nproc > 1 else "")
         lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max, at "
                      f"{hw.net_Bps / 1e9:.1f} GB/s: " + "; ".join(x for x in (ring, grads) if x))
+    if "simulated_step" in t:  # the replay of the engine's operations in virtual time
+        busy = ", ".join(f"{lane} {t[f'simulated_{key}']:.2f}"
+                         for key, lane in SIMULATED_LANES.items() if t[f"simulated_{key}"])
+        lines.append(f"simulated step: {t['simulated_step']:.2f} s "
+                     f"({t['simulated_step'] / max(t['simulated_compute'], 1e-30):.2f}x its "
+                     f"compute {t['simulated_compute']:.2f}; the formula above: "
+                     f"{t['step']:.2f} s); lanes busy: {busy}; compute waiting for copies "
+                     f"{t['simulated_transfer_wait']:.2f}")
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
                  f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
                  f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "

@@ -481,6 +481,8 @@ def simulated_step_line(device: str, steps: list[dict[str, float]], p: Plan | No
         ("disk", "sim_disk_s"), ("CPU update", "sim_cpu_update_s"),
         ("CPU adds", "sim_cpu_s"), ("compute waiting for copies", "sim_transfer_wait_s")))
     planned = "" if p is None else f"; the plan predicted {p.step_s:.4g} s"
+    if p is not None and "simulated_step" in p.times_s:  # its replay on the same simulator
+        planned += f" (its replay simulated {p.times_s['simulated_step']:.4g} s)"
     return (f"simulated step on {device} (median of {len(steps)}): {med['sim_step_s']:.4g} s "
             f"({med['sim_step_s'] / max(med['sim_compute_s'], 1e-30):.2f}x its compute); "
             f"lanes busy: {parts}{planned}")

@@ -1,0 +1,491 @@
+"""The planner's step in virtual time: its replay of the engine's walk issues the engine's
+operations to a `TimingDevice` (tierlm.memory.device), so the predicted step is the simulated
+one (one time model, as there is one byte model).
+
+The replay (tierlm.memory.planner._CountingStep, over byte counts) walks the engine's own walk
+(tierlm.runtime.walk), through the engine's own stream cache, loaders (tierlm.runtime.state
+start_load: HostLoad, WireLoad, DiskLoad, ComputeFileLoad), gradient landing
+(tierlm.runtime.landing.add_to_host) and disk chunking (tierlm.runtime.state.stream_chunks),
+run on counting tensors (`planner._Bytes`) and a store whose device books every copy, wait, disk
+request and CPU price on a timeline instead of touching memory. What the engine does in its own
+methods, this module does in the same order with the same names: the compute regions priced by
+tierlm.runtime.costs.SegmentCost as `Engine._forward`, `_head` and `_backward` price them, the
+step's one host read (the global norm), and the update (`Engine._finish_step`, `_update`,
+`_update_disk`): device-tier updates as zero-FLOP compute regions, the others on the update
+worker, inline on its own host clock, CPU priced at `numel x optimizer cpu_cost` parameters.
+
+`simulate_step` runs two steps on one timeline: the first fills the stream cache and runs its
+update, the second is the steady state. tests/test_replay_timeline.py holds the replay's
+operations equal to the engine's on `SimDevice` for the configurations it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tierlm.memory.device import AFTER_COMPUTE, TimingDevice, nbytes_of
+from tierlm.memory.hardware import HardwareProfile
+from tierlm.memory.ledger import Ledger
+from tierlm.memory.placement import STAGING_CHUNK_NUMEL, SegmentPlacement, chunk_ranges
+from tierlm.memory.simulator import COMPUTE, D2H, DISK, H2D, Op
+from tierlm.memory.tiers import Link, TensorClass, Tier
+
+STEPS = 2  # the first fills the stream cache and runs the update the second waits for
+
+
+@dataclass
+class StepTiming:
+    """The replay's steady-state step (the second of `STEPS`) in virtual seconds."""
+
+    step_s: float  # from the step's start to the next one's (the training thread's clock)
+    lane_busy_s: dict[str, float]  # each lane's busy time within the step
+    overlap_s: dict[str, float]  # each copy lane's busy time that overlaps compute's
+    transfer_wait_s: float  # compute idle, waiting for copies
+    ops: list[Op] = field(default_factory=list, repr=False)  # the step's operations
+    steps: list[dict[str, float]] = field(default_factory=list, repr=False)  # end_step's
+    step_ops: list[list[Op]] = field(default_factory=list, repr=False)  # every step's ops
+
+    @property
+    def compute_s(self) -> float:
+        return self.lane_busy_s.get(COMPUTE, 0.0)
+
+
+def _done() -> Future:
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut
+
+
+class _Disk:
+    """What the runtime asks of the store's disk tier: whether it moves whole blocks."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
+
+
+def _timing_store(ledger: Ledger, dev: TimingDevice, direct: bool):
+    from tierlm.memory.planner import _CountingStore
+
+    class TimingStore(_CountingStore):
+        """`_CountingStore` with the store's copies and disk requests, booked on `dev`."""
+
+        def __init__(self) -> None:
+            super().__init__(ledger)
+            self.dev = dev
+            self.device = dev.torch_device
+            self.disk = _Disk(direct)
+
+        def zeros(self, tier: Tier, cls: TensorClass, numel: int):
+            return self.alloc(tier, cls, numel)
+
+        def to_device(self, dst, src, what: str = "", *,
+                      after: Sequence[Any] | None = AFTER_COMPUTE):
+            ledger.record_move(Link.H2D, nbytes_of(src))
+            return dev.copy(dst, src, Link.H2D, what, after=after)
+
+        def to_host(self, dst, src, what: str = "", *,
+                    after: Sequence[Any] | None = AFTER_COMPUTE):
+            ledger.record_move(Link.D2H, nbytes_of(src))
+            return dev.copy(dst, src, Link.D2H, what, after=after)
+
+        def wait(self, event, what: str = "") -> None:
+            dev.wait(event, what)
+
+        def wait_host(self, event, what: str = "") -> None:
+            dev.wait_host(event, what)
+
+        def reserve_file(self, name: str, nbytes: int, cls: TensorClass) -> None:
+            pass
+
+        def read_file(self, name: str, dst, offset_bytes: int = 0) -> Future:
+            ledger.record_move(Link.DISK_READ, nbytes_of(dst))
+            return dev.io(_done(), Link.DISK_READ, nbytes_of(dst), name)
+
+        def write_file(self, name: str, src, cls: TensorClass, offset_bytes: int | None = None
+                       ) -> Future:
+            ledger.record_move(Link.DISK_WRITE, nbytes_of(src))
+            return dev.io(_done(), Link.DISK_WRITE, nbytes_of(src), name)
+
+    return TimingStore()
+
+
+class _Format:
+    """A compute copy's size, all `start_load`'s loaders ask of its format."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class _State:
+    """What the runtime's loaders, stream_chunks, CopiesRead and the update read of a
+    SegmentState: its name, size, placement, compute copy, the optimizer's slots over a flat
+    layout of its parameters (1-D: an elementwise slot's chunks and spans do not depend on the
+    shapes) and its host buffers as byte counts."""
+
+    def __init__(self, s: int, name: str, params: Sequence[tuple[str, int]],
+                 placement: SegmentPlacement, copy_bytes: int | None, slots: tuple) -> None:
+        from tierlm.memory.layout import FlatLayout
+        from tierlm.memory.planner import _Bytes
+
+        self.index, self.placement = s, placement
+        self.seg = SimpleNamespace(name=name)
+        self.tier = placement.state_tier
+        self.layout = FlatLayout([(p, (n,), True) for p, n in params])
+        self.numel = self.layout.numel
+        self.slots = slots
+        self.compute_format = None if copy_bytes is None else _Format(copy_bytes)
+        on_host = self.tier == Tier.HOST
+        self.master = _Bytes(self.numel) if self.tier != Tier.DISK else None
+        self.grad = _Bytes(self.numel) if on_host or placement.host_grad else None
+        self.state = {sl.name: _Bytes(sl.numel(self.layout), dtype=sl.dtype) for sl in slots
+                      } if self.tier != Tier.DISK else {}
+        self.wire = _Bytes(copy_bytes, 1) if on_host and copy_bytes is not None else None
+        self.device_weights = None
+        if placement.resident:
+            self.device_weights = _Bytes(self.device_nbytes(), 1)
+        self.device_stale = False
+        self.grad_written = False
+
+    @property
+    def state_copies(self) -> tuple[str, ...]:
+        return ("master", *(sl.name for sl in self.slots))
+
+    def device_nbytes(self) -> int:
+        return self.numel * 4 if self.compute_format is None else self.compute_format.nbytes
+
+    def file(self, copy: str) -> str:
+        return f"{self.seg.name}/{copy}.bin"
+
+    def slot(self, copy: str):
+        from tierlm.runtime.state import GRAD, MASTER
+
+        if copy == "master":
+            return MASTER
+        if copy == "grad":
+            return GRAD
+        return next(sl for sl in self.slots if sl.name == copy)
+
+    def buffer(self, copy: str):
+        return getattr(self, copy) if copy in ("master", "grad") else self.state[copy]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """What the timed replay needs beyond the byte replay's arguments."""
+
+    hw: HardwareProfile  # the rates (the precision and --tf32: the TrainShape's)
+    chunk_numel: int = STAGING_CHUNK_NUMEL
+    direct: bool = True  # the disk tier moves whole 4 KiB blocks (O_DIRECT)
+    steps: int = STEPS
+
+
+def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
+                  keep_resident: bool, boundary_host: bool, config: ReplayConfig, *,
+                  readahead=None, writeback=None) -> StepTiming:
+    """`config.steps` steps of the engine on `placements`, replayed over byte counts on a
+    `TimingDevice`; the last one's timing."""
+    from tierlm.config import OptimConfig
+    from tierlm.memory.planner import (
+        _actions,
+        _Bytes,
+        _compute_copies,
+        _CountingStep,
+        _stream_plan,
+        readahead_schedule,
+    )
+    from tierlm.optim import build_flat_optimizer
+    from tierlm.runtime.cache import StreamCache, window_bytes
+    from tierlm.runtime.costs import SegmentCost
+    from tierlm.runtime.landing import LandingRing, add_to_host
+    from tierlm.runtime.schedule import (
+        grad_landing,
+        landing_ring_numel,
+        parked_inputs,
+        transient_grad,
+    )
+    from tierlm.runtime.state import (
+        CopiesRead,
+        read_copies,
+        reload_resident,
+        start_load,
+        stream_chunks,
+        write_back_copies,
+    )
+    from tierlm.runtime.walk import StepRules, walk_step
+    from tierlm.runtime.writeback import Writer, deferred_copies
+
+    dev = TimingDevice(config.hw, train.precision, tf32=train.tf32)
+    ledger = Ledger()
+    store = _timing_store(ledger, dev, config.direct)
+    chunk = config.chunk_numel
+    n = len(shape.names)
+    last = n - 1
+    frozen = shape.frozen
+    # each segment's compute copy off the device (a frozen base's own copy included)
+    copies = _compute_copies(shape, train.precision, placements)
+    optimizer = build_flat_optimizer(shape.optim_config or OptimConfig())
+    slots = () if frozen else tuple(optimizer.slots)
+    params = shape.param_numels or [((name, numel),) for name, numel in
+                                    zip(shape.names, shape.numels, strict=True)]
+    states = [_State(s, shape.names[s], params[s], p, copies[s], slots)
+              for s, p in enumerate(placements)]
+    costs = [SegmentCost(params=shape.numels[s] + (shape.tied_numel if s == last else 0),
+                         block=0 < s < last, frozen=frozen) for s in range(n)]
+    tokens = train.batch_size * train.seq_len
+    keep = [p.resident and keep_resident for p in placements]
+    hidden = tokens * shape.hidden_size
+    worker = dev.worker("update")
+    lander = dev.worker("landing", overlaps_device=True)  # Engine._lander
+    writer = Writer(store, (writeback.segments if writeback is not None else 1))
+    updates: dict[int, Future] = {}
+    ahead_reads: dict[int, Any] = {}
+
+    cache = StreamCache(store, lambda s: states[s].device_nbytes(),
+                        window_bytes(states[s].device_nbytes() for s, p in enumerate(placements)
+                                     if not p.resident),
+                        lambda s: start_load(store, states[s], chunk),
+                        ready=lambda s: s not in updates or updates[s].done(),
+                        reusable=lambda s: s >= last or not keep[s])
+    actions = _actions(shape, train, order)
+    ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead,
+                               actions)
+    landings = [(p.state_tier, p.gradient_tier, shape.numels[s])
+                if transient_grad(p.state_tier, frozen) else None
+                for s, p in enumerate(placements)]
+    ring_numel = landing_ring_numel(actions, train.micro_batches, landings, chunk)
+    tied_owners = [0] if shape.tied_numel else []
+    rules = StepRules(
+        micro_batches=train.micro_batches,
+        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host),
+        tied_owners=tied_owners, tied_trained=bool(tied_owners) and not frozen,
+        state_tiers=[p.state_tier for p in placements], first_trained=not frozen)
+
+    def wait_update(s: int) -> None:  # Engine._wait_update
+        fut = updates.pop(s, None)
+        if fut is not None:
+            fut.result()
+
+    class TimedStep(_CountingStep):
+        """The byte replay's backend with the engine's operations on the timing device."""
+
+        def weights(self, k: int, s: int) -> None:  # Engine._weights
+            wait_update(s)
+            st = states[s]
+            if not st.placement.resident:
+                self.cache.acquire(k, s)
+            elif st.device_stale:
+                reload_resident(store, st, chunk)
+                st.device_stale = False
+
+        def prefetch(self, k: int) -> None:  # _TensorStep.prefetch
+            self.cache.reads_done(k - 1)
+            super().prefetch(k)
+
+        def drain(self) -> None:  # Engine._drain_landings
+            if self.in_flight is not None:
+                (fut, grad), self.in_flight = self.in_flight, None
+                fut.result()
+                store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+
+        def read_ahead(self, s: int) -> None:  # _TensorStep.read_ahead
+            writer.wait(s)  # the last update's write-back of them has landed
+            ahead_reads[s] = CopiesRead(store, states[s], states[s].state_copies)
+
+        def forward(self, a: Any, w: None, xs: list):
+            for _ in xs:  # each output is held (and parked) before the next micro-batch runs
+                with dev.compute(f"forward {shape.names[a.seg]}",
+                                 costs[a.seg].forward(tokens, train.seq_len, shape.hidden_size),
+                                 block=costs[a.seg].block):
+                    pass
+                yield self.act
+
+        def head(self, k, a, i, w, x, grad, tied):
+            with dev.compute(f"head {shape.names[a.seg]}", costs[a.seg].head(tokens)):
+                pass
+            with dev.compute():  # the loss and the backward: priced with the forward above
+                pass
+            return self.act
+
+        def backward(self, a, i, w, x, gout, grad):
+            s = a.seg
+            flops = costs[s].backward(tokens, train.seq_len, shape.hidden_size,
+                                      recompute=not keep[s])
+            with dev.compute(f"backward {shape.names[s]}", flops, block=costs[s].block):
+                pass
+            return self.act
+
+        def park(self, s: int, x):
+            host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), pinned=True)
+            return host, store.to_host(host, x, f"boundary {shape.names[s]}")
+
+        def wait_parked(self, copy) -> None:
+            store.wait(copy[1])
+
+        def unpark(self, s: int, copy):
+            host, _ = copy
+            store.wait(store.to_device(_Bytes(hidden), host, f"boundary {shape.names[s]}"))
+            store.free(Tier.HOST, TensorClass.ACTIVATION, host)
+            return self.act
+
+        def land(self, s: int, grad, final: bool) -> None:  # Engine._land_grad
+            p = placements[s]
+            st = states[s]
+            if frozen or not transient_grad(p.state_tier, frozen):
+                return
+            what = f"grad {shape.names[s]}"
+            path = grad_landing(p.state_tier, p.gradient_tier, written=st.grad_written,
+                                final=final)
+            dgrad = _Bytes(shape.numels[s])
+            self.drain()
+            if path.to_host:  # on the landing worker, one in flight
+                self.ring.hold()
+                done = dev.mark()
+                self.in_flight = (lander.submit(add_to_host, store, self.ring, st.grad, dgrad,
+                                                chunk, what, after=[done]), grad)
+                return
+            if path.ring_numel(st.numel, chunk):
+                self.ring.hold()
+            for ps in path.passes:
+                def step(lo: int, bufs: dict, ps=ps) -> None:  # Engine._grad_file_chunks
+                    staging, d = bufs["grad"], dgrad.narrow(0, lo, bufs["grad"].numel())
+                    if ps.add:
+                        add_to_host(store, self.ring, staging, d, chunk, what)
+                    else:
+                        store.wait_host(store.to_host(staging, d, what))
+                    if ps.back:
+                        copied = store.to_device(d, staging, what)
+                        store.wait(copied)
+                        store.wait_host(copied)
+
+                stream_chunks(store, st, chunk_ranges(st.numel, chunk),
+                              read=("grad",) if ps.add else (),
+                              write=() if ps.back else ("grad",), step=step, pinned=True)
+            store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+            st.grad_written = path.written
+
+    cpu_cost = optimizer.cpu_cost
+
+    def step_fn(st: _State):  # Engine._update's `step` on one chunk of the segment
+        def step(lo: int, bufs: dict) -> None:
+            with dev.cpu_work(f"update {st.seg.name}", params=bufs["grad"].numel() * cpu_cost):
+                pass
+            if st.tier == Tier.DISK and st.compute_format is not None:  # the compute file
+                staging = store.alloc(Tier.HOST, TensorClass.STAGING,
+                                      st.compute_format.nbytes, torch.uint8)
+                store.write_file(st.file("compute"), staging, TensorClass.COMPUTE).result()
+                store.free(Tier.HOST, TensorClass.STAGING, staging)
+        return step
+
+    def update(s: int) -> None:  # Engine._update, on the update worker
+        st = states[s]
+        if st.tier == Tier.DISK:
+            update_disk(st, step_fn(st))
+        else:
+            step_fn(st)(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
+
+    def update_ranges(st: _State) -> list[tuple[int, int]]:  # Engine._update_ranges
+        if st.compute_format is not None:
+            return [(0, st.numel)]
+        return optimizer.chunk_ranges(st.layout, chunk)
+
+    def update_disk(st: _State, step) -> None:  # Engine._update_disk
+        writer.wait(st.index)
+        ahead = ahead_reads.pop(st.index, None)
+        held = {} if ahead is None else dict(ahead.buffers())
+        if st.grad is not None:
+            held["grad"] = st.grad
+        ranges = update_ranges(st)
+        if writeback is not None and len(ranges) == 1:
+            update_whole(st, step, held)
+            return
+        ends = {lo: lo + n for lo, n in ranges}
+
+        def chunk_step(lo: int, bufs: dict) -> None:
+            for c, buf in held.items():
+                a, b = st.slot(c).range(st.layout, lo, ends[lo])
+                bufs[c] = buf[a:b]
+            step(lo, bufs)
+
+        stream_chunks(store, st, ranges,
+                      read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk_step)
+        if ahead is not None:
+            write_back_copies(store, st, ahead.bufs)
+
+    def update_whole(st: _State, step, held: dict) -> None:  # Engine._update_whole
+        writer.make_room()
+        missing = tuple(c for c in (*st.state_copies, "grad") if c not in held)
+        bufs = {**read_copies(store, st, missing), **held}
+        step(0, bufs)
+        if st.grad is None and "grad" in bufs:
+            store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
+        later = deferred_copies(st.state_copies, st.compute_format is not None)
+        write_back_copies(store, st, {c: bufs[c] for c in st.state_copies if c not in later})
+        writer.submit(st, {c: bufs[c] for c in later})
+
+    def finish_step() -> None:  # Engine._finish_step
+        dev.read(_Bytes(1))  # the global norm: the step's one host read
+        cache.drop_all()
+        if frozen:
+            return
+        for s, st in enumerate(states):
+            if st.tier == Tier.DEVICE:
+                with dev.compute(f"update {shape.names[s]}"):
+                    pass
+            else:
+                updates[s] = worker.submit(update, s)
+                if st.placement.resident:
+                    st.device_stale = True
+
+    results, step_ops = [], []
+    for _ in range(config.steps):
+        begun = dev.begin_step()
+        cache.begin(_stream_plan(shape, placements, actions))
+        with LandingRing(store, ring_numel) as ring:  # type: ignore[arg-type]
+            step = TimedStep(shape, placements, store, cache, actions, hidden, chunk,
+                             lambda k, phase, a: None, ring)
+            step.in_flight = None
+            try:
+                walk_step(step, actions, rules, ahead)
+            finally:
+                step.drain()
+        finish_step()
+        results.append(dev.end_step(begun))
+        step_ops.append(dev.step_ops)
+    timing = _timing(dev, results)
+    timing.step_ops = step_ops
+    return timing
+
+
+def _timing(dev: TimingDevice, results: list[dict[str, float]]) -> StepTiming:
+    ops = dev.step_ops
+    last = results[-1]
+    busy = {COMPUTE: last["sim_compute_s"], H2D: last["sim_h2d_s"], D2H: last["sim_d2h_s"],
+            DISK: last["sim_disk_s"], "cpu update": last["sim_cpu_update_s"],
+            "cpu": last["sim_cpu_s"]}
+    compute = sorted((op.start_s, op.end_s) for op in ops if op.lane == COMPUTE)
+    overlap = {lane: _overlap([(op.start_s, op.end_s) for op in ops if op.lane == lane],
+                              compute) for lane in (H2D, D2H, DISK)}
+    return StepTiming(step_s=last["sim_step_s"], lane_busy_s=busy, overlap_s=overlap,
+                      transfer_wait_s=last["sim_transfer_wait_s"], ops=ops, steps=results)
+
+
+def _overlap(spans: list[tuple[float, float]], under: list[tuple[float, float]]) -> float:
+    """Seconds of `spans` that lie under `under` (sorted, disjoint intervals)."""
+    import bisect
+
+    starts = [a for a, _ in under]
+    total = 0.0
+    for a, b in spans:
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(under) and under[i][0] < b:
+            lo, hi = max(a, under[i][0]), min(b, under[i][1])
+            total += max(0.0, hi - lo)
+            i += 1
+    return total
