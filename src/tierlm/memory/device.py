@@ -166,6 +166,11 @@ class Device:
         step time and the busy time of each lane)."""
         return {}
 
+    def take_link_s(self) -> dict[Link, float]:
+        """Seconds per link of the asynchronous copies finished since the previous call, timed
+        on the device (empty where `copy` returns done and the store times it)."""
+        return {}
+
 
 class HostDevice(Device):
     pass
@@ -257,15 +262,17 @@ class CudaDevice(Device):
             regions[-1][1].synchronize()  # the stream ran the regions in order
         return sum(a.elapsed_time(b) for a, b in regions) / 1000  # ms -> s
 
-    def take_link_s(self) -> dict[Link, tuple[int, float]]:
-        """Bytes and seconds per link of the copies since the previous call, from their own
-        events (call after the step's sync)."""
-        copies, self._copies = self._copies, []
-        out: dict[Link, tuple[int, float]] = {}
-        for link, nbytes, start, end in copies:
-            end.synchronize()
-            b, s = out.get(link, (0, 0.0))
-            out[link] = (b + nbytes, s + start.elapsed_time(end) / 1000)
+    def take_link_s(self) -> dict[Link, float]:
+        """Seconds per link of the copies that have finished since the previous call, timed by
+        their own events (the others are kept for a later call: nothing waits here)."""
+        out: dict[Link, float] = {}
+        pending = []
+        for link, nbytes, start, end in self._copies:
+            if end.query():
+                out[link] = out.get(link, 0.0) + start.elapsed_time(end) / 1000  # ms -> s
+            else:
+                pending.append((link, nbytes, start, end))
+        self._copies = pending
         return out
 
 

@@ -99,6 +99,12 @@ class Ledger:
             self.moved_s[link] += seconds
             self.total_moved_bytes[link] += nbytes
 
+    def add_move_seconds(self, link: Link, seconds: float) -> None:
+        """Time the device measured for copies whose bytes `record_move` counted earlier (an
+        asynchronous copy is timed by its own events once it has run)."""
+        with self._lock:
+            self.moved_s[link] += seconds
+
     def reset_step(self) -> None:
         """Start a new step's counters: bytes moved and the per-step peaks."""
         with self._lock:

@@ -523,6 +523,10 @@ class Engine(Stepper):
             finally:
                 self._drain_landings()  # they add through the ring, released next
         sweep_s = time.perf_counter() - t0
+        # link rates from the copies' own events, those finished by now (a GPU's async copies
+        # return at once: the store counted their bytes, the device times them)
+        for link, seconds in self.dev.take_link_s().items():
+            self.ledger.add_move_seconds(link, seconds)
         with trace.span("step", "finish step", cat="step"):
             loss, grad_norm, skipped = self._finish_step(lr)
         return {
