@@ -164,7 +164,7 @@ def test_a_planned_run_on_the_simulated_gpu_takes_the_plan_s_simulated_step(
     from tierlm.config import from_dict
     from tierlm.train import Trainer
 
-    memory = {"offload_policy": "auto", "hardware": "rtx4090", "device_budget": "3.5MiB",
+    memory = {"offload_policy": "auto", "hardware": "rtx4090", "device_budget": "4MiB",
               "offload_dir": str(tmp_path / "offload")}
     if host_budget:
         memory["host_budget"] = host_budget

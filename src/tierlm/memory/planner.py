@@ -749,13 +749,11 @@ class _CountingStep:
         for link, nbytes in path.moves(GRAD_B * numel):
             self.ledger.record_move(link, nbytes)
         self.grad_written[s] = path.written
-        # a landing into host RAM runs on the engine's landing worker: its device gradient is
-        # freed when the engine next waits for it (the next landing, or the sweep's end)
+        # a landing (into host RAM, or its passes into the gradient file) runs on the engine's
+        # landing worker: its device gradient is freed when the engine next waits for it (the
+        # next landing, or the sweep's end)
         self.settle_landing()
-        if path.to_host:
-            self.landing = grad
-        else:
-            self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+        self.landing = grad
 
     def settle_landing(self) -> None:
         if self.landing is not None:

@@ -351,8 +351,9 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 return
             if path.ring_numel(st.numel, chunk):
                 self.ring.hold()
-            for ps in path.passes:
-                def step(lo: int, bufs: dict, ps=ps) -> None:  # Engine._grad_file_chunks
+
+            def file_pass(ps) -> None:  # Engine._grad_file_chunks
+                def step(lo: int, bufs: dict) -> None:
                     staging, d = bufs["grad"], dgrad.narrow(0, lo, bufs["grad"].numel())
                     if ps.add:
                         add_to_host(store, self.ring, staging, d, chunk, what)
@@ -366,8 +367,17 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 stream_chunks(store, st, chunk_ranges(st.numel, chunk),
                               read=("grad",) if ps.add else (),
                               write=() if ps.back else ("grad",), step=step, pinned=True)
-            store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+
+            passes = list(path.passes)
+            while passes and passes[0].back:
+                file_pass(passes.pop(0))
             st.grad_written = path.written
+
+            def file_passes() -> None:  # Engine._file_passes, on the landing worker
+                for ps in passes:
+                    file_pass(ps)
+
+            self.in_flight = (lander.submit(file_passes), grad)
 
     cpu_cost = optimizer.cpu_cost
 

@@ -716,13 +716,22 @@ class Engine(Stepper):
         # replay takes it: the pinned arena then holds it below them, not in a hole they leave.
         if path.ring_numel(st.numel, self.chunk_numel):
             ring.hold()
-        for p in path.passes:
-            if final and not p.back:
-                self._grad_complete(st, grad)
-                self._finish_syncs()  # the device buffer is written out and freed next
+        passes = list(path.passes)
+        while passes and passes[0].back:  # the sum back on the device: compute reads it next
+            p = passes.pop(0)
             self._grad_file_chunks(st, grad, ring, add=p.add, back=p.back)
-        self.store.free(Tier.DEVICE, TensorClass.GRAD, grad)
+        if final:
+            self._grad_complete(st, grad)
+            self._finish_syncs()  # the device buffer is written out and freed next
         st.grad_written = path.written
+        # the passes into the file, on the landing worker (the backward goes on meanwhile)
+        self._landing = (self._lander.submit(self._file_passes, st, grad, ring, passes), grad,
+                         None)
+
+    def _file_passes(self, st: SegmentState, grad: torch.Tensor, ring: LandingRing,
+                     passes: list) -> None:
+        for p in passes:
+            self._grad_file_chunks(st, grad, ring, add=p.add, back=p.back)
 
     def _add_landing(self, ring: LandingRing, host: torch.Tensor, grad: torch.Tensor,
                      done: object, what: str) -> None:
