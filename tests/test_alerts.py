@@ -267,17 +267,18 @@ def test_disk_slow_alert_fires_when_disk_reads_slow_down(corpus, tmp_path, monke
     t = Trainer(tiny_run_cfg(tmp_path, corpus, policy="disk", max_steps=9), log=quiet)
     detector = next(d for d in t.monitor.alerts.detectors if isinstance(d, DiskSlow))
     assert detector.reference_Bps["disk_read"] > 0 and detector.reference_Bps["disk_write"] > 0
-    disk = t.stepper.store.disk
-    read = disk.read
+    import tierlm.memory.disk as disk_module
+
+    pread = disk_module._pread_at_least
     step = t.stepper.step
 
     def throttled(b, lr):
         if t.step == 5:  # from step 6 on every read takes 20 ms longer: a disk gone slow
-            def slow_read(name, dst, offset_bytes=0):
+            def slow_pread(*args, **kwargs):
                 time.sleep(0.02)
-                return read(name, dst, offset_bytes)
+                return pread(*args, **kwargs)
 
-            monkeypatch.setattr(disk, "read", slow_read)
+            monkeypatch.setattr(disk_module, "_pread_at_least", slow_pread)
         return step(b, lr)
 
     t.stepper.step = throttled

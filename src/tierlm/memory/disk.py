@@ -503,6 +503,9 @@ class DiskTier:
                 else:
                     self._bytes_read += req.nbytes
                     self._read_busy_s += elapsed_s
+        # the request's own time, from its first chunk starting (not its wait in the queue,
+        # which a read issued early, by a prefetch, spends behind the others)
+        req.future.busy_s = elapsed_s  # type: ignore[attr-defined]
         if req.error is None:
             req.future.set_result(None)
         else:
