@@ -466,7 +466,8 @@ class TimingDevice(Device):
             "sim_d2h_s": lane_s(D2H),
             "sim_disk_s": lane_s(DISK),
             "sim_cpu_update_s": lane_s("cpu update"),
-            "sim_cpu_s": lane_s("cpu"),  # the training thread's own CPU work (gradient adds)
+            # the gradient adds: on the training thread, or on the landing worker's lane
+            "sim_cpu_s": lane_s("cpu") + lane_s("cpu landing"),
             "sim_transfer_wait_s": tl.wait_s - wait_s,  # compute idle, waiting for copies
         }
 
