@@ -288,4 +288,4 @@ def test_disk_slow_alert_fires_when_disk_reads_slow_down(corpus, tmp_path, monke
     fired = [r["step"] for r in recs if "disk_slow" in r["alerts"]]
     assert len(fired) == 1 and fired[0] >= 6, fired  # once, after the slow-down
     assert all(r["alerts"] in ([], ["disk_slow"]) for r in recs)
-    assert "disk slow: disk read" in recs[fired[0] - 1]["alert_messages"][0]
+    assert "disk read" in recs[fired[0] - 1]["alert_messages"][0]  # writes may be slow too
