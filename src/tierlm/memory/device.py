@@ -392,10 +392,15 @@ class TimingDevice(Device):
         self.timeline = Timeline(Rates.of(profile, precision, tf32=tf32))
         self._compute_mark = 0.0  # busy seconds of the compute lane at the last take
 
+    def _deps(self, after) -> list:
+        """The events a copy waits for (AFTER_COMPUTE: the compute queued so far)."""
+        if after is AFTER_COMPUTE:
+            return [self.timeline.mark()]
+        return [e for e in after if e is not None]
+
     def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
-        tl = self.timeline
-        deps = [tl.mark()] if after is AFTER_COMPUTE else [e for e in after if e is not None]
-        return tl.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
+        return self.timeline.copy(link, nbytes_of(src), what or LINK_LANE[link],
+                                  self._deps(after))
 
     def mark(self):
         return self.timeline.mark(COMPUTE)
@@ -485,9 +490,8 @@ class SimDevice(TimingDevice):
             H2D: [], D2H: []}
 
     def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
-        tl = self.timeline
-        deps = [tl.mark()] if after is AFTER_COMPUTE else [e for e in after if e is not None]
-        event = tl.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
+        deps = self._deps(after)
+        event = self.timeline.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
         _poison(dst)
         self._pending[event.stream.name].append((event.seq, dst, src, deps))
         return event

@@ -97,13 +97,9 @@ class Store:
             if self.arena is not None and self.arena.owns(t):
                 # an asynchronous copy may still read or write it: its range comes back once
                 # the copies queued so far have finished
-                self.arena.free(t, self._copies_done())
+                self.arena.free(t, self.dev.copies_done())
         # a pinned buffer of no bytes has no footprint: released unpinned, the same
         self.ledger.release(tier, cls, nbytes_of(t), pinned=pinned)
-
-    def _copies_done(self):
-        """What passes once every copy queued so far has finished (None: they have)."""
-        return self.dev.copies_done()
 
     # -- device <-> host --------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from tierlm.config import (
     mode_only_flags,
     parse_bytes,
 )
+from tierlm.memory.device import sim_profile
 from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.planner import ModelShape, Plan, TrainShape, plan
 from tierlm.memory.tiers import Link
@@ -33,8 +34,9 @@ def hardware_for(cfg: Config) -> HardwareProfile:
         return parse_bytes(v, flag) if v else None
 
     hardware = mem.hardware
-    if hardware == "auto" and cfg.run.device.startswith("sim:"):
-        hardware = cfg.run.device[len("sim:"):]  # plan for the GPU the run simulates
+    simulated = sim_profile(cfg.run.device)
+    if hardware == "auto" and simulated is not None:
+        hardware = simulated.name  # plan for the GPU the run simulates
     return resolve(
         hardware,
         gpu_memory_bytes=size(mem.gpu_memory, "--gpu-memory"),
