@@ -289,3 +289,22 @@ def test_disk_slow_alert_fires_when_disk_reads_slow_down(corpus, tmp_path, monke
     assert len(fired) == 1 and fired[0] >= 6, fired  # once, after the slow-down
     assert all(r["alerts"] in ([], ["disk_slow"]) for r in recs)
     assert "disk read" in recs[fired[0] - 1]["alert_messages"][0]  # writes may be slow too
+
+
+def test_disk_slow_judges_against_the_runs_own_start_when_that_is_slower_than_the_probe():
+    # a run whose disk requests share two cores with its compute: 5x below the probe from its
+    # first step, steady: not a disk gone slow, no alert
+    d = DiskSlow({"disk_read": 1e9}, window=3)
+    steady = {"disk_read_bytes": 10**8, "disk_read_Bps": 1.5e8}
+    assert [d.check(dict(steady)) for _ in range(8)] == [None] * 8
+    assert d.baseline_Bps == {"disk_read": pytest.approx(1.5e8)}
+    # then the disk itself slows 10x: judged against the run's start, it alerts
+    fired = [d.check({"disk_read_bytes": 10**8, "disk_read_Bps": 1.5e7}) for _ in range(3)]
+    assert fired[0] is None and fired[1] is not None and fired[2] is None
+    # two slow steps of the three: 3e8 B in 14 s
+    assert "disk read 21 MB/s vs 150 MB/s" in fired[1], fired[1]
+    # a run faster than its probe keeps the probe as the baseline
+    d = DiskSlow({"disk_read": 1e9}, window=3)
+    for _ in range(3):
+        d.check({"disk_read_bytes": 10**8, "disk_read_Bps": 4e9})
+    assert d.baseline_Bps == {"disk_read": 1e9}

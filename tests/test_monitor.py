@@ -13,6 +13,7 @@ from tierlm.cli import main
 from tierlm.config import ConfigError
 from tierlm.memory.tiers import Link, Tier
 from tierlm.train import Trainer
+from tierlm.train.alerts import DiskSlow
 from tierlm.train.live import LineView, RichView, open_view
 from tierlm.train.monitor import read_metrics
 
@@ -49,6 +50,15 @@ def steps_of(run_dir):
 def test_metrics_have_every_field_and_a_clean_run_raises_no_alert(policy, corpus, tmp_path):
     # 22 steps: the loss-spike rule gives its first verdicts from step 20
     t = Trainer(tiny_run_cfg(tmp_path, corpus, policy=policy, max_steps=22), log=quiet)
+    disk_slow = [d for d in t.monitor.alerts.detectors if isinstance(d, DiskSlow)]
+    assert len(disk_slow) == (policy == "disk")
+    for d in disk_slow:
+        # this run's disk requests are tens of KiB, timed per request: when another test
+        # takes the shared cores mid-run, a request's time is mostly waiting for a core, and
+        # the run's rate fell 5x under its own start once in CI. The 5x rule is tested on
+        # records (test_alerts); here the detector must run on the real numbers and stay
+        # quiet short of a 50x fall, which a unit slip would exceed.
+        d.ratio = 0.02
     t.train()
     t.stepper.close()
     recs = steps_of(tmp_path)

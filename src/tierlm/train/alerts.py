@@ -7,8 +7,10 @@ message, counts it, and lists the alert's name in the step's `alerts` field.
 - `non_finite`: a step whose loss or gradient norm is inf/NaN (the step was skipped).
 - `thrashing`: a segment fetched to the device more times in a step than the schedule plans
   (the plan is a dry run of the stream cache's own policy over the step's access sequence).
-- `disk_slow`: disk-tier throughput over the last few steps far below a reference measured on
-  the same directory with the run's request size.
+- `disk_slow`: disk-tier throughput over the last few steps far below a reference: the lower of
+  a probe of the same directory with the run's request size and the run's own first few steps
+  (a run whose I/O shares the cores with its compute is slower than the probe from its start;
+  the alert is for a disk that slows down, not for that).
 - `disk_wear`: the disk tier's writes would use more than 1% of the drive's rated endurance
   (`--disk-endurance-tbw`) per day of training.
 - `gpu_throttle`: NVML reports the GPU slowing its clocks for heat or power.
@@ -140,7 +142,10 @@ class Thrashing:
 
 class DiskSlow:
     """Disk-tier throughput (bytes / summed request time, as the ledger reports it) over the last
-    `window` steps below `ratio` x the reference measured at setup, per direction."""
+    `window` steps below `ratio` x a baseline, per direction. The baseline is the lower of the
+    reference measured at setup and the run's first full window: the probe runs alone, while the
+    run's requests share the cores with its compute and are slower from the first step on a
+    small machine, which is the machine and not a disk gone slow."""
 
     name = "disk_slow"
 
@@ -153,6 +158,7 @@ class DiskSlow:
         self.moved: dict[str, deque[tuple[float, float]]] = {
             link: deque(maxlen=window) for link in reference_Bps
         }
+        self.baseline_Bps: dict[str, float] = {}  # per link, set by its first full window
         self.slow = False
 
     def check(self, rec: dict[str, Any]) -> str | None:
@@ -162,18 +168,21 @@ class DiskSlow:
             if nbytes and rate:
                 self.moved[link].append((nbytes, nbytes / rate))
             q = self.moved[link]
-            if len(q) == self.window:
-                rate = sum(b for b, _ in q) / sum(s for _, s in q)
-                if rate < self.ratio * ref:
-                    name = link.replace("_", " ")
-                    slow.append(f"{name} {rate / 1e6:.0f} MB/s vs {ref / 1e6:.0f}")
+            if len(q) < self.window:
+                continue
+            rate = sum(b for b, _ in q) / sum(s for _, s in q)
+            base = self.baseline_Bps.setdefault(link, min(ref, rate))
+            if rate < self.ratio * base:
+                name = link.replace("_", " ")
+                slow.append(f"{name} {rate / 1e6:.0f} MB/s vs {base / 1e6:.0f}")
         fired = bool(slow) and not self.slow
         self.slow = bool(slow)
         if not fired:
             return None
         return (
-            f"disk slow: {', '.join(slow)} MB/s measured on the offload directory at setup "
-            f"(last {self.window} steps); is the disk shared, full or throttling?"
+            f"disk slow: {', '.join(slow)} MB/s (the lower of the probe of the offload directory "
+            f"at setup and the run's first {self.window} steps; last {self.window} steps); "
+            "is the disk shared, full or throttling?"
         )
 
 
