@@ -262,11 +262,11 @@ def make_engine(model, tmp_path, policy, *, placement="none", order="microbatch-
     )
 
 
-def budget_for(model, tmp_path, policies: list[str]) -> int:
+def budget_for(model, tmp_path, policies: list[str], placement: str = "none") -> int:
     """The device budget at which `dynamic` can just afford `policies`: the model state and
     boundary activations (what an unbudgeted `dynamic` engine places besides its reserve) plus
     the activation peak of `policies` from the engine's own measured costs."""
-    probe = make_engine(copy.deepcopy(model), tmp_path, "dynamic")
+    probe = make_engine(copy.deepcopy(model), tmp_path, "dynamic", placement=placement)
     state = probe.report.device_bytes - probe.activation_reserve_bytes
     peak = activation_peak_bytes(
         policies, probe.activation_costs, in_flight=1, head_bytes=probe.activation_head_bytes
@@ -285,11 +285,15 @@ def engine_run(runs, name, tmp_path, policy, **kw):
     return recs, w, chosen
 
 
-# Under a streamed placement `none` recomputes every segment (nothing resident keeps its graph).
-# `dynamic`'s budget affords exactly [keep, full, selective, keep]: the last block keeps, the one
-# before it fits only `selective`, the first block gets the fallback, and `embed` (it saves at
-# most its input ids) keeps; without its budget it would keep everything, which is `none`.
+# Under a streamed placement without a device budget `none` keeps every graph (the weights
+# come back for the backward, which then runs without a recompute); with a budget that holds
+# one block's saved tensors, the last block keeps and the others recompute (embed saves only
+# its token ids, which the step holds anyway: it keeps for free). `dynamic`'s budget affords
+# exactly [keep, full, selective, keep]: the last block keeps, the one before it fits only
+# `selective`, the first block gets the fallback, and `embed` (it saves at most its input ids)
+# keeps; without its budget it would keep everything, which is `none`.
 MIXED = ["keep", "full", "selective", "keep"]
+STREAMED_KEEP = ["keep", "full", "full", "keep"]
 
 
 @pytest.mark.parametrize(
@@ -298,14 +302,17 @@ MIXED = ["keep", "full", "selective", "keep"]
         pytest.param("full", {}, ["full"] * 4, id="full-resident"),
         pytest.param("selective", {}, ["selective"] * 4, id="selective-resident"),
         pytest.param("offload", {}, ["offload"] * 4, id="offload-resident"),
-        pytest.param("none", {"placement": "host", "order": "layer-outer"}, ["full"] * 4,
+        pytest.param("none", {"placement": "host", "order": "layer-outer"}, ["keep"] * 4,
                      id="none-host-layer-outer"),
+        pytest.param("none", {"placement": "host", "budget": STREAMED_KEEP},
+                     STREAMED_KEEP, id="none-host-budget"),
+        pytest.param("full", {"placement": "host"}, ["full"] * 4, id="full-host"),
         pytest.param("selective", {"placement": "host"}, ["selective"] * 4, id="selective-host"),
         pytest.param("offload", {"placement": "host", "order": "layer-outer"}, ["offload"] * 4,
                      id="offload-host-layer-outer"),
         pytest.param(
             "none", {"placement": "host", "overrides": "block.[01]=keep,block.2=selective"},
-            ["full", "keep", "keep", "selective"], id="none-host-overrides",
+            ["keep", "keep", "keep", "selective"], id="none-host-overrides",
         ),
         pytest.param("dynamic", {"budget": MIXED}, MIXED, id="dynamic-budget"),
     ],
@@ -318,7 +325,8 @@ def test_engine_policies_reproduce_none(runs, name, policy, kw, chosen_policies,
     placement = kw.get("placement", "none")
     none_recs, none_w, _ = engine_run(runs, name, tmp_path / "none", "none", placement=placement)
     if "budget" in kw:
-        kw = {**kw, "budget": budget_for(runs[name][0], tmp_path / "probe", kw["budget"])}
+        kw = {**kw, "budget": budget_for(runs[name][0], tmp_path / "probe", kw["budget"],
+                                         placement)}
     recs, w, chosen = engine_run(runs, name, tmp_path / "p", policy, **kw)
     assert chosen == chosen_policies
     assert [r["loss"] for r in recs] == [r["loss"] for r in none_recs]
@@ -536,8 +544,23 @@ def test_overrides_parse_and_resolve():
     resident = [True] * 13
     got = resolve_policies("selective", "block.[0-3]=full,block.1[01]=keep", names, resident)
     assert got == ["selective"] + ["full"] * 4 + ["selective"] * 6 + ["keep"] * 2
-    # none: streamed segments recompute, resident ones keep
-    assert resolve_policies("none", None, ["embed", "block.0"], [True, False]) == ["keep", "full"]
+    # none as the planner runs it: streamed segments recompute, resident ones keep
+    assert resolve_policies("none", None, ["embed", "block.0"], [True, False],
+                            planned=True) == ["keep", "full"]
+    # none on its own: a streamed segment keeps where the budget holds it (no budget: all)
+    assert resolve_policies("none", None, ["embed", "block.0"], [True, False]) == ["keep"] * 2
+    block = SegmentCosts(keep_bytes=100, selective_bytes=40, selective_workspace_bytes=60)
+    names3, streamed3 = ["embed", "block.0", "block.1"], [True, False, False]
+    costs3 = [SegmentCosts(0, 0, 0), block, block]
+    # the last block's saved tensors are gone before the first block recomputes: 100 holds
+    # either, 200 both
+    for budget, want in ((99, ["keep", "full", "full"]), (199, ["keep", "full", "keep"]),
+                         (200, ["keep", "keep", "keep"])):
+        assert resolve_policies("none", None, names3, streamed3, costs=costs3,
+                                budget_bytes=budget) == want, budget
+    assert resolve_policies("none", "block.1=selective", names3, streamed3, costs=costs3,
+                            budget_bytes=199, fallback="offload") == [
+        "keep", "offload", "selective"]  # keeping block.0 too: 100 + 40 held, + 60 workspace
 
 
 @pytest.mark.parametrize(

@@ -109,7 +109,9 @@ def _engine_run(world: World, cp: int, rows: int, activations: str, name: str = 
     result = {"losses": [o["loss"] for o in outs], "grad_norms": [o["grad_norm"] for o in outs],
               "weights": _numpy(step.weights()), "kv_send_bytes": ring.sent_bytes,
               "net_send_bytes": engine.ledger.moved_bytes[Link.NET_SEND],
-              "resident": [p.resident for p in engine.report.placements]}
+              "resident": [p.resident for p in engine.report.placements],
+              # per segment but the head: whether its backward recomputes its forward
+              "recomputes": [p.recomputes for p in engine.policies]}
     step.close()
     return result
 
@@ -177,12 +179,15 @@ def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activa
     kv = ring_send_bytes(cp=cp, batch=rows // (world // cp), kv_heads=_kv_heads(c),
                          local_len=T // cp, head_dim=c.hidden_size // c.num_attention_heads,
                          element_bytes=4, layers=c.num_hidden_layers)
-    # streamed blocks (host placement) and full recompute run each block's forward again in
-    # the backward: the ring passes the forward's K/V once more
+    # full recompute runs each block's forward again in the backward: the ring passes the
+    # forward's K/V once more; `none` keeps the streamed blocks' graphs (no device budget) and
+    # passes them once
+    recomputed = sum(runs[0]["recomputes"][1:])
+    assert recomputed == (c.num_hidden_layers if activations == "full" else 0)
     recompute_kv = ring_send_bytes(
         cp=cp, batch=rows // (world // cp), kv_heads=_kv_heads(c), local_len=T // cp,
         head_dim=c.hidden_size // c.num_attention_heads, element_bytes=4,
-        layers=c.num_hidden_layers, backward=False)
+        layers=recomputed, backward=False)
     # the planner counts the same bytes for this placement (its net lane's)
     shape = ModelShape.from_config(c, optim=OPTIM)
     train = TrainShape(batch_size=rows // (world // cp), seq_len=T // cp, micro_batches=M,
@@ -190,7 +195,7 @@ def test_tiered_runtime_with_host_placement_equals_one_process(world, cp, activa
     planned = ring_kv_bytes(
         shape, train,
         [SegmentPlacement(resident=r, state_tier=Tier.HOST) for r in runs[0]["resident"]],
-        keep_resident=activations == "none")
+        keep_resident=(*(not r for r in runs[0]["recomputes"]), True))
     # plus the gradient all-reduce, per segment over every rank, as the planner counts it, the
     # step's trained-token count (one int64) and the logged loss (its sum and tokens, 2 float64)
     others = (grad_sync_bytes(shape, train) + all_reduce_send_bytes(8, world)

@@ -303,3 +303,20 @@ def _check(report: PlacementReport, device_budget, host_budget, policy,
         }[policy]
         raise PlacementError(f"placement --offload-policy {policy} does not fit: "
                              + "; ".join(problems) + f" ({hint})")
+
+
+KeepGraphs = bool | tuple[bool, ...]
+"""The planner's rule (a bool) or a keep flag per segment: see `keeps_graph`."""
+
+
+def keeps_graph(placements, keep: KeepGraphs) -> list[bool]:
+    """Per segment, whether its backward runs from a kept graph (no recompute of its forward).
+    `keep` is the planner's rule, a bool (resident segments keep their graph when True,
+    streamed ones recompute), or the engine's own choice per segment (`--grad-checkpointing
+    none` keeps streamed graphs where the device budget holds them: tierlm.activations.spec),
+    the head's entry last."""
+    if isinstance(keep, bool):
+        return [p.resident and keep for p in placements]
+    if len(keep) != len(placements):
+        raise ValueError(f"{len(keep)} keep flags for {len(placements)} segments")
+    return list(keep)

@@ -37,9 +37,11 @@ from tierlm.memory.placement import (
     MASTER_B,
     STAGING_CHUNK_NUMEL,
     STAGING_SETS,
+    KeepGraphs,
     SegmentPlacement,
     chunk_ranges,
     gib,
+    keeps_graph,
     staging_numel,
     update_staging_bytes,
 )
@@ -57,6 +59,7 @@ COPY_EFFICIENCY = 0.9  # pinned copies reach ~90% of the profile's practical rat
 
 
 # -- inputs ----------------------------------------------------------------------------------
+
 
 
 @dataclass(frozen=True)
@@ -770,7 +773,7 @@ def _simulate(
     train: TrainShape,
     placements: list[SegmentPlacement],
     order: str,
-    keep_resident: bool,
+    keep_resident: KeepGraphs,
     boundary_host: bool = False,
     *,
     ledger: Ledger | None = None,
@@ -856,7 +859,7 @@ def _simulate(
     cache = StreamCache(store, streamed.__getitem__, window_bytes(streamed.values()), Load)  # type: ignore[arg-type]
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
-    keep = [p.resident and keep_resident for p in placements]
+    keep = keeps_graph(placements, keep_resident)
     cache.begin(_stream_plan(shape, placements, actions))
     # resident segments with host/disk state are refreshed after each update: one load per step
     for s, p in enumerate(placements):
@@ -1041,7 +1044,8 @@ def forward_starts(shape: ModelShape, window: float) -> list[float]:
 
 
 def _times(
-    shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements, keep_resident: bool,
+    shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
+    keep_resident: KeepGraphs,
     moved: dict[str, int], *, read_ahead: frozenset[int] = frozenset(), groups: int = 1,
     writeback: WriteBack | None = None, chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> dict[str, float]:
@@ -1055,10 +1059,8 @@ def _times(
     tokens = train.tokens_per_step
     block_params = sum(shape.numels[1:-1])
     head_params = shape.numels[-1] + shape.tied_numel
-    recomputed = sum(
-        n for n, p in zip(shape.numels[1:-1], placements[1:-1], strict=True)
-        if not (p.resident and keep_resident)
-    )
+    keep = keeps_graph(placements, keep_resident)
+    recomputed = sum(n for n, k in zip(shape.numels[1:-1], keep[1:-1], strict=True) if not k)
     # forward 2 FLOPs/param/token, backward 4; recomputed blocks run their forward twice;
     # attention scores add 2*2*T*D per token per layer forward (causal: half), x3 with backward
     attn = 6 * train.seq_len * train.context_parallel * shape.hidden_size * shape.n_layers
@@ -1150,7 +1152,8 @@ def _times(
     }
 
 
-def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements, keep_resident: bool) -> int:
+def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements,
+                  keep_resident: KeepGraphs) -> int:
     """What one context-parallel rank sends through the ring per step (the formula of
     tierlm.distributed.context): every block's K/V in the forward, again in the backward with
     dK/dV sent home, and the forward's once more for each block that recomputes (streamed, or
@@ -1159,7 +1162,7 @@ def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements, keep_residen
         return 0
     from tierlm.distributed.context import ring_send_bytes
 
-    recomputed = sum(not (p.resident and keep_resident) for p in placements[1:-1])
+    recomputed = sum(not k for k in keeps_graph(placements, keep_resident)[1:-1])
     kw = dict(cp=train.context_parallel, batch=train.batch_size, local_len=train.seq_len,
               kv_heads=shape.kv_heads or 1, head_dim=shape.head_dim or shape.hidden_size,
               element_bytes=4 if train.precision == "fp32" else 2)
@@ -1168,7 +1171,8 @@ def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements, keep_residen
 
 
 def _net_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
-              keep_resident: bool, compute: float, *, attention_s: float) -> tuple[float, float]:
+              keep_resident: KeepGraphs, compute: float, *,
+              attention_s: float) -> tuple[float, float]:
     """(seconds the ring's K/V take to send, the sweep's `net` lane). Each ring step posts the
     next K/V block before computing attention against the current one, so the sends hide
     behind attention only: the lane is the compute with the attention stretched to the sends'
@@ -1243,7 +1247,7 @@ def compiled_block_source(train: TrainShape, hw: HardwareProfile) -> str | None:
 
 
 def _decode_s(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
-              keep_resident: bool) -> float:
+              keep_resident: KeepGraphs) -> float:
     """Seconds per step a QLoRA base spends decoding NF4 weights on the device (part of its
     compute): each matmul decodes its weight (tierlm.models.nf4.NF4Linear) in every micro-batch's
     forward and backward, and once more where the segment recomputes its forward; a memory-bound
@@ -1255,8 +1259,8 @@ def _decode_s(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placeme
     from tierlm.models.nf4 import decode_traffic_bytes
 
     dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
-    decodes = sum(n * (2 + (not (p.resident and keep_resident)))
-                  for n, p in zip(shape.base_nf4_numels, placements, strict=True))
+    decodes = sum(n * (2 + (not k)) for n, k in zip(
+        shape.base_nf4_numels, keeps_graph(placements, keep_resident), strict=True))
     rate = hw.device_memory_Bps * (1.0 if hw.device_is_cpu else COPY_EFFICIENCY)
     return train.micro_batches * decode_traffic_bytes(decodes, dtype) / rate
 

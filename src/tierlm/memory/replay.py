@@ -32,7 +32,13 @@ import torch
 from tierlm.memory.device import AFTER_COMPUTE, TimingDevice, nbytes_of
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.placement import STAGING_CHUNK_NUMEL, SegmentPlacement, chunk_ranges
+from tierlm.memory.placement import (
+    STAGING_CHUNK_NUMEL,
+    KeepGraphs,
+    SegmentPlacement,
+    chunk_ranges,
+    keeps_graph,
+)
 from tierlm.memory.simulator import COMPUTE, D2H, DISK, H2D, Op
 from tierlm.memory.tiers import Link, TensorClass, Tier
 
@@ -186,7 +192,7 @@ class ReplayConfig:
 
 
 def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
-                  keep_resident: bool, boundary_host: bool, config: ReplayConfig, *,
+                  keep_resident: KeepGraphs, boundary_host: bool, config: ReplayConfig, *,
                   readahead=None, writeback=None) -> StepTiming:
     """`config.steps` steps of the engine on `placements`, replayed over byte counts on a
     `TimingDevice`; the last one's timing."""
@@ -238,7 +244,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     costs = [SegmentCost(params=shape.numels[s] + (shape.tied_numel if s == last else 0),
                          block=0 < s < last, frozen=frozen) for s in range(n)]
     tokens = train.batch_size * train.seq_len
-    keep = [p.resident and keep_resident for p in placements]
+    keep = keeps_graph(placements, keep_resident)
     hidden = tokens * shape.hidden_size
     worker = dev.worker("update")
     lander = dev.worker("landing", overlaps_device=True)  # Engine._lander

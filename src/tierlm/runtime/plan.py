@@ -29,6 +29,7 @@ from tierlm.activations.dynamic import SegmentCosts
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.distributed.context import WHOLE_SEQUENCE, WholeSequence, ZigzagShare
 from tierlm.distributed.sync import NO_SYNC, GradSync
+from tierlm.memory.device import Device
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     STAGING_CHUNK_NUMEL,
@@ -219,7 +220,7 @@ def plan_step(
     optim: OptimConfig,
     options: EngineOptions,
     *,
-    device: torch.device,
+    device: torch.device | Device,
     initial_weights: InitialWeights = module_weights,
 ) -> StepPlan:
     """Choose the step's plan for `model`: its placement (`options.placements`, the planner's,
@@ -237,14 +238,23 @@ def plan_step(
     if parts.frozen_base and dynamic:
         raise NotSupportedYet("--grad-checkpointing dynamic with --finetune lora",
                               "its probe measures full-parameter segments; pick a policy")
+    # the planner's placement comes with its activation rule (options.activations None: resident
+    # segments keep or recompute as planned, streamed ones recompute)
+    planned = options.activations is None
     costs = None
-    if dynamic:
-        costs = probe_costs(
+
+    def probe() -> list[SegmentCosts]:
+        return probe_costs(
             segs[:-1], parts.layouts[:-1], initial_weights, parts.adapter.context,
-            device=device, batch_size=options.batch_size, seq_len=options.seq_len,
+            # the measurement runs on the tensors' device (a simulated GPU's are on the CPU)
+            device=device.torch_device if isinstance(device, Device) else device,
+            batch_size=options.batch_size, seq_len=options.seq_len,
             hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
             autocast=options.autocast,
         )
+
+    if dynamic:
+        costs = probe()
     # with host boundaries, `dynamic` parks the inputs of the segments it recomputes and
     # counts the others' inputs, which their graphs keep on the device, as their cost
     boundary_bytes = parts.hidden_bytes if parts.host_boundaries and dynamic else 0
@@ -275,11 +285,18 @@ def plan_step(
     activation_budget = options.activation_budget_bytes if (
         options.activation_budget_bytes is not None) else (
         None if budget is None else budget - report.device_bytes + reserve)
+    streamed = any(not p.resident for p in report.placements[:-1])
+    if (acts.policy == "none" and not planned and streamed and activation_budget is not None
+            and not parts.frozen_base):
+        # `none` keeps a streamed segment's graph where the budget holds it: measured as
+        # `dynamic` measures (a LoRA base's segments are not probed: they recompute)
+        costs = probe()
     policies = resolve_policies(
         acts.policy, acts.overrides, names[:-1], [p.resident for p in report.placements[:-1]],
         fallback=acts.dynamic_fallback, costs=costs, in_flight=parts.in_flight,
         budget_bytes=activation_budget, head_bytes=parts.head_bytes,
-        boundary_bytes=boundary_bytes,
+        # a LoRA base's streamed segments recompute as before (not probed; see the note)
+        boundary_bytes=boundary_bytes, planned=planned or parts.frozen_base,
     )
     # the host RAM the step pins (tierlm.runtime.pinned), which the engine's arena will hold
     report = dataclasses.replace(report, pinned=step_pinned_bytes(

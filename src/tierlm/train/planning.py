@@ -369,9 +369,14 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                    base_format=base_format_of(cfg, precision),
                                    precision=precision)
+    placements = engine.report.placements
+    # the engine's own choice per segment (`none` keeps streamed graphs where the budget holds
+    # them); the head keeps as the planner's rule says
+    keep = (*(not p.recomputes for p in engine.policies),
+            placements[-1].resident and engine.opts.keep_resident_activations)
     return evaluate(
-        shape, train_shape(cfg, precision), hw, engine.report.placements,
-        engine.opts.microbatch_order, engine.opts.keep_resident_activations,
+        shape, train_shape(cfg, precision), hw, placements,
+        engine.opts.microbatch_order, keep,
         usable_budgets(hw), engine.host_boundaries, readahead=engine.opts.readahead,
         writeback=engine.opts.writeback,
     )
