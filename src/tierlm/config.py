@@ -230,8 +230,9 @@ class PrecisionConfig:
 @dataclass(kw_only=True)
 class ActivationConfig:
     policy: Literal["none", "full", "selective", "offload", "dynamic"] = "none"
-    """Activation memory per segment: none keeps every activation (segments streamed by the
-    tiered runtime recompute); full recomputes each segment from its input in the backward;
+    """Activation memory per segment: none keeps every activation (a segment streamed by the
+    tiered runtime keeps its graph where the device budget holds it, last blocks first, else
+    takes dynamic_fallback; under --offload-policy auto streamed segments recompute); full recomputes each segment from its input in the backward;
     selective keeps matmul and attention outputs and recomputes norms and elementwise ops;
     offload moves saved tensors to host RAM until the backward; dynamic keeps what fits
     --device-budget, last blocks first (--grad-checkpointing)."""
@@ -240,8 +241,8 @@ class ActivationConfig:
     segment names (embed, block.N), e.g. 'block.[0-3]=full,block.1[01]=keep'; the last match
     wins; policies: keep, selective, full, offload."""
     dynamic_fallback: Literal["full", "offload"] = "full"
-    """What dynamic does with segments whose activations do not fit: recompute them (full) or
-    hold them in host RAM (offload)."""
+    """What dynamic, and none for streamed segments, do with segments whose activations do not
+    fit: recompute them (full) or hold them in host RAM (offload)."""
 
 
 @dataclass(kw_only=True)
