@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tierlm.cli import build_parser, main
+from tierlm.cli import build_parser, config_from_args, main
+from tierlm.config import check_supported
 from tierlm.docs_cli import CLI_DOC, render
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +177,30 @@ def test_the_flag_checker_catches_a_flag_that_does_not_exist():
     # a subcommand's own flag counts only where the doc names that subcommand
     assert unknown_flags("`tierlm plan --json`; `tierlm probe --dir /nvme`") == []
     assert unknown_flags("set --dir /nvme") == ["--dir"]
+
+
+def doc_commands(page: Path) -> list[list[str]]:
+    """The `tierlm train|plan|print-config` command lines in a page's code blocks."""
+    out = []
+    for block in _FENCE.findall(page.read_text(encoding="utf-8")):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip().removeprefix("$ ")
+            if re.match(r"tierlm (train|plan|print-config) ", line):
+                out.append(shlex.split(line)[1:])
+    return out
+
+
+@pytest.mark.parametrize("page", doc_files(results=False), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_command_line_in_the_docs_is_a_valid_config(page):
+    """Values too, not only flag names: each shown command resolves and passes the checks
+    `tierlm train` makes before any work (a `--resume` line needs its run directory: skipped)."""
+    for argv in doc_commands(page):
+        if "--resume" in argv:
+            continue
+        args = build_parser().parse_args(argv)
+        cfg = config_from_args(args)
+        if argv[0] == "train":
+            check_supported(cfg)
 
 
 # ---- the README ------------------------------------------------------------------------------
