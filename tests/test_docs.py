@@ -104,6 +104,22 @@ def test_the_link_checker_catches_what_it_is_for():
     assert "outside the repository" in problems[2]
 
 
+def test_every_page_is_reachable_from_the_readme():
+    """A page no link leads to is a page nobody reads: follow the links from README.md."""
+    seen, todo = set(), [README]
+    while todo:
+        page = todo.pop()
+        if page in seen or page.suffix != ".md" or not page.is_file():
+            continue
+        seen.add(page)
+        for target in links(page.read_text(encoding="utf-8")):
+            path_part = target.partition("#")[0]
+            if path_part and not re.match(r"[a-z][a-z0-9+.-]*:", path_part):
+                todo.append((page.parent / path_part).resolve())
+    orphans = [str(p.relative_to(ROOT)) for p in doc_files(results=False) if p not in seen]
+    assert orphans == []
+
+
 def test_no_doc_names_the_shared_directory():
     """The design notes under ../shared are not in a clone: the repo's docs never point there."""
     for page in doc_files(results=False):
