@@ -292,3 +292,19 @@ def test_readme_quickstart_runs_on_a_tiny_model(tiny_model_and_data, tmp_path, c
         assert (run / "hf" / "config.json").is_file()
         if "lora" in argv:
             assert (run / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow  # plans a 7B model once more per optimizer: about a minute on 2 cores
+def test_readme_plan_output_is_what_tierlm_plan_prints(capsys):
+    """The README's "Will my model fit?" output is pasted from a real run: every line it shows
+    is a line `tierlm plan` prints today (a line cut short with [...] matches up to the cut)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Will my model fit?", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```\n(.*?)^```", section, re.S | re.M).group(1)
+    command, _, shown = block.replace("\\\n", " ").partition("\n")
+    assert command.startswith("$ tierlm plan ")
+    assert main(shlex.split(command)[2:]) == 0
+    printed = capsys.readouterr().out
+    for line in shown.splitlines():
+        if line.strip() and line != "[...]":
+            assert line.split(" [...]")[0] in printed, line
