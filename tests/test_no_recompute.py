@@ -134,3 +134,72 @@ def test_a_budget_keeps_the_last_blocks_and_the_ledger_holds_what_the_plan_measu
             assert acts[name]["workspace"] == c.workspace("full") == c.keep_bytes
         else:  # held in host RAM from the forward to the backward
             assert acts[name]["offloaded"] == c.keep_bytes
+
+
+# -- the planner: streamed blocks keep where its byte model finds room ----------------------------
+
+
+def test_the_planner_keeps_streamed_graphs_last_first_where_the_device_has_room():
+    from tierlm.memory.hardware import resolve
+    from tierlm.memory.placement import SegmentPlacement, keeps_graph
+    from tierlm.memory.planner import (
+        ModelShape,
+        TrainShape,
+        _keep_streamed,
+        activation_workspace_bytes,
+        describe,
+        evaluate,
+        usable_budgets,
+    )
+    from tierlm.memory.tiers import Tier
+    from tierlm.models import preset_config
+
+    shape = ModelShape.from_config(preset_config("125m", max_seq_len=512))
+    train = TrainShape(batch_size=2, seq_len=256, micro_batches=1, precision="fp32")
+    hw = resolve("rtx4090")
+    n = len(shape.names)
+    streamed = [SegmentPlacement(False, Tier.HOST)] * n
+    roomy = usable_budgets(hw)
+    base = evaluate(shape, train, hw, streamed, "microbatch-outer", True, roomy)
+    assert base.fits and keeps_graph(base.placements, True) == [False] * n
+    block = activation_workspace_bytes(shape, train, [False] + [True] + [False] * (n - 3),
+                                       "microbatch-outer")
+    none = activation_workspace_bytes(shape, train, [False] * (n - 1), "microbatch-outer")
+    one_block = block - none  # what keeping a block's graph adds to the workspace peak
+    assert one_block > 0
+    # room for every block: none recomputes, and the step gets faster
+    every = _keep_streamed(shape, train, hw, base, roomy)
+    # (embed keeps for free: it saves only its token ids)
+    assert every.keep_resident_activations == tuple([True] * (n - 1) + [False])
+    # the compute loses its recompute; this step is bound by its copies, which stay
+    assert every.times_s["compute"] < base.times_s["compute"] and every.step_s <= base.step_s
+    assert "13 of 13 streamed segments keep theirs" in describe(every, shape, train, hw)
+    # room for three blocks beyond the plan's device bytes: the last three keep
+    tight = dict(roomy, device=base.device_total_bytes + 3 * one_block)
+    three = _keep_streamed(shape, train, hw, base, tight)
+    assert three.keep_resident_activations == tuple(
+        [True] + [False] * (n - 5) + [True, True, True] + [False])
+    assert three.device_total_bytes <= tight["device"]
+    # no room: only embed keeps (free), every block recomputes
+    full = _keep_streamed(shape, train, hw, base, dict(roomy, device=base.device_total_bytes))
+    assert full.keep_resident_activations == tuple([True] + [False] * (n - 1))
+
+
+def test_the_engine_runs_the_planners_choice(reference, tmp_path):
+    """The planner's per-segment flags (activations None: planned) become the policies: the
+    flagged streamed segments keep and run their forward once, the others recompute."""
+    base, steps, ref_recs, ref_w = reference
+    eng = build_engine(
+        copy.deepcopy(base), OPTIM,
+        EngineOptions(policy="host", microbatch_order="layer-outer", grad_clip=CLIP,
+                      micro_batches=M, batch_size=2, seq_len=16, offload_dir=str(tmp_path),
+                      keep_resident_activations=(False, False, True, True, False)),
+        device=CPU,
+    )
+    assert eng.activation_policies == ["full", "full", "keep", "keep"]
+    recs, per_step = run_counted(eng, steps)
+    w = eng.weights()
+    eng.close()
+    assert per_step[-1] == {"embed": 2 * M, "block.0": 2 * M, "block.1": M, "block.2": M,
+                            "head": M}
+    assert_close_run([r["loss"] for r in recs], [r["loss"] for r in ref_recs], w, ref_w)

@@ -232,7 +232,8 @@ class ActivationConfig:
     policy: Literal["none", "full", "selective", "offload", "dynamic"] = "none"
     """Activation memory per segment: none keeps every activation (a segment streamed by the
     tiered runtime keeps its graph where the device budget holds it, last blocks first, else
-    takes dynamic_fallback; under --offload-policy auto streamed segments recompute); full recomputes each segment from its input in the backward;
+    takes dynamic_fallback; under --offload-policy auto, where the plan found room); full
+    recomputes each segment from its input in the backward;
     selective keeps matmul and attention outputs and recomputes norms and elementwise ops;
     offload moves saved tensors to host RAM until the backward; dynamic keeps what fits
     --device-budget, last blocks first (--grad-checkpointing)."""

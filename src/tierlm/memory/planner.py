@@ -439,7 +439,10 @@ class TrainShape:
 class Plan:
     placements: list[SegmentPlacement]
     order: str
-    keep_resident_activations: bool
+    keep_resident_activations: KeepGraphs
+    """True: resident segments keep their graph, streamed ones recompute; False: every segment
+    recomputes; a flag per segment: those that keep (`_keep_streamed`: streamed blocks too,
+    where the device has room)."""
     # ledger-visible peaks (what the runtime's ledger will measure), per tier and tensor class
     device_peak_bytes: int
     host_peak_bytes: int
@@ -1526,6 +1529,7 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
             if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
                 candidate = by_size
         candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
+        candidate = _keep_streamed(shape, train, hw, candidate, budgets)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
             best = candidate
         if fallback is None or _overshoot(candidate) < _overshoot(fallback):
@@ -1534,6 +1538,40 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
         return best
     assert fallback is not None
     return fallback
+
+
+def _keep_streamed(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
+                   budgets: dict[str, int]) -> Plan:
+    """Streamed blocks keep their graph too, last first (their backward comes first, so their
+    saved tensors are held the shortest), while the device budget left by the candidate holds
+    their saved tensors: no recompute for them, and nothing else changes (a kept graph holds
+    positions in its weights, not the weights: tierlm.activations.policies). The same rule
+    `--grad-checkpointing none` applies on its own (tierlm.activations.spec.keep_streamed), by
+    the planner's byte model. Not for candidates that recompute every segment or park boundary
+    inputs on the host (a kept graph pins its input on the device), nor for a LoRA base (the
+    engine recomputes its streamed segments: tierlm.runtime.plan)."""
+    if (not candidate.fits or candidate.keep_resident_activations is False
+            or candidate.boundary_on_host or shape.frozen):
+        return candidate
+    keep = keeps_graph(candidate.placements, candidate.keep_resident_activations)
+    last = len(keep) - 1
+    other = candidate.workspace_bytes - activation_workspace_bytes(shape, train, keep[:last],
+                                                                   candidate.order)
+    kept = keep
+    for s in reversed(range(last)):  # embed too: it saves only its token ids
+        if kept[s]:
+            continue
+        trial = kept[:s] + [True] + kept[s + 1:]
+        need = candidate.device_peak_bytes + other + activation_workspace_bytes(
+            shape, train, trial[:last], candidate.order)
+        if need <= budgets["device"]:
+            kept = trial
+    if kept == keep:
+        return candidate
+    p = _evaluate(shape, train, hw, candidate.placements, candidate.order, tuple(kept), budgets,
+                  candidate.boundary_on_host, readahead=candidate.readahead,
+                  writeback=candidate.writeback)
+    return p if p.fits and p.step_s <= candidate.step_s else candidate
 
 
 def _grow(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
@@ -1981,10 +2019,16 @@ def describe(
               f"behind the step, up to {p.writeback.segments} segments pending")
         lines.append(f"disk tier: gradients of {host_grads} of {counts['disk']} segments held in "
                      f"host RAM; update read-ahead: {ra}; master and slots written back {wb}")
+    keeps = keeps_graph(p.placements, p.keep_resident_activations)
+    streamed = [s for s, q in enumerate(p.placements[:-1]) if not q.resident]
+    streamed_keep = sum(keeps[s] for s in streamed)
     lines.append(f"activations: resident segments "
                  f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
-                 "streamed segments recompute from their boundary input; boundary activations "
-                 f"wait on the {'host' if p.boundary_on_host else 'device'}")
+                 + ("streamed segments recompute from their boundary input" if not streamed_keep
+                    else f"{streamed_keep} of {len(streamed)} streamed segments keep theirs "
+                    "(the last; the others recompute from their boundary input)")
+                 + "; boundary activations wait on the "
+                 + ("host" if p.boundary_on_host else "device"))
     t = p.times_s
     lines.append("")
     decode = f" incl. NF4 decode {t['decode']:.2f}" if t.get("decode") else ""

@@ -33,8 +33,10 @@ from tierlm.memory.device import Device
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     STAGING_CHUNK_NUMEL,
+    KeepGraphs,
     PlacementReport,
     SegmentPlacement,
+    keeps_graph,
     place,
 )
 from tierlm.memory.tiers import Tier
@@ -89,9 +91,10 @@ class EngineOptions:
     micro_batches: int = 1
     """Shape of the step, for the activation reserve in the placement."""
     activations: ActivationConfig | None = None
-    """Activation policy per segment (tierlm.activations); None: `none` (resident segments keep
-    their graph, streamed ones recompute), or `full` when keep_resident_activations is False."""
-    keep_resident_activations: bool = True
+    """Activation policy per segment (tierlm.activations); None: the planner's choice in
+    keep_resident_activations (True: resident segments keep their graph, streamed ones
+    recompute; False: every segment recomputes; a flag per segment: those that keep)."""
+    keep_resident_activations: KeepGraphs = True
     boundary_tier: Tier = Tier.DEVICE
     """Where a segment's boundary input waits between its forward and its backward: on the
     device, or in host RAM (copied there as it is produced, dropped from the device once the
@@ -291,8 +294,11 @@ def plan_step(
         # `none` keeps a streamed segment's graph where the budget holds it: measured as
         # `dynamic` measures (a LoRA base's segments are not probed: they recompute)
         costs = probe()
+    # the planner's choice: resident segments, and streamed ones where it found room, keep
+    keeps = keeps_graph(report.placements, options.keep_resident_activations) if planned else [
+        p.resident for p in report.placements]
     policies = resolve_policies(
-        acts.policy, acts.overrides, names[:-1], [p.resident for p in report.placements[:-1]],
+        acts.policy, acts.overrides, names[:-1], keeps[:-1],
         fallback=acts.dynamic_fallback, costs=costs, in_flight=parts.in_flight,
         budget_bytes=activation_budget, head_bytes=parts.head_bytes,
         # a LoRA base's streamed segments recompute as before (not probed; see the note)
