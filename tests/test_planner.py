@@ -726,3 +726,31 @@ def test_gradient_sync_is_counted_in_the_net_lane_and_named_when_it_binds(capsys
     assert re.search(r"net lane [\d.]+ s in the sweep's max, at 12\.5 GB/s: ring K/V .*; "
                      r"gradient sync \(dense fp32 over 4 ranks\)", out), out
     assert "--nproc 4 --context-parallel 2" in out
+
+
+def test_the_search_ranks_fitting_variants_by_their_simulated_step(monkeypatch):
+    """The variants (order x activations x boundary tier) that fit are ranked by the simulated
+    step, not the formula: with a simulator that reverses the formula's order, the search
+    returns the variant the formula ranks slowest; the advice's searches do not simulate."""
+    import tierlm.memory.planner as planner
+
+    shape = ModelShape.from_config(preset_config("125m", max_seq_len=512))
+    train = TrainShape(batch_size=2, seq_len=256, micro_batches=2)
+    hw = PROFILES["rtx4090"]
+    by_formula = planner._search(shape, train, hw, 1200 << 20, None,
+                                 orders=("microbatch-outer", "layer-outer"),
+                                 park_boundaries=True)
+    seen: list[float] = []
+
+    def reversed_times(shape_, train_, hw_, p):
+        seen.append(p.step_s)
+        return {"simulated_step": -p.step_s}  # the slowest by the formula runs fastest
+
+    monkeypatch.setattr(planner, "simulated_times", reversed_times)
+    ranked = planner._search(shape, train, hw, 1200 << 20, None,
+                             orders=("microbatch-outer", "layer-outer"), park_boundaries=True,
+                             simulate=True)
+    assert len(seen) > 1  # several variants fit, each simulated once
+    assert by_formula.step_s == min(seen)
+    assert ranked.step_s == max(seen) > by_formula.step_s
+    assert ranked.times_s["simulated_step"] == -max(seen)
