@@ -72,7 +72,11 @@ class Store:
         source or destination of PCIe copies, cut from the pinned arena."""
         if pinned and tier != Tier.HOST:
             raise ValueError(f"only host buffers are pinned, not a {tier} {cls} buffer")
-        if tier == Tier.DEVICE:
+        if tier == Tier.DEVICE and self.device.type == "cpu":
+            # the "device" is RAM (a CPU-only run, or a simulated GPU): its buffers are the
+            # runtime's own mappings too, so RSS follows the device tier's ledger as well
+            t = aligned_empty(numel, dtype, pin=False)
+        elif tier == Tier.DEVICE:
             t = torch.empty(numel, dtype=dtype, device=self.device)
         elif tier == Tier.HOST and pinned:
             t = (self.arena.alloc(numel, dtype, cls) if self.arena is not None
