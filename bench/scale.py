@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 GiB = 2**30
 
-SHAPES = {  # from the models' published config.json files
+SHAPES = {  # from the models' published config.json files (Qwen2 unless "arch" says)
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1000000.0,
@@ -42,6 +42,10 @@ SHAPES = {  # from the models' published config.json files
                        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True),
+    "smollm-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536,
+                        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                        vocab_size=49152, max_position_embeddings=2048, rope_theta=10000.0,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
 
 
@@ -59,12 +63,14 @@ def io_bytes() -> tuple[int, int]:
 
 def write_checkpoint(out: Path, shape: dict, shard_bytes: int = 2 * GiB) -> int:
     """Random bf16 weights with the model's names and shapes, shard by shard; returns params."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from tierlm.data import train_bpe_tokenizer
     from tierlm.data.corpus import load_corpus
 
-    cfg = Qwen2Config(**shape, torch_dtype="bfloat16")
+    shape = dict(shape)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.pop("arch", "qwen2")]
+    cfg = config_class(**shape, torch_dtype="bfloat16")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # ties listed once
