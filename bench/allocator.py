@@ -142,14 +142,15 @@ def main() -> None:
         work = Path(tmp)
         n = write_model(work / "model", args.layers)
         (work / "data.txt").write_text(corpus_text())
-        child_args = [str(work / "model"), str(work / "data.txt"), str(work / "run"),
-                      str(args.micro_batches), str(args.batch_size), str(args.seq_len),
-                      str(args.warmup), str(args.steps)]
+        shape = [str(args.micro_batches), str(args.batch_size), str(args.seq_len),
+                 str(args.warmup), str(args.steps)]
         results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
         for r in range(args.rounds):
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-            for v in order:
-                res = run_child(VARIANTS[v], child_args)
+            for i, v in enumerate(order):
+                run_dir = work / f"run-{r}-{i}"  # a new run each time
+                res = run_child(VARIANTS[v], [str(work / "model"), str(work / "data.txt"),
+                                              str(run_dir), *shape])
                 results[v].append(res)
                 print(f"round {r + 1} {v}: steps {', '.join(f'{t:.2f}' for t in res['times'])}"
                       f" s, peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
