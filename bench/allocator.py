@@ -18,8 +18,8 @@ defaults, and the peak RSS (VmHWM) of the process.
 
 `--phases` also runs bench/scale.py (issue I's per-phase table: load, steps, eval, checkpoint,
 export, sample, each phase's peak RSS against the budgets + 1 GiB) in both variants, with the
-same shape as a Llama checkpoint (`--shape smollm-135m`) and budgets of about a third of its
-training state.
+same shape as a Llama checkpoint (`--shape smollm-135m`) and budgets of half its training state
+(384 MiB device + 640 MiB host: the planner asks for at least 569 MiB of host RAM here).
 
     python bench/allocator.py --rounds 2 --steps 2 --phases
 """
@@ -134,7 +134,7 @@ def main() -> None:
     p.add_argument("--phases", action="store_true",
                    help="also bench/scale.py's per-phase RSS table in both variants")
     p.add_argument("--device-budget", default="384MiB")
-    p.add_argument("--host-budget", default="384MiB")
+    p.add_argument("--host-budget", default="640MiB")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     args = p.parse_args()
 
