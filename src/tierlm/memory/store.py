@@ -3,10 +3,12 @@
 Every allocation and move reports to the ledger. Host buffers are 4096-byte aligned (so the disk
 tier can use O_DIRECT on them); those that cross PCIe are asked for `pinned` and cut from the
 run's pinned arena (tierlm.memory.arena), the rest (optimizer state, host gradients, masters a
-compute copy streams for) stay pageable. Device copies go through the device
-(tierlm.memory.device: a stream per direction on CUDA, virtual time on a simulated device). On a
-CPU-only machine the device is the CPU itself: copies are plain memcpys, still accounted as
-H2D/D2H so the ledger shows what a GPU run would move.
+compute copy streams for) stay pageable. Unpinned host buffers, and a CPU device's, are
+mappings of their own (tierlm.memory.disk.mapped_empty): freed, their pages leave RSS at once,
+so RSS follows the ledger while torch's own buffers keep glibc's heap. Device copies go
+through the device (tierlm.memory.device: a stream per direction on CUDA, virtual time on a
+simulated device). On a CPU-only machine the device is the CPU itself: copies are plain
+memcpys, still accounted as H2D/D2H so the ledger shows what a GPU run would move.
 """
 
 from __future__ import annotations
