@@ -122,9 +122,28 @@ def run_phases(prelude: str, args: argparse.Namespace, work: Path) -> list[str]:
             line.startswith("smollm-135m,")]
 
 
+def print_steps(results: dict[str, list[dict]], args: argparse.Namespace, n: int) -> None:
+    print()
+    print(f"tierlm reference trainer (--offload-policy none), random-weight Llama "
+          f"{n / 1e6:.1f}M params ({args.layers} blocks, hidden 576, 9/3 heads, "
+          f"intermediate 1536, tied 49152 vocabulary), fp32 AdamW, clip 1.0, "
+          f"{args.micro_batches} micro-batches of {args.batch_size} x {args.seq_len} tokens; "
+          f"{args.rounds} rounds x {args.steps} timed steps per variant (after "
+          f"{args.warmup} warm-up), variants alternating, each in its own process")
+    print()
+    print("| variant | median step s | vs glibc defaults | peak RSS GiB | losses (round 1) |")
+    print("|---|---:|---:|---:|---|")
+    base = statistics.median(t for res in results["glibc defaults"] for t in res["times"])
+    for v, runs in results.items():
+        med = statistics.median(t for res in runs for t in res["times"])
+        peak = max(res["peak_rss_bytes"] for res in runs)
+        losses = ", ".join(f"{x:.4f}" for x in runs[0]["losses"])
+        print(f"| {v} | {med:.2f} | {med / base:.2f}x | {peak / 2**30:.2f} | {losses} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="0: only --phases")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--layers", type=int, default=30, help="blocks (30: the 135M shape)")
@@ -140,7 +159,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        n = write_model(work / "model", args.layers)
+        n = write_model(work / "model", args.layers) if args.rounds else 0
         (work / "data.txt").write_text(corpus_text())
         shape = [str(args.micro_batches), str(args.batch_size), str(args.seq_len),
                  str(args.warmup), str(args.steps)]
@@ -155,23 +174,8 @@ def main() -> None:
                 print(f"round {r + 1} {v}: steps {', '.join(f'{t:.2f}' for t in res['times'])}"
                       f" s, peak RSS {res['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
 
-        print()
-        print(f"tierlm reference trainer (--offload-policy none), random-weight Llama "
-              f"{n / 1e6:.1f}M params ({args.layers} blocks, hidden 576, 9/3 heads, "
-              f"intermediate 1536, tied 49152 vocabulary), fp32 AdamW, clip 1.0, "
-              f"{args.micro_batches} micro-batches of {args.batch_size} x {args.seq_len} tokens; "
-              f"{args.rounds} rounds x {args.steps} timed steps per variant (after "
-              f"{args.warmup} warm-up), variants alternating, each in its own process")
-        print()
-        print("| variant | median step s | vs glibc defaults | peak RSS GiB | losses (round 1) |")
-        print("|---|---:|---:|---:|---|")
-        base = statistics.median(t for res in results["glibc defaults"] for t in res["times"])
-        for v, runs in results.items():
-            med = statistics.median(t for res in runs for t in res["times"])
-            peak = max(res["peak_rss_bytes"] for res in runs)
-            losses = ", ".join(f"{x:.4f}" for x in runs[0]["losses"])
-            print(f"| {v} | {med:.2f} | {med / base:.2f}x | {peak / 2**30:.2f} | {losses} |")
-
+        if args.rounds:
+            print_steps(results, args, n)
         if args.phases:
             for v, prelude in VARIANTS.items():
                 print()

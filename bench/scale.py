@@ -21,6 +21,7 @@ disk tier at dd's rates).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -165,6 +166,7 @@ def main() -> None:
     from tierlm.config import from_dict, parse_bytes
     from tierlm.memory.tiers import Tier
     from tierlm.train.checkpoint import export_hf_from_checkpoint
+    from tierlm.train.safety import malloc_trim
     from tierlm.train.trainer import Trainer
 
     root = Path(args.dir)
@@ -194,6 +196,8 @@ def main() -> None:
         "run": {"out": str(run_dir), "device": "cpu", "seed": 0},
     })
     phases = Phases()
+    gc.collect()
+    malloc_trim()  # what writing the checkpoint left in glibc's heap: a run starts without it
     base_rss = status("VmRSS:")
     trainer = phases.run("load", lambda: Trainer(cfg, log=lambda m: None))
     disk_state = trainer.stepper.ledger.tier_bytes(Tier.DISK)
