@@ -34,10 +34,8 @@ from tierlm.models import build_model, preset_config
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.train.checkpoint import TrainState, save_checkpoint
 
-from tierlm.train.safety import return_freed_buffers
-
+# glibc's defaults, as the trainer runs: the store's buffers are mappings of their own
 mode, size, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-return_freed_buffers()  # as the trainer does: freed buffers go back to the kernel
 
 def status(field):
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -56,7 +56,9 @@ def _load(kind: str, path: str, args: argparse.Namespace, offload_dir: str) -> t
     from tierlm.runtime import EngineOptions, build_engine
 
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: large frees go back to the system
+    # M_MMAP_THRESHOLD fixed for both rows (a run keeps glibc's defaults): large frees go back
+    # to the system, so each row's peak is what its path holds, not what glibc's heap kept
+    libc.mallopt(-3, 128 * 1024)
     torch.set_num_threads(1)
     gc.collect()
     libc.malloc_trim(0)

@@ -42,7 +42,9 @@ def _build(kind: str, args: argparse.Namespace, offload_dir: str) -> tuple:
     from tierlm.runtime import EngineOptions, build_engine
 
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: large frees go back to the system
+    # M_MMAP_THRESHOLD fixed for both rows (a run keeps glibc's defaults): large frees go back
+    # to the system, so each row's peak is what its path holds, not what glibc's heap kept
+    libc.mallopt(-3, 128 * 1024)
     gc.collect()
     libc.malloc_trim(0)
     start = _status_bytes("VmRSS:")

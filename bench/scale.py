@@ -21,6 +21,7 @@ disk tier at dd's rates).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -33,7 +34,7 @@ from safetensors.torch import save_file
 
 GiB = 2**30
 
-SHAPES = {  # from the models' published config.json files
+SHAPES = {  # from the models' published config.json files (Qwen2 unless "arch" says)
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1000000.0,
@@ -42,6 +43,10 @@ SHAPES = {  # from the models' published config.json files
                        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True),
+    "smollm-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536,
+                        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                        vocab_size=49152, max_position_embeddings=2048, rope_theta=10000.0,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
 
 
@@ -59,12 +64,14 @@ def io_bytes() -> tuple[int, int]:
 
 def write_checkpoint(out: Path, shape: dict, shard_bytes: int = 2 * GiB) -> int:
     """Random bf16 weights with the model's names and shapes, shard by shard; returns params."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from tierlm.data import train_bpe_tokenizer
     from tierlm.data.corpus import load_corpus
 
-    cfg = Qwen2Config(**shape, torch_dtype="bfloat16")
+    shape = dict(shape)
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.pop("arch", "qwen2")]
+    cfg = config_class(**shape, torch_dtype="bfloat16")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # ties listed once
@@ -159,6 +166,7 @@ def main() -> None:
     from tierlm.config import from_dict, parse_bytes
     from tierlm.memory.tiers import Tier
     from tierlm.train.checkpoint import export_hf_from_checkpoint
+    from tierlm.train.safety import malloc_trim
     from tierlm.train.trainer import Trainer
 
     root = Path(args.dir)
@@ -188,6 +196,8 @@ def main() -> None:
         "run": {"out": str(run_dir), "device": "cpu", "seed": 0},
     })
     phases = Phases()
+    gc.collect()
+    malloc_trim()  # what writing the checkpoint left in glibc's heap: a run starts without it
     base_rss = status("VmRSS:")
     trainer = phases.run("load", lambda: Trainer(cfg, log=lambda m: None))
     disk_state = trainer.stepper.ledger.tier_bytes(Tier.DISK)

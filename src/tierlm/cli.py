@@ -153,9 +153,6 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
         export_hf_from_checkpoint,
         latest_valid_checkpoint,
     )
-    from tierlm.train.safety import return_freed_buffers
-
-    return_freed_buffers()  # each chunk's buffers go back to the kernel, as in a run
 
     path = Path(checkpoint)
     if (path / "checkpoints").is_dir():

@@ -23,7 +23,8 @@ from tierlm.memory.tiers import Link
 
 
 class HostPool:
-    """Host byte buffers by size, reused across steps (pinned where CUDA exists)."""
+    """Host byte buffers by size, reused across steps (pinned where CUDA exists; elsewhere
+    mappings of their own, unmapped when the pool lets them go)."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)

@@ -21,7 +21,7 @@ compute copy) gets a block of its own, of its size. Running out of the step's bl
 error: the plan's count was short.
 
 On CUDA a block is registered with the driver (`cudaHostRegister`), so copies from and to it run
-as asynchronous DMA; on a CPU-only build the same arena is plain memory, and the CPU tests
+as asynchronous DMA; on a CPU-only build the same arena is plain (mapped) memory, and the CPU tests
 exercise the allocator a GPU run uses. A buffer freed while a copy may still read or write it
 comes back only once the event given with it (recorded after that copy) has passed.
 """

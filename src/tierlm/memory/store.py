@@ -3,10 +3,12 @@
 Every allocation and move reports to the ledger. Host buffers are 4096-byte aligned (so the disk
 tier can use O_DIRECT on them); those that cross PCIe are asked for `pinned` and cut from the
 run's pinned arena (tierlm.memory.arena), the rest (optimizer state, host gradients, masters a
-compute copy streams for) stay pageable. Device copies go through the device
-(tierlm.memory.device: a stream per direction on CUDA, virtual time on a simulated device). On a
-CPU-only machine the device is the CPU itself: copies are plain memcpys, still accounted as
-H2D/D2H so the ledger shows what a GPU run would move.
+compute copy streams for) stay pageable. Unpinned host buffers, and a CPU device's, are
+mappings of their own (tierlm.memory.disk.mapped_empty): freed, their pages leave RSS at once,
+so RSS follows the ledger while torch's own buffers keep glibc's heap. Device copies go
+through the device (tierlm.memory.device: a stream per direction on CUDA, virtual time on a
+simulated device). On a CPU-only machine the device is the CPU itself: copies are plain
+memcpys, still accounted as H2D/D2H so the ledger shows what a GPU run would move.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ class Store:
         source or destination of PCIe copies, cut from the pinned arena."""
         if pinned and tier != Tier.HOST:
             raise ValueError(f"only host buffers are pinned, not a {tier} {cls} buffer")
-        if tier == Tier.DEVICE:
+        if tier == Tier.DEVICE and self.device.type == "cpu":
+            # the "device" is RAM (a CPU-only run, or a simulated GPU): its buffers are the
+            # runtime's own mappings too, so RSS follows the device tier's ledger as well
+            t = aligned_empty(numel, dtype, pin=False)
+        elif tier == Tier.DEVICE:
             t = torch.empty(numel, dtype=dtype, device=self.device)
         elif tier == Tier.HOST and pinned:
             t = (self.arena.alloc(numel, dtype, cls) if self.arena is not None

@@ -33,6 +33,7 @@ def _run(trainer: Trainer, cfg: Config, log: Callable[[str], None]) -> TrainResu
                                   dtype=cfg.run.export_dtype, progress=trainer.progress)
         if trainer.world.is_main and result.final_checkpoint is not None else None
     )
+    trainer.memory_watch.trim()  # a phase boundary: the export's chunks were freed
     if cfg.train.sample_tokens:  # on every rank: FSDP gathers the weights collectively
         log("sample: " + trainer.sample(cfg.train.sample_tokens).replace("\n", "\n        "))
     trainer.stepper.close()

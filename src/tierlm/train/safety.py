@@ -162,13 +162,10 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
-
-
 def _libc() -> Any:
     try:
         return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
+    except OSError:  # not glibc: nothing to trim
         return None
 
 
@@ -179,39 +176,38 @@ def malloc_trim() -> None:
         libc.malloc_trim(0)
 
 
-def return_freed_buffers(threshold_bytes: int = 128 << 10) -> None:
-    """Serve every allocation above `threshold_bytes` with its own mapping, returned to the
-    kernel when freed. glibc otherwise raises that threshold as buffers are freed (up to 32 MiB)
-    and keeps freed buffers in its heap, so the RSS of a run that streams segment-sized buffers
-    grows past what the ledger holds; buffers above 32 MiB (a large model's) are mapped anyway."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
-
-
 def rss_bytes() -> int:
     return _status_bytes("VmRSS") or psutil.Process().memory_info().rss
 
 
 class MemoryWatch:
     """Per-step host memory numbers for the metrics, and one loud warning (plus a heap trim)
-    when the RAM still available drops under `low_fraction` of the total. Created before the
-    runtime allocates, it also makes freed buffers go back to the kernel, so that RSS follows
-    the ledger and a host budget holds for the process, not only for the ledger."""
+    when the RAM still available drops under `low_fraction` of the total.
+
+    RSS follows the ledger because the runtime's host buffers (the store's state, the pinned
+    arena's blocks, offloaded activations; tierlm.memory.disk.mapped_empty) are mappings of
+    their own, unmapped when freed, while torch's own buffers keep glibc's defaults: its heap
+    reuses a freed activation's memory for the next step's without faulting fresh zeroed pages
+    (a process-wide lower mmap threshold would, every step). What that heap keeps is given back
+    at phase boundaries (`trim`: after setup, after a checkpoint or an export), when RAM runs
+    low, and after every step where the device tier itself is host RAM (`trim_each_step`: a
+    tiered run on a CPU, whose compute buffers are the device tier's and held to its budget)."""
 
     def __init__(self, log: Callable[[str], None], low_fraction: float = 0.05) -> None:
         self.log = log
         self.low_fraction = low_fraction
         self.warned = False
-        return_freed_buffers()
+        self.trim_each_step = False  # set by the trainer once it knows where the device tier is
         self.start_rss_bytes = rss_bytes()  # the program itself, before any data or model
 
-
     def trim(self) -> None:
-        """After setup: the model as built was handed to the runtime and freed."""
+        """At a phase boundary (after setup: the model as built was handed to the runtime and
+        freed; after a checkpoint or an export: their staging was freed)."""
         malloc_trim()
 
     def sample(self) -> dict[str, int | None]:
+        if self.trim_each_step:
+            malloc_trim()
         vm = psutil.virtual_memory()
         rec = {
             "rss_bytes": _status_bytes("VmRSS"),

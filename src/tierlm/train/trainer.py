@@ -468,6 +468,9 @@ class Trainer:
                                            self.model.config, self.precision, self.run_dir, log)
         self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
         self.memory_watch.trim()  # the model as built went to the runtime
+        # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
+        self.memory_watch.trim_each_step = (self.stepper.engine is not None
+                                            and self.device.type == "cpu")
         self.nonfinite = NonFiniteGuard(
             cfg.train.max_skipped_in_a_row, precision=self.precision,
             grad_clip=cfg.optim.grad_clip, save=self.save,
@@ -621,7 +624,7 @@ class Trainer:
         # the total is the state's size as set up (the files add headers, RNG, tokenizer)
         with self.progress.phase(f"save checkpoint (step {self.step})",
                                  self.checkpoint_bytes, "bytes") as phase:
-            return save_checkpoint(
+            path = save_checkpoint(
                 self.run_dir,
                 shards=self.stepper.state_shards(),  # one segment in RAM at a time
                 model_config=self.model.config,
@@ -631,6 +634,8 @@ class Trainer:
                 generation_config=getattr(self.model, "generation_config", None),
                 progress=phase,
             )
+        self.memory_watch.trim()  # a phase boundary: the save's staging was freed
+        return path
 
     def _report_prediction(self) -> None:
         """Predicted (planner) vs measured (ledger) peak bytes per tier, step time and tokens/s
