@@ -176,6 +176,22 @@ def malloc_trim() -> None:
         libc.malloc_trim(0)
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+
+def map_large_buffers(threshold_bytes: int = 128 << 10) -> None:
+    """Serve every allocation above `threshold_bytes` with a mapping of its own, unmapped when
+    freed (glibc otherwise raises that threshold as buffers are freed and keeps them in a heap
+    that fragments). It makes every such buffer a fresh zeroed mapping, a tax on each step
+    (1.25-1.43x a reference step on 135M, bench/allocator.py), so only where it buys a budget:
+    a tiered run on a CPU with a --device-budget, whose "device" is host RAM: torch's compute
+    buffers there are the device tier's and must leave RSS as the budget says. Process-wide
+    and for good (glibc has no way back to its dynamic threshold)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
+
+
 def rss_bytes() -> int:
     return _status_bytes("VmRSS") or psutil.Process().memory_info().rss
 

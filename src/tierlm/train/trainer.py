@@ -109,6 +109,7 @@ from tierlm.train.safety import (
     all_finite,
     check_token_stream,
     is_storage_failure,
+    map_large_buffers,
     storage_failure,
 )
 from tierlm.train.schedule import lr_at
@@ -471,6 +472,9 @@ class Trainer:
         # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
         self.memory_watch.trim_each_step = (self.stepper.engine is not None
                                             and self.device.type == "cpu")
+        if self.memory_watch.trim_each_step and cfg.memory.device_budget:
+            # --device-budget on a CPU: the budget is RAM, held by torch's compute buffers too
+            map_large_buffers()
         self.nonfinite = NonFiniteGuard(
             cfg.train.max_skipped_in_a_row, precision=self.precision,
             grad_clip=cfg.optim.grad_clip, save=self.save,
