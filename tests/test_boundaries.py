@@ -149,9 +149,12 @@ def test_planner_replays_host_boundaries(spec, order, tmp_path):
 ])
 def test_planner_parks_boundaries_only_where_every_segment_recomputes(size, gpu_gib, host_gib):
     """125M in bf16 on a 4090 capped at 2.25 GiB with 6 GiB of RAM, and 7B on a whole 4090 with
-    48 GiB, pick parked boundaries; a run whose activation policy keeps graphs (selective,
-    overrides) must not be handed that plan. (7B with 40 GiB or less: the write-back's staging
-    and disk-tier gradients held on the host win over parking.)"""
+    48 GiB: by the formula the fastest variant parks boundaries; a run whose activation policy
+    keeps graphs (selective, overrides) must not be handed that plan. (7B with 40 GiB or less:
+    the write-back's staging and disk-tier gradients held on the host win over parking.) The
+    plan itself ranks the variants that fit by their simulated step, and picks whichever
+    that says; parked or not, parking goes with recomputing everything."""
+    from tierlm.memory import planner
     from tierlm.memory.hardware import resolve
     from tierlm.memory.planner import ModelShape, TrainShape, plan
     from tierlm.models import preset_config
@@ -160,9 +163,13 @@ def test_planner_parks_boundaries_only_where_every_segment_recomputes(size, gpu_
     hw = resolve("rtx4090", gpu_memory_bytes=gpu_gib and int(gpu_gib * 2**30),
                  host_memory_bytes=host_gib * 2**30, disk_budget_bytes=200 * 2**30)
     train = TrainShape(4, 2048, 8, "bf16")
-    parked = plan(shape, train, hw)
+    orders = ("microbatch-outer", "layer-outer")
+    parked = planner._search(shape, train, hw, None, None, orders=orders, park_boundaries=True)
     assert parked.fits and parked.boundary_on_host
     assert not parked.keep_resident_activations  # parking goes with recomputing everything
     kept = plan(shape, train, hw, park_boundaries=False)
     assert kept.fits and not kept.boundary_on_host
     assert kept.step_s > parked.step_s
+    chosen = plan(shape, train, hw)
+    assert chosen.fits and (not chosen.boundary_on_host or not chosen.keep_resident_activations)
+    assert chosen.times_s["simulated_step"] <= kept.times_s["simulated_step"]
