@@ -299,7 +299,7 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(polic
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tierlm.train.checkpoint import export_hf_from_checkpoint
+    from tierlm.checkpoint import export_hf_from_checkpoint
     from tierlm.train.trainer import Trainer
 
     src = tmp_path / "src"
@@ -316,7 +316,7 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(polic
     assert all("lora_" in k for k in adapters)
 
     # checkpoints hold the adapters and their optimizer state only
-    from tierlm.train.checkpoint import load_checkpoint
+    from tierlm.checkpoint import load_checkpoint
 
     weights, optim, state = load_checkpoint(result.final_checkpoint)
     assert set(weights) == set(adapters) and state["step"] == 4

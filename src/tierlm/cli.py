@@ -147,12 +147,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
-    from tierlm.monitor.progress import open_progress
-    from tierlm.train.checkpoint import (
+    from tierlm.checkpoint import (
         checkpoint_export_dtype,
         export_hf_from_checkpoint,
         latest_valid_checkpoint,
     )
+    from tierlm.monitor.progress import open_progress
     from tierlm.train.safety import return_freed_buffers
 
     return_freed_buffers()  # each chunk's buffers go back to the kernel, as in a run
@@ -196,11 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     from tierlm.logs import quiet_library_noise
 
     quiet_library_noise()  # before transformers imports torchao
+    from tierlm.checkpoint import CheckpointError
     from tierlm.data import DataError
     from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
     from tierlm.precision import Fp8ScaleError
-    from tierlm.train.checkpoint import CheckpointError
     from tierlm.train.safety import ReliabilityError
 
     try:

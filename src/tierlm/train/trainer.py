@@ -21,6 +21,16 @@ from pathlib import Path
 import torch
 import yaml
 
+from tierlm.checkpoint import (
+    TrainState,
+    check_tensor_format,
+    check_weight_names,
+    last_good_checkpoint,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from tierlm.config import (
     Config,
     ConfigError,
@@ -75,16 +85,6 @@ from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
-from tierlm.train.checkpoint import (
-    TrainState,
-    check_tensor_format,
-    check_weight_names,
-    last_good_checkpoint,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.planning import (
     SIM_KEYS,
