@@ -721,8 +721,8 @@ def test_capabilities_are_declared_not_probed():
 def _trainer_run(out: str, world: World) -> list[dict]:
     """A 2-step data-parallel training run through the trainer; rank 0's metrics records."""
     from tierlm.config import from_dict
+    from tierlm.monitor.metrics import read_metrics
     from tierlm.train import Trainer
-    from tierlm.train.monitor import read_metrics
 
     cfg = from_dict({
         "model": {"size": "tiny"},

@@ -373,7 +373,7 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
         micro_batches=M, offload_dir=str(tmp_path)), device=CPU)
     moved = steps_match_the_plan(eng, predicted, M)
     assert "d2h" not in moved  # no gradient of the base leaves the device
-    from tierlm.train.trace import placement_map
+    from tierlm.monitor.step_trace import placement_map
 
     held = [seg["bytes"] for seg in placement_map(eng)]  # the trace's per-segment table
     assert all(set(b.get(t, {})) <= {"master", "compute"} for b in held for t in ("host", "disk"))

@@ -37,11 +37,11 @@ from tierlm.cli import main
 from tierlm.config import ConfigError, from_dict
 from tierlm.memory import disk as disk_module
 from tierlm.memory.placement import PlacementReport
+from tierlm.monitor.metrics import read_metrics
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.state import as_tensor
 from tierlm.train import Trainer
 from tierlm.train import preflight as preflight_module
-from tierlm.train.monitor import read_metrics
 from tierlm.train.preflight import (
     DiskNeed,
     check_disk_space,

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "report":
-            from tierlm.train.report import report_main
+            from tierlm.monitor.report import report_main
 
             return report_main(args.runs, args.out)
         if args.command == "export":
