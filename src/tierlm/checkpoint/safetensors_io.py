@@ -1,17 +1,18 @@
-"""Safetensors files of a checkpoint: our writer and our strict reader.
+"""Safetensors files of a checkpoint: our writer; headers read by the library, data by us.
 
-Both are ours rather than the `safetensors` library's, for what the library does not do:
+The header of every file read is parsed and validated by the `safetensors` library
+(`safe_open`). The rest is ours, for what the library does not do:
 
 - `write_safetensors` hashes the bytes as it writes them (the manifest's sha256 needs no second
   read of a multi-GiB file) and takes each tensor's bytes straight from its memory, reading a
   disk-tier `DiskTensor` only for its own write, one at a time; `safetensors.torch.save_file`
   needs every tensor in RAM at once and returns no checksum.
-- `SafetensorsFile` reads tensors with plain file reads into fresh tensors. `safe_open` maps
-  the file, and every page a read touches stays in the process's RSS while the file is open
-  (measured: reading a 256 MiB file tensor by tensor through `safe_open(...).get_tensor` left
-  RSS 260 MiB higher, ours 1 MiB), which a 7B resume that loads segment by segment cannot
-  afford. `read_in_chunks` reads one tensor a byte range at a time into one reused buffer, for
-  the streamed export; the library has no such read.
+- `SafetensorsFile.read` reads a tensor with a plain file read into a fresh tensor.
+  `safe_open(...).get_tensor` maps the file, and every page a read touches stays in the
+  process's RSS while the file is open (measured: reading a 256 MiB file tensor by tensor that
+  way left RSS 260 MiB higher, ours 1 MiB), which a 7B resume that loads segment by segment
+  cannot afford. `read_in_chunks` reads one tensor a byte range at a time into one reused
+  buffer, for the streamed export; the library has no such read.
 
 The files themselves are standard safetensors: the library reads what we write and we read
 what it writes (tests/test_reliability.py checks both ways). No pickle is ever unpickled.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from tierlm.checkpoint.format import CheckpointError
 from tierlm.runtime.state import opened
@@ -39,7 +41,6 @@ _DTYPE_NAMES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-_MAX_HEADER_BYTES = 100 << 20  # the safetensors limit; a larger length field means a bad file
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -84,40 +85,41 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> tuple[
 
 
 class SafetensorsFile:
-    """Header of one safetensors file, checked before any tensor is trusted; tensors are read
-    with plain file reads (no mmap, so reading a checkpoint does not inflate RSS)."""
+    """One safetensors file: its header parsed and checked by the `safetensors` library before
+    any tensor is trusted, its tensors read with plain file reads (no mmap, so reading a
+    checkpoint does not inflate RSS).
+
+    `safe_open` validates the header (a known dtype per entry, offsets that tile the data
+    section without gaps or overlaps, a data section that ends where the file does) and is
+    closed again at once: only its header page is ever touched. Each tensor's byte range
+    follows from the order of its data (`offset_keys`) and the sizes of the tensors before
+    it, which that validation makes exact.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            size = path.stat().st_size
-            with path.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > min(_MAX_HEADER_BYTES, size - 8):
-                    raise ValueError(f"header length {n} does not fit a {size}-byte file")
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+            with safe_open(str(path), framework="pt") as f:
+                described = [(name, f.get_slice(name)) for name in f.offset_keys()]
+                described = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in described]
+            with path.open("rb") as fh:
+                (header_bytes,) = struct.unpack("<Q", fh.read(8))
+        except (OSError, SafetensorError, struct.error) as exc:
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{path}: safetensors header is not a mapping")
-        header.pop("__metadata__", None)
-        self.data_start = 8 + n
+        self.data_start = 8 + header_bytes
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for name, e in header.items():
-            try:
-                dtype = _DTYPES[e["dtype"]]
-                shape = tuple(int(d) for d in e["shape"])
-                begin, end = (int(x) for x in e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: bad header entry for {name!r}") from None
+        begin = 0
+        for name, dtype_name, shape in described:
+            dtype = _DTYPES.get(dtype_name)
+            if dtype is None:  # valid safetensors, but a dtype a checkpoint never holds
+                raise CheckpointError(f"{path}: {name!r} has dtype {dtype_name}, which tierlm "
+                                      "does not read")
             numel = 1
             for d in shape:
                 numel *= d
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - self.data_start \
-                    or end - begin != numel * itemsize:
-                raise CheckpointError(f"{path}: header entry for {name!r} does not fit the file")
+            end = begin + numel * torch.empty((), dtype=dtype).element_size()
             self.entries[name] = (dtype, shape, begin, end)
+            begin = end
 
     def read(self, name: str) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[name]
