@@ -157,6 +157,30 @@ def test_a_pickle_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize("header, data", [
+    # two names over the same bytes: each fits the file, together they do not tile it
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
+    # bytes past the last tensor, which no header entry accounts for
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12)),
+    # a gap between two tensors
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, bytes(12)),
+], ids=["overlap", "trailing-bytes", "gap"])
+def test_a_safetensors_header_that_does_not_tile_its_data_is_refused(tmp_path, header, data):
+    """The safetensors library validates every header we read: entries that overlap, leave a
+    gap or stop short of the file's end are refused, not read as whatever bytes they name."""
+    path = tmp_path / "x.safetensors"
+    _raw_safetensors(path, header, data)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        TensorFiles([path])
+
+
 def test_manifest_may_not_name_files_outside_the_checkpoint(tmp_path):
     ckpt = tmp_path / "step_00000001"
     ckpt.mkdir()
