@@ -20,6 +20,7 @@ from tierlm.checkpoint.format import (
 )
 from tierlm.checkpoint.resume import check_tensor_names, check_weight_names
 from tierlm.checkpoint.safetensors_io import TensorFiles, read_in_chunks
+from tierlm.models import build_model
 from tierlm.models.export import (
     DEFAULT_MAX_SHARD_BYTES,
     SourceTensor,
@@ -28,6 +29,7 @@ from tierlm.models.export import (
     source_dtype,
     write_hf_model,
 )
+from tierlm.models.lora import merged_sources
 from tierlm.monitor.progress import NO_PROGRESS, Progress
 
 _NOT_EXPORTED = re.compile(
@@ -77,8 +79,6 @@ def _parameter_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the parameters (tied ones once) of the model config.json describes,
     from a build on the meta device (no memory)."""
     from transformers import AutoConfig
-
-    from tierlm.models import build_model
 
     model = build_model(AutoConfig.from_pretrained(str(path), local_files_only=True),
                         device="meta")
@@ -153,8 +153,6 @@ def _export_lora(path: Path, out_dir: Path, state: dict, config: dict, manifest:
                  dtype: str, max_shard_bytes: int, progress: Progress) -> Path:
     """A LoRA run's checkpoint holds its adapters only: the export is the base (--model, or the
     preset from --seed) with them merged in (W + alpha/r * B A), tensor by tensor."""
-    from tierlm.models.lora import merged_sources
-
     adapters = TensorFiles(path / n for n in sorted(manifest) if _MODEL_SHARD.fullmatch(n))
     others = [path / n for n in sorted(manifest)
               if not (_NOT_EXPORTED.fullmatch(n) or _MODEL_SHARD.fullmatch(n))]
