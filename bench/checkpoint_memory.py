@@ -32,7 +32,7 @@ import torch
 from tierlm.config import OptimConfig
 from tierlm.models import build_model, preset_config
 from tierlm.runtime import EngineOptions, build_engine
-from tierlm.train.checkpoint import TrainState, save_checkpoint
+from tierlm.checkpoint import TrainState, save_checkpoint
 
 # glibc's defaults, as the trainer runs: the store's buffers are mappings of their own
 mode, size, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])

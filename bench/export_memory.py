@@ -32,7 +32,7 @@ import re, sys
 from pathlib import Path
 import torch
 from tierlm.models import build_model, preset_config
-from tierlm.train.checkpoint import TrainState, save_checkpoint
+from tierlm.checkpoint import TrainState, save_checkpoint
 
 size, run = sys.argv[1], Path(sys.argv[2])
 model = build_model(preset_config(size), seed=0)
@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 from tierlm.models import build_model, export_hf
-from tierlm.train.checkpoint import check_weight_names, load_checkpoint
+from tierlm.checkpoint import check_weight_names, load_checkpoint
 
 mode, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 

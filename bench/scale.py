@@ -163,9 +163,9 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint and run directory")
     args = p.parse_args()
 
+    from tierlm.checkpoint import export_hf_from_checkpoint
     from tierlm.config import from_dict, parse_bytes
     from tierlm.memory.tiers import Tier
-    from tierlm.train.checkpoint import export_hf_from_checkpoint
     from tierlm.train.safety import malloc_trim
     from tierlm.train.trainer import Trainer
 

@@ -10,9 +10,7 @@ import torch
 from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from runtime_helpers import OPTIM, batches, tiny_model
 
-from tierlm.runtime import EngineOptions, build_engine
-from tierlm.train import Trainer
-from tierlm.train.alerts import (
+from tierlm.monitor.alerts import (
     Alerts,
     DiskSlow,
     GpuThrottle,
@@ -21,8 +19,10 @@ from tierlm.train.alerts import (
     Thrashing,
     planned_fetches,
 )
-from tierlm.train.monitor import read_metrics
-from tierlm.train.nvml import NvmlSampler, open_gpu_sampler, reason_names
+from tierlm.monitor.metrics import read_metrics
+from tierlm.monitor.nvml import NvmlSampler, open_gpu_sampler, reason_names
+from tierlm.runtime import EngineOptions, build_engine
+from tierlm.train import Trainer
 
 
 def steps_of(run_dir):

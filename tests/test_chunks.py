@@ -130,7 +130,7 @@ def test_checkpoint_shards_of_disk_state_read_one_parameter_at_a_time(tmp_path):
     """A checkpoint of disk-tier state reads each parameter's slice when its bytes are written:
     host staging holds one parameter (plus O_DIRECT alignment), not a segment's three copies,
     and the file holds exactly the engine's weights and moments."""
-    from tierlm.train.checkpoint import SafetensorsFile, write_safetensors
+    from tierlm.checkpoint import SafetensorsFile, write_safetensors
 
     eng = _engine(tiny_model("llama_tied_gqa", layers=2), tmp_path / "off", policy="disk",
                   chunk=CHUNK)

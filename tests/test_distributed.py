@@ -448,8 +448,8 @@ def test_delayed_can_average_the_adamw_moments_with_the_weights(tmp_path):
 def _resume(world: World, path: str, sync) -> dict:
     from pathlib import Path
 
+    from tierlm.checkpoint import TrainState, load_checkpoint, save_checkpoint
     from tierlm.distributed.setup import drain
-    from tierlm.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
     plain = _train(world, sync)
     dp = _dp(world, sync)
@@ -498,8 +498,8 @@ def test_resume_refuses_another_world_size(tmp_path):
 def _fsdp(world: World, path: str) -> dict:
     from pathlib import Path
 
+    from tierlm.checkpoint import TrainState, load_checkpoint, save_sharded_checkpoint
     from tierlm.distributed.fsdp import FSDPStep
-    from tierlm.train.checkpoint import TrainState, load_checkpoint, save_sharded_checkpoint
 
     def build():
         if world.rank == 0:
@@ -542,7 +542,7 @@ def _fsdp(world: World, path: str) -> dict:
 def test_fsdp_matches_one_process_and_resumes(tmp_path):
     from pathlib import Path
 
-    from tierlm.train.checkpoint import (
+    from tierlm.checkpoint import (
         CheckpointError,
         SafetensorsFile,
         export_hf_from_checkpoint,
@@ -594,7 +594,7 @@ def test_fsdp_matches_one_process_and_resumes(tmp_path):
 def test_sharded_save_failure_leaves_no_checkpoint(tmp_path):
     import errno
 
-    from tierlm.train.checkpoint import (
+    from tierlm.checkpoint import (
         CheckpointWriteError,
         TrainState,
         list_checkpoints,
@@ -615,7 +615,7 @@ def test_sharded_save_failure_leaves_no_checkpoint(tmp_path):
 
 
 def test_fsdp_checkpoints_resume_only_fsdp_runs_of_their_world_size(tmp_path):
-    from tierlm.train.checkpoint import CheckpointError, check_tensor_format
+    from tierlm.checkpoint import CheckpointError, check_tensor_format
 
     dcp_state = {"tensors": "dcp", "world_size": 2}
     check_tensor_format(tmp_path, dcp_state, 2)
@@ -721,8 +721,8 @@ def test_capabilities_are_declared_not_probed():
 def _trainer_run(out: str, world: World) -> list[dict]:
     """A 2-step data-parallel training run through the trainer; rank 0's metrics records."""
     from tierlm.config import from_dict
+    from tierlm.monitor.metrics import read_metrics
     from tierlm.train import Trainer
-    from tierlm.train.monitor import read_metrics
 
     cfg = from_dict({
         "model": {"size": "tiny"},

@@ -14,7 +14,7 @@ import sys
 import torch
 import yaml
 
-from tierlm.train.checkpoint import load_checkpoint
+from tierlm.checkpoint import load_checkpoint
 
 
 def _train(args: list[str]) -> subprocess.CompletedProcess:
@@ -79,9 +79,9 @@ def test_fsdp_backend_trains_in_one_process_and_exports(tmp_path):
     `--resume auto` from them and the Hugging Face export work with the sharded model."""
     import pytest
 
+    from tierlm.checkpoint import CheckpointError
     from tierlm.config import resolve
     from tierlm.train import run_training
-    from tierlm.train.checkpoint import CheckpointError
     from tierlm.train.trainer import Trainer
 
     run = tmp_path / "run"
@@ -115,8 +115,8 @@ def test_fsdp_backend_trains_in_one_process_and_exports(tmp_path):
     assert again.losses == result.losses[2:]
 
     # `tierlm export` of the dcp checkpoint: the weights the run exported at its end
+    from tierlm.checkpoint import SafetensorsFile
     from tierlm.cli import main
-    from tierlm.train.checkpoint import SafetensorsFile
 
     assert main(["export", str(again.final_checkpoint), str(tmp_path / "cli_hf")]) == 0
     ours = SafetensorsFile(run / "hf" / "model.safetensors")

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from tierlm.checkpoint import TrainState, export_hf_from_checkpoint, save_checkpoint
 from tierlm.cli import main
 from tierlm.config import from_dict
 from tierlm.data import train_bpe_tokenizer
@@ -18,7 +19,6 @@ from tierlm.models import build_model
 from tierlm.models import export as export_mod
 from tierlm.models.testing import tiny_hf_configs
 from tierlm.train import run_training
-from tierlm.train.checkpoint import TrainState, export_hf_from_checkpoint, save_checkpoint
 
 SHARD_BYTES = 64 << 10  # several shards for the ~100k-parameter models
 TEXT = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}." for i in
@@ -189,7 +189,7 @@ def test_export_dtype_float16_flag_on_a_run_and_on_tierlm_export(tmp_path):
                  "--max-steps", "1", "--eval-every", "0", "--train.eval_batches", "1",
                  "--train.sample_tokens", "0", "--device", "cpu", "--out", str(tmp_path / "run"),
                  "--export-dtype", "float16"]) == 0
-    from tierlm.train.checkpoint import list_checkpoints, load_checkpoint
+    from tierlm.checkpoint import list_checkpoints, load_checkpoint
 
     weights, _, _ = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
     assert {weights[k].dtype for k in weights} == {torch.float32}
@@ -233,7 +233,7 @@ def test_failed_export_leaves_no_half_written_dir(tmp_path, monkeypatch):
 def test_export_killed_between_shards_publishes_nothing(tmp_path):
     _, _, ckpt = _checkpoint(tmp_path, "qwen2")
     code = ("import sys; from pathlib import Path; "
-            "from tierlm.train.checkpoint import export_hf_from_checkpoint as e; "
+            "from tierlm.checkpoint import export_hf_from_checkpoint as e; "
             f"e(Path(sys.argv[1]), Path(sys.argv[2]), max_shard_bytes={SHARD_BYTES})")
     env = {**os.environ, "TIERLM_CRASH_AT": "export-shard:2",
            "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
@@ -251,7 +251,7 @@ def test_tied_config_with_a_different_head_is_refused(tmp_path):
     ckpt = save_checkpoint(tmp_path / "run", weights=weights, model_config=model.config,
                            tokenizer=None, state=state)
     # the name check comes first: a tied model has no lm_head parameter of its own
-    from tierlm.train.checkpoint import CheckpointError
+    from tierlm.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="unexpected \\['lm_head.weight'\\]"):
         export_hf_from_checkpoint(ckpt, tmp_path / "hf")

@@ -28,6 +28,14 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from tierlm.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    TrainState,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tierlm.cli import build_parser, main
 from tierlm.config import leaf_fields
 from tierlm.data import (
@@ -37,14 +45,6 @@ from tierlm.data import (
     encode_documents,
     load_corpus,
     train_bpe_tokenizer,
-)
-from tierlm.train.checkpoint import (
-    MANIFEST,
-    CheckpointError,
-    TrainState,
-    latest_valid_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
 )
 from tierlm.train.safety import check_token_stream
 

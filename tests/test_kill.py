@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierlm.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
+from tierlm.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 
 ROOT = Path(__file__).parent.parent
 MAX_STEPS = 30

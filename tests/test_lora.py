@@ -299,7 +299,7 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(polic
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tierlm.train.checkpoint import export_hf_from_checkpoint
+    from tierlm.checkpoint import export_hf_from_checkpoint
     from tierlm.train.trainer import Trainer
 
     src = tmp_path / "src"
@@ -316,7 +316,7 @@ def test_run_writes_a_peft_adapter_and_a_merged_export_and_resumes_exactly(polic
     assert all("lora_" in k for k in adapters)
 
     # checkpoints hold the adapters and their optimizer state only
-    from tierlm.train.checkpoint import load_checkpoint
+    from tierlm.checkpoint import load_checkpoint
 
     weights, optim, state = load_checkpoint(result.final_checkpoint)
     assert set(weights) == set(adapters) and state["step"] == 4
@@ -373,7 +373,7 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
         micro_batches=M, offload_dir=str(tmp_path)), device=CPU)
     moved = steps_match_the_plan(eng, predicted, M)
     assert "d2h" not in moved  # no gradient of the base leaves the device
-    from tierlm.train.trace import placement_map
+    from tierlm.monitor.step_trace import placement_map
 
     held = [seg["bytes"] for seg in placement_map(eng)]  # the trace's per-segment table
     assert all(set(b.get(t, {})) <= {"master", "compute"} for b in held for t in ("host", "disk"))

@@ -12,10 +12,10 @@ from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from tierlm.cli import main
 from tierlm.config import ConfigError
 from tierlm.memory.tiers import Link, Tier
+from tierlm.monitor.alerts import DiskSlow
+from tierlm.monitor.live import LineView, RichView, open_view
+from tierlm.monitor.metrics import read_metrics
 from tierlm.train import Trainer
-from tierlm.train.alerts import DiskSlow
-from tierlm.train.live import LineView, RichView, open_view
-from tierlm.train.monitor import read_metrics
 
 # The fields issue H asks for, by what they show.
 FIELDS = {

@@ -13,6 +13,7 @@ import pytest
 import torch
 from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
 
+from tierlm.checkpoint import SafetensorsFile, write_safetensors
 from tierlm.config import NotSupportedYet, OptimConfig
 from tierlm.distributed.delayed import Delayed
 from tierlm.distributed.sync import DelayedSync
@@ -25,7 +26,6 @@ from tierlm.optim.adafactor import FlatAdafactor
 from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in
 from tierlm.optim.lion import Lion
 from tierlm.runtime import Engine, EngineOptions, build_engine
-from tierlm.train.checkpoint import SafetensorsFile, write_safetensors
 from tierlm.train.reference import ReferenceStep
 
 CPU = torch.device("cpu")

@@ -494,8 +494,8 @@ def test_trainer_logs_the_table_and_records_fp8_statistics(tmp_path):
     """`--precision fp8 --fp8-scaling delayed` through the trainer: the layer table is logged,
     every step record carries per-tensor statistics and the probe's rates, and evaluation
     (at step 0, 2 and the end) does not enter the delayed-scaling history."""
+    from tierlm.monitor.metrics import read_metrics
     from tierlm.train import Trainer
-    from tierlm.train.monitor import read_metrics
 
     cfg = from_dict({
         "model": {"size": "tiny"},

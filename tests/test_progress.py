@@ -15,8 +15,8 @@ from monitor_helpers import tiny_corpus, tiny_run_cfg
 
 from tierlm.cli import main
 from tierlm.config import PrecisionConfig, from_dict
+from tierlm.monitor.metrics import read_metrics
 from tierlm.monitor.progress import LineProgress, open_progress
-from tierlm.train.monitor import read_metrics
 
 CPU = torch.device("cpu")
 
@@ -204,8 +204,8 @@ def test_fp8_without_fp8_units_says_it_is_emulated():
 def test_report_leaves_out_an_empty_fetch_panel_and_plots_peak_rss(tmp_path):
     from test_report import lines_by_gid, synthetic_run
 
-    from tierlm.train.plots import build_figures
-    from tierlm.train.report import load_run
+    from tierlm.monitor.plots import build_figures
+    from tierlm.monitor.report import load_run
 
     streamed = load_run(synthetic_run(tmp_path / "a", fp8=False))
     resident = load_run(synthetic_run(tmp_path / "b", fp8=False))
@@ -249,7 +249,7 @@ def test_on_a_terminal_phases_are_bars_inside_the_live_view():
     """Evaluation and checkpoints during training are tasks of the live view's own bar (rich
     13, which pyproject allows, shows one Live display at a time); outside it a phase draws its
     own bar. Each finished phase leaves one line."""
-    from tierlm.train.live import RichView
+    from tierlm.monitor.live import RichView
 
     screen = Terminal()
     progress = open_progress(print, stream=screen)

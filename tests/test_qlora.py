@@ -337,11 +337,11 @@ def test_qlora_run_learns_and_writes_adapter_and_merged_export(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tierlm.checkpoint import export_hf_from_checkpoint
     from tierlm.data import train_bpe_tokenizer
     from tierlm.models import build_model
     from tierlm.models.lora import lora_targets
     from tierlm.models.testing import tiny_hf_configs
-    from tierlm.train.checkpoint import export_hf_from_checkpoint
     from tierlm.train.trainer import Trainer
 
     text = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}."

@@ -21,15 +21,7 @@ import torch
 from runtime_helpers import OPTIM, batches, tiny_model
 from safetensors.torch import load_file, save_file
 
-from tierlm.cli import main
-from tierlm.config import ConfigError, from_dict
-from tierlm.memory import disk as disk_module
-from tierlm.memory.placement import PlacementReport
-from tierlm.runtime import EngineOptions, build_engine
-from tierlm.runtime.state import as_tensor
-from tierlm.train import Trainer
-from tierlm.train import preflight as preflight_module
-from tierlm.train.checkpoint import (
+from tierlm.checkpoint import (
     MANIFEST,
     CheckpointError,
     TensorFiles,
@@ -41,7 +33,15 @@ from tierlm.train.checkpoint import (
     verify_checkpoint,
     write_safetensors,
 )
-from tierlm.train.monitor import read_metrics
+from tierlm.cli import main
+from tierlm.config import ConfigError, from_dict
+from tierlm.memory import disk as disk_module
+from tierlm.memory.placement import PlacementReport
+from tierlm.monitor.metrics import read_metrics
+from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.state import as_tensor
+from tierlm.train import Trainer
+from tierlm.train import preflight as preflight_module
 from tierlm.train.preflight import (
     DiskNeed,
     check_disk_space,
@@ -157,6 +157,30 @@ def test_a_pickle_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+
+
+@pytest.mark.parametrize("header, data", [
+    # two names over the same bytes: each fits the file, together they do not tile it
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
+    # bytes past the last tensor, which no header entry accounts for
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12)),
+    # a gap between two tensors
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, bytes(12)),
+], ids=["overlap", "trailing-bytes", "gap"])
+def test_a_safetensors_header_that_does_not_tile_its_data_is_refused(tmp_path, header, data):
+    """The safetensors library validates every header we read: entries that overlap, leave a
+    gap or stop short of the file's end are refused, not read as whatever bytes they name."""
+    path = tmp_path / "x.safetensors"
+    _raw_safetensors(path, header, data)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        TensorFiles([path])
+
+
 def test_manifest_may_not_name_files_outside_the_checkpoint(tmp_path):
     ckpt = tmp_path / "step_00000001"
     ckpt.mkdir()
@@ -239,7 +263,7 @@ def test_disk_tier_checkpoint_streams_one_segment_at_a_time(tmp_path):
 
 
 def test_checkpoint_of_another_shape_is_refused(tmp_path):
-    from tierlm.train.checkpoint import check_weight_names
+    from tierlm.checkpoint import check_weight_names
 
     model, eng = _engine(tmp_path, policy="host", layers=1)
     path = _save(tmp_path / "run", eng, model, step=1)
@@ -302,7 +326,7 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path):
     """`--resume auto`: a fresh start in an empty --out, the newest valid checkpoint once there
     is one, and an error (never a silent restart) when checkpoints exist but none verifies.
     The kill test runs the whole loop through the CLI."""
-    from tierlm.train.checkpoint import resume_point
+    from tierlm.checkpoint import resume_point
 
     run = tmp_path / "run"
     logs = []
@@ -385,7 +409,7 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous(tmp_path, monkey
     cfg = tiny_cfg(tmp_path, save_every=2)
     cfg.run.resume = str(tmp_path)
     t = Trainer(cfg, log=quiet)
-    from tierlm.train import checkpoint as ckpt_module
+    from tierlm.checkpoint import publish as ckpt_module
 
     real = ckpt_module.write_safetensors
 

@@ -11,9 +11,9 @@ from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
 from tierlm.cli import main
 from tierlm.memory.tiers import Link, Tier
+from tierlm.monitor.plots import build_figures
+from tierlm.monitor.report import load_run, summary_table
 from tierlm.train import Trainer
-from tierlm.train.plots import build_figures
-from tierlm.train.report import load_run, summary_table
 
 N_STEPS, EVAL_STEPS = 30, [0, 10, 20, 30]
 LAYERS = ["block.0.attn.q_proj", "block.0.mlp.up_proj", "block.1.attn.q_proj"]

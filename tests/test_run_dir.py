@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
+from tierlm.checkpoint import list_checkpoints
 from tierlm.cli import main
 from tierlm.config import ConfigError
-from tierlm.train.checkpoint import list_checkpoints
-from tierlm.train.monitor import read_metrics
+from tierlm.monitor.metrics import read_metrics
 
 SRC = Path(__file__).parent.parent / "src"
 

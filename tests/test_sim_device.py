@@ -143,8 +143,8 @@ def test_a_bad_simulated_device_names_the_flag(overrides, message):
 
 def test_a_run_on_a_simulated_gpu_reports_its_simulated_step(tmp_path):
     from tierlm.config import from_dict
+    from tierlm.monitor.metrics import read_metrics
     from tierlm.train import Trainer
-    from tierlm.train.monitor import read_metrics
 
     def cfg(device: str, out: str):
         return from_dict({

@@ -11,11 +11,11 @@ from tierlm.cli import main
 from tierlm.config import ConfigError, validate
 from tierlm.memory.disk import DiskTier
 from tierlm.memory.store import Store
+from tierlm.monitor.metrics import read_metrics
+from tierlm.monitor.report import load_run, trace_figures
 from tierlm.monitor.trace import MEASURED_PID, PREDICTED_PID, NoTracer, TraceEvent, chrome_trace
 from tierlm.runtime.writeback import deferred_copies
 from tierlm.train import Trainer
-from tierlm.train.monitor import read_metrics
-from tierlm.train.report import load_run, trace_figures
 
 TRACE_STEP = 2
 M = 2  # micro-batches

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierlm.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints
 from tierlm.cli import main
 from tierlm.config import from_dict
+from tierlm.monitor.metrics import read_metrics
 from tierlm.runtime import Engine
 from tierlm.train import Trainer
-from tierlm.train.checkpoint import CheckpointError, latest_valid_checkpoint, list_checkpoints
-from tierlm.train.monitor import read_metrics
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.schedule import lr_at
 

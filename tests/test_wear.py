@@ -7,7 +7,7 @@ import pytest
 
 from tierlm.cli import main
 from tierlm.memory.wear import WARN_SHARE_PER_DAY, DiskWear
-from tierlm.train.alerts import DiskWearAlert
+from tierlm.monitor.alerts import DiskWearAlert
 
 
 def test_wear_projects_a_day_against_the_rating():

@@ -147,12 +147,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
-    from tierlm.monitor.progress import open_progress
-    from tierlm.train.checkpoint import (
+    from tierlm.checkpoint import (
         checkpoint_export_dtype,
         export_hf_from_checkpoint,
         latest_valid_checkpoint,
     )
+    from tierlm.monitor.progress import open_progress
 
     path = Path(checkpoint)
     if (path / "checkpoints").is_dir():
@@ -193,16 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     from tierlm.logs import quiet_library_noise
 
     quiet_library_noise()  # before transformers imports torchao
+    from tierlm.checkpoint import CheckpointError
     from tierlm.data import DataError
     from tierlm.memory import PlacementError
     from tierlm.models import ModelLoadError
     from tierlm.precision import Fp8ScaleError
-    from tierlm.train.checkpoint import CheckpointError
     from tierlm.train.safety import ReliabilityError
 
     try:
         if args.command == "report":
-            from tierlm.train.report import report_main
+            from tierlm.monitor.report import report_main
 
             return report_main(args.runs, args.out)
         if args.command == "export":

@@ -17,7 +17,7 @@ The step itself is the reference trainer's (`ReferenceStep`) on the sharded modu
 math is plain PyTorch. Checkpoints never gather the state: `save_sharded` hands the sharded
 state dicts (`get_model_state_dict` / `get_optimizer_state_dict` without `full_state_dict`) to
 `torch.distributed.checkpoint`, so each rank writes only its own shards into the directory
-`tierlm.train.checkpoint.save_sharded_checkpoint` publishes, and `load` reads them back through
+`tierlm.checkpoint.save_sharded_checkpoint` publishes, and `load` reads them back through
 dcp the same way (same world size). Those checkpoints resume FSDP runs only; they export to
 Hugging Face like any other (`DCPTensors` assembles full tensors one group at a time). Full
 weights are gathered only for the run's end-of-training sample (`weights`).
@@ -46,12 +46,12 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from tierlm.checkpoint import CheckpointError, DCPTensors
 from tierlm.config import ConfigError, OptimConfig
 from tierlm.data.batch import trained_targets
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
 from tierlm.runtime.stepper import Stepper
-from tierlm.train.checkpoint import CheckpointError, DCPTensors
 from tierlm.train.reference import ReferenceStep
 
 _FULL = StateDictOptions(full_state_dict=True)

@@ -6,7 +6,7 @@ stream instead of carving fixed segments, so a freed block of one size serves a 
 another and reserved memory stays close to allocated. The step records reserved against
 allocated bytes and the allocator's retries (a retry: a cudaMalloc failed, the cache was freed
 and the request tried again; each costs a device synchronisation) in metrics.jsonl
-(tierlm.train.probes.CudaMemory).
+(tierlm.monitor.probes.CudaMemory).
 """
 
 from __future__ import annotations

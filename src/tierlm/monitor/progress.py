@@ -2,7 +2,7 @@
 checkpoint, exporting, sampling. Each can take minutes on a large model; none may be silent.
 
 One `Progress` per process, chosen once (`open_progress`): on a terminal a rich progress bar
-(drawn inside the run's live view while that is open, tierlm.train.live), elsewhere plain lines
+(drawn inside the run's live view while that is open, tierlm.monitor.live), elsewhere plain lines
 through the run's log, the way the steps are shown; `NO_PROGRESS` where nothing is shown (ranks
 other than 0, library calls). A caller opens a phase with its name, total and unit, advances it
 and closes it (or uses it as a context manager), without asking which kind it holds.

@@ -104,7 +104,7 @@ class Fp8Watch:
                 s.history = torch.tensor(history[s.name], dtype=torch.float32)
 
     def attach(self, stepper: Any) -> None:
-        """The monitor's fp8 probe reads `stepper.fp8_stats()` (tierlm.train.probes)."""
+        """The monitor's fp8 probe reads `stepper.fp8_stats()` (tierlm.monitor.probes)."""
         stepper.fp8_stats = self.layer_rates
 
     def layer_rates(self) -> dict[str, tuple[float, float]]:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import psutil
 
+from tierlm.checkpoint import checkpoint_bytes, checkpoint_dir, list_checkpoints
 from tierlm.config import Config, ConfigError, parse_bytes
 from tierlm.memory.placement import PlacementReport, gib
 from tierlm.models.export import export_dtype, source_dtype
-from tierlm.train.checkpoint import checkpoint_bytes, checkpoint_dir, list_checkpoints
 from tierlm.train.safety import DiskSpaceError, HostMemoryError, rss_bytes
 
 DEFAULT_HOST_FRACTION = 0.7

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tierlm.checkpoint import export_hf_from_checkpoint
 from tierlm.config import Config
 from tierlm.distributed.setup import quiet
-from tierlm.train.checkpoint import export_hf_from_checkpoint
 from tierlm.train.trainer import Trainer, TrainResult
 
 

@@ -30,10 +30,10 @@ from typing import Any
 import psutil
 import torch
 
+from tierlm.checkpoint import CheckpointWriteError
 from tierlm.data import DataError, Document
 from tierlm.memory.disk import DiskFullError, DiskIOError
 from tierlm.runtime.state import opened
-from tierlm.train.checkpoint import CheckpointWriteError
 
 
 class ReliabilityError(RuntimeError):

@@ -17,16 +17,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
+from tierlm.checkpoint import (
+    TrainState,
+    check_tensor_format,
+    check_weight_names,
+    last_good_checkpoint,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from tierlm.config import (
     Config,
     ConfigError,
     NotSupportedYet,
     base_format_of,
     check_supported,
+    lora_of,
     parse_bytes,
     to_dict,
     uses_tiered_runtime,
@@ -54,8 +66,9 @@ from tierlm.distributed.setup import (
 )
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
-from tierlm.memory.planner import Plan
+from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import Tier
+from tierlm.memory.timeline import predicted_timeline
 from tierlm.models import (
     build_model,
     count_params,
@@ -67,29 +80,21 @@ from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
+from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.monitor.progress import NO_PROGRESS, open_progress
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.monitor.step_trace import build_step_trace, build_tracer
+from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.precision import prepare_precision, set_tf32
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
-from tierlm.train.checkpoint import (
-    TrainState,
-    check_tensor_format,
-    check_weight_names,
-    last_good_checkpoint,
-    load_checkpoint,
-    resume_point,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
-from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.train.planning import (
     SIM_KEYS,
     cap_gpu_memory,
     finetune_precision,
+    hardware_for,
     plan_auto,
     plan_start_lines,
     predict_for_engine,
@@ -98,6 +103,7 @@ from tierlm.train.planning import (
     prediction_record,
     resolve_precision,
     simulated_step_line,
+    train_shape,
 )
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
@@ -113,7 +119,6 @@ from tierlm.train.safety import (
     storage_failure,
 )
 from tierlm.train.schedule import lr_at
-from tierlm.train.trace import build_step_trace, build_tracer
 
 
 def cache_dir() -> Path:
@@ -275,6 +280,17 @@ def runs_engine(cfg: Config, distributed: bool) -> bool:
         return uses_tiered_runtime(cfg)
     return cfg.distributed.backend != "fsdp" and (uses_tiered_runtime(cfg) or distributed)
 
+
+
+def _predicted_step(cfg: Config, model_config: Any, precision: str,
+                    plan: Plan | None) -> list[TraceEvent]:
+    """The planner's timeline of one step, drawn beside the measured one in trace.json."""
+    if plan is None:
+        return []
+    shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                   base_format=base_format_of(cfg, precision),
+                                   precision=precision)
+    return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
 
 class Trainer:
     def __init__(self, cfg: Config, *, log: Callable[[str], None] = print) -> None:
@@ -465,8 +481,10 @@ class Trainer:
         if self.plan is None and self.stepper.engine is not None:
             self.plan = predict_for_engine(cfg, self.model.config, self.stepper.engine,
                                            self.precision)
-        self.step_trace = build_step_trace(cfg, tracer, self.stepper, self.plan,
-                                           self.model.config, self.precision, self.run_dir, log)
+        self.step_trace = build_step_trace(
+            cfg, tracer, self.stepper, self.plan,
+            functools.partial(_predicted_step, cfg, self.model.config, self.precision, self.plan),
+            self.run_dir, log)
         self.fp8.attach(self.stepper)  # the monitor's fp8 probe reads it
         self.memory_watch.trim()  # the model as built went to the runtime
         # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap

@@ -13,8 +13,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.monitor.plots import WIDTH_IN, byte_unit
 from tierlm.monitor.trace import LANES, MEASURED_PID, PREDICTED_PID
-from tierlm.train.plots import WIDTH_IN, byte_unit
 
 LANE_COLOR = {"step": "tab:olive", "compute": "tab:blue", "wait": "tab:gray", "H2D": "tab:purple",
               "D2H": "tab:pink", "disk read": "tab:green", "disk write": "tab:red",

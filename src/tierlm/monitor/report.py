@@ -22,10 +22,10 @@ import yaml
 
 from tierlm.config import ConfigError, parse_bytes
 from tierlm.memory.tiers import Tier
-from tierlm.train.live import fmt_bytes
-from tierlm.train.monitor import read_metrics
-from tierlm.train.plots import build_figures
-from tierlm.train.trace_plots import placement_figure, trace_figure
+from tierlm.monitor.live import fmt_bytes
+from tierlm.monitor.metrics import read_metrics
+from tierlm.monitor.plots import build_figures
+from tierlm.monitor.trace_plots import placement_figure, trace_figure
 
 DPI = 110
 

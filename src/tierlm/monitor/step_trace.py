@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from tierlm.config import Config, base_format_of, lora_of
-from tierlm.memory.planner import ModelShape, Plan
+from tierlm.config import Config
+from tierlm.memory.planner import Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
 from tierlm.runtime.stepper import Stepper
@@ -99,24 +99,14 @@ class StepTrace:
 
 
 def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
-                     plan: Plan | None, model_config: Any, precision: str, run_dir: Path,
+                     plan: Plan | None, predict: Callable[[], list[TraceEvent]], run_dir: Path,
                      log: Callable[[str], None]) -> StepTrace | NoStepTrace:
+    """`predict`: the planner's timeline of the traced step (the trainer builds it from the
+    run's config, which monitor/ does not read), called once, after the step."""
     if not isinstance(tracer, Tracer):
         return NoStepTrace()
     if stepper.engine is None:  # config validation allows tracing only the tiered runtime
         raise ValueError("--monitor.trace_step: this run's stepper is not the tiered runtime")
-
-    def predict() -> list[TraceEvent]:
-        if plan is None:
-            return []
-        from tierlm.memory.timeline import predicted_timeline
-        from tierlm.train.planning import hardware_for, train_shape
-
-        shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
-                                       base_format=base_format_of(cfg, precision),
-                                       precision=precision)
-        return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
-
     return StepTrace(cfg.monitor.trace_step, tracer, stepper.engine, run_dir, predict, plan, log)
 
 

@@ -22,8 +22,8 @@ import torch
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import Link, TensorClass, Tier
-from tierlm.train.alerts import planned_fetches
-from tierlm.train.nvml import GpuSampler
+from tierlm.monitor.alerts import planned_fetches
+from tierlm.monitor.nvml import GpuSampler
 
 if TYPE_CHECKING:
     from tierlm.runtime.engine import Engine

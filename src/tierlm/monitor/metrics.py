@@ -19,9 +19,7 @@ import torch
 
 from tierlm.config import Config, ConfigError
 from tierlm.memory.tiers import Link
-from tierlm.monitor.progress import NO_PROGRESS, Progress
-from tierlm.runtime.stepper import Stepper
-from tierlm.train.alerts import (
+from tierlm.monitor.alerts import (
     Alert,
     Alerts,
     DiskSlow,
@@ -31,15 +29,17 @@ from tierlm.train.alerts import (
     NonFinite,
     Thrashing,
 )
-from tierlm.train.live import fmt_rate, open_view
-from tierlm.train.nvml import NoGpu, open_gpu_sampler
-from tierlm.train.probes import (
+from tierlm.monitor.live import fmt_rate, open_view
+from tierlm.monitor.nvml import NoGpu, open_gpu_sampler
+from tierlm.monitor.probes import (
     LossWindow,
     Probe,
     build_probes,
     disk_segment_bytes,
     probe_disk_Bps,
 )
+from tierlm.monitor.progress import NO_PROGRESS, Progress
+from tierlm.runtime.stepper import Stepper
 
 
 class MetricsLog:

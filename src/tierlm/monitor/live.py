@@ -15,7 +15,7 @@ import time
 from typing import Any, TextIO
 
 from tierlm.memory.tiers import Link, Tier
-from tierlm.monitor.progress import fmt_duration
+from tierlm.monitor.progress import RichProgress, fmt_duration
 
 _LINK_LABEL = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
                Link.DISK_WRITE: "disk write", Link.NET_SEND: "net send",
@@ -135,8 +135,6 @@ class RichView:
         from rich.console import Console, Group
         from rich.live import Live
         from rich.table import Table
-
-        from tierlm.monitor.progress import RichProgress
 
         self._table_cls = Table
         self._group_cls = Group
