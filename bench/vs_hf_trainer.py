@@ -185,7 +185,6 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
         if not hasattr(safety, "return_freed_buffers"):
             raise SystemExit("reference-glibc: tierlm.train.safety.return_freed_buffers is gone; "
                              "this diagnostic row no longer applies (drop it from --variants)")
-        safety.return_freed_buffers = lambda *_a, **_k: None  # MemoryWatch calls it by name
 
     # measurement only: when each step ended, the trainer (for its plan) and the setup's disk
     # probe (for the disk time the run's own rates predict)
@@ -201,14 +200,12 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
         seen["trainer"] = self
         return rec
 
-    Trainer.train_step = timed_step  # type: ignore[method-assign]
     probe = tmonitor.probe_disk_Bps
 
     def recorded_probe(*a: Any, **k: Any) -> dict[str, float]:
         seen["probe"] = out = probe(*a, **k)
         return out
 
-    tmonitor.probe_disk_Bps = recorded_probe
     # the step-0 evaluation runs between setup and the first step; time step 1 from its end
     evaluate = Trainer.evaluate
 
@@ -216,8 +213,6 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
         out = evaluate(self)
         seen["start"] = time.perf_counter()
         return out
-
-    Trainer.evaluate = evaluate_then_start  # type: ignore[method-assign]
 
     run_dir = work / f"run-{variant}"
     argv = [
@@ -236,7 +231,20 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
         argv += ["--data", args.data]
     if variant == "disk":
         argv += ["--offload-dir", str(work / "offload")]
-    rc = cli.main(argv)
+    # patched for this run only (the smoke test calls this in the test process)
+    saved = (Trainer.train_step, Trainer.evaluate, tmonitor.probe_disk_Bps)
+    freed = getattr(safety, "return_freed_buffers", None)
+    Trainer.train_step = timed_step  # type: ignore[method-assign]
+    Trainer.evaluate = evaluate_then_start  # type: ignore[method-assign]
+    tmonitor.probe_disk_Bps = recorded_probe
+    if variant == "reference-glibc":
+        safety.return_freed_buffers = lambda *_a, **_k: None  # MemoryWatch calls it by name
+    try:
+        rc = cli.main(argv)
+    finally:
+        Trainer.train_step, Trainer.evaluate, tmonitor.probe_disk_Bps = saved
+        if freed is not None:
+            safety.return_freed_buffers = freed
     if rc:
         raise SystemExit(f"tierlm train exited {rc}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -432,7 +440,7 @@ def acceptance(summary: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--hidden", type=int, default=576)
@@ -462,6 +470,11 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the summary here")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.worker:
         worker(args)
