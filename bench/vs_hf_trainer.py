@@ -144,10 +144,23 @@ def hf_worker(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     stamps: list[float] = []
     losses: list[float] = []
+    phases: dict[str, list[float]] = {"fwd_bwd_s": [], "optimizer_s": []}
+    marks: dict[str, float] = {}
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, *_a: Any, **_k: Any) -> None:
             stamps.append(time.perf_counter())
+
+        def on_step_begin(self, *_a: Any, **_k: Any) -> None:
+            marks["begin"] = time.perf_counter()
+
+        def on_pre_optimizer_step(self, *_a: Any, **_k: Any) -> None:
+            # the micro-batches' forward and backward, and the clipping
+            marks["pre"] = time.perf_counter()
+            phases["fwd_bwd_s"].append(marks["pre"] - marks["begin"])
+
+        def on_optimizer_step(self, *_a: Any, **_k: Any) -> None:
+            phases["optimizer_s"].append(time.perf_counter() - marks["pre"])
 
         def on_step_end(self, *_a: Any, **_k: Any) -> None:
             stamps.append(time.perf_counter())
@@ -172,7 +185,7 @@ def hf_worker(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       data_collator=default_data_collator, callbacks=[StepClock()])
     trainer.train()
     return {"step_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-            "losses": losses, "optimizer": type(trainer.optimizer).__name__}
+            "losses": losses, "optimizer": type(trainer.optimizer).__name__, **phases}
 
 
 def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[str, Any]:
@@ -253,6 +266,8 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
         "step_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
         "losses": [r["loss"] for r in steps],
         "own_step_time_s": [r["step_time_s"] for r in steps],
+        **{key: [r.get(key) or 0.0 for r in steps]
+           for key in ("compute_s", "transfer_wait_s", "update_wait_s")},
         "disk_read_bytes": [r.get("disk_read_bytes") for r in steps],
         "disk_write_bytes": [r.get("disk_write_bytes") for r in steps],
     }
@@ -317,8 +332,12 @@ def summarise(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "losses": ok[0]["losses"],
         "threads": ok[0]["threads"],
     }
-    if "own_step_time_s" in ok[0]:
-        s["own_step_s"] = median([t for r in ok for t in r["own_step_time_s"][1:]])
+    # where the time went (medians past the first step): the HF Trainer's forward + backward
+    # + clipping and its optimizer step; tierlm's compute, transfer wait and update wait
+    for key in ("own_step_time_s", "fwd_bwd_s", "optimizer_s", "compute_s", "transfer_wait_s",
+                "update_wait_s"):
+        if key in ok[0]:
+            s[key] = median([t for r in ok for t in r[key][1:]])
     if variant == "disk":
         plan = ok[0].get("plan_times_s") or {}
         s["plan_disk_s"] = plan.get("disk")
@@ -368,8 +387,10 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], setup: 
         if "error" in s:
             out.append(f"{v}: FAILED\n{s['error']}")
             continue
-        extra = (f"; tierlm's own step_time_s median {s['own_step_s']:.2f}"
-                 if "own_step_s" in s else "")
+        split = ", ".join(f"{k} {s[k]:.2f}" for k in (
+            "own_step_time_s", "fwd_bwd_s", "optimizer_s", "compute_s", "transfer_wait_s",
+            "update_wait_s") if k in s)
+        extra = f"; split (median s): {split}" if split else ""
         out.append(f"{v}: per-round medians {', '.join(f'{x:.2f}' for x in s['round_medians'])}"
                    f" s{extra}; losses {', '.join(f'{x:.5f}' for x in s['losses'])}")
     disk = summary.get("disk", {})
