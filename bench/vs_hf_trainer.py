@@ -530,12 +530,19 @@ def main() -> None:
                       f"({time.perf_counter() - t:.0f} s)", flush=True)
                 if "error" in res:
                     print(res["error"], flush=True)
+                if args.json:  # after every run: a run cut short keeps what it measured
+                    save_json(Path(args.json), setup, args.variants, runs)
         summary = {v: summarise(v, runs[v]) for v in args.variants}
         print()
         print(report(args, summary, setup, args.threads))
         if args.json:
-            Path(args.json).write_text(json.dumps({"setup": setup, "summary": summary,
-                                                   "runs": runs}, indent=1))
+            save_json(Path(args.json), setup, args.variants, runs)
+
+
+def save_json(path: Path, setup: dict[str, Any], variants: list[str],
+              runs: dict[str, list[dict[str, Any]]]) -> None:
+    summary = {v: summarise(v, runs[v]) for v in variants if runs[v]}
+    path.write_text(json.dumps({"setup": setup, "summary": summary, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
