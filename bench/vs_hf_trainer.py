@@ -56,6 +56,9 @@ LABEL = {
     "disk": "tierlm tiered, state on disk (`--offload-policy disk`)",
 }
 RESULT_PREFIX = "VS_HF_RESULT "
+# per-step fields of a worker's result, reported as medians past the first step
+SPLIT_KEYS = ("cpu_step_s", "own_step_time_s", "fwd_bwd_s", "optimizer_s", "compute_s",
+              "transfer_wait_s", "update_wait_s")
 
 
 def vm_field_bytes(field: str) -> int:
@@ -143,6 +146,7 @@ def hf_worker(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "shift_labels": rows[i, 1:]}
 
     stamps: list[float] = []
+    cpu: list[float] = []  # the process's CPU time (all threads) at the same moments
     losses: list[float] = []
     phases: dict[str, list[float]] = {"fwd_bwd_s": [], "optimizer_s": []}
     marks: dict[str, float] = {}
@@ -150,6 +154,7 @@ def hf_worker(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     class StepClock(TrainerCallback):
         def on_train_begin(self, *_a: Any, **_k: Any) -> None:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_step_begin(self, *_a: Any, **_k: Any) -> None:
             marks["begin"] = time.perf_counter()
@@ -164,6 +169,7 @@ def hf_worker(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         def on_step_end(self, *_a: Any, **_k: Any) -> None:
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
 
         def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None,
                    **_k: Any) -> None:
@@ -185,6 +191,7 @@ def hf_worker(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                       data_collator=default_data_collator, callbacks=[StepClock()])
     trainer.train()
     return {"step_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+            "cpu_step_s": [b - a for a, b in zip(cpu, cpu[1:], strict=False)],
             "losses": losses, "optimizer": type(trainer.optimizer).__name__, **phases}
 
 
@@ -202,14 +209,17 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
     # measurement only: when each step ended, the trainer (for its plan) and the setup's disk
     # probe (for the disk time the run's own rates predict)
     stamps: list[float] = []
+    cpu: list[float] = []  # the process's CPU time (all threads) at the same moments
     seen: dict[str, Any] = {}
     train_step = Trainer.train_step
 
     def timed_step(self: Trainer) -> dict[str, Any]:
         if not stamps:
             stamps.append(seen.pop("start", time.perf_counter()))
+            cpu.append(seen.pop("start_cpu", time.process_time()))
         rec = train_step(self)
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         seen["trainer"] = self
         return rec
 
@@ -225,6 +235,7 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
     def evaluate_then_start(self: Trainer) -> dict[str, float]:
         out = evaluate(self)
         seen["start"] = time.perf_counter()
+        seen["start_cpu"] = time.process_time()
         return out
 
     run_dir = work / f"run-{variant}"
@@ -264,6 +275,7 @@ def tierlm_worker(args: argparse.Namespace, work: Path, variant: str) -> dict[st
     steps = [r for r in records if "loss" in r and "step_time_s" in r]
     out: dict[str, Any] = {
         "step_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        "cpu_step_s": [b - a for a, b in zip(cpu, cpu[1:], strict=False)],
         "losses": [r["loss"] for r in steps],
         "own_step_time_s": [r["step_time_s"] for r in steps],
         **{key: [r.get(key) or 0.0 for r in steps]
@@ -334,8 +346,7 @@ def summarise(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     # where the time went (medians past the first step): the HF Trainer's forward + backward
     # + clipping and its optimizer step; tierlm's compute, transfer wait and update wait
-    for key in ("own_step_time_s", "fwd_bwd_s", "optimizer_s", "compute_s", "transfer_wait_s",
-                "update_wait_s"):
+    for key in SPLIT_KEYS:
         if key in ok[0]:
             s[key] = median([t for r in ok for t in r[key][1:]])
     if variant == "disk":
@@ -387,9 +398,7 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], setup: 
         if "error" in s:
             out.append(f"{v}: FAILED\n{s['error']}")
             continue
-        split = ", ".join(f"{k} {s[k]:.2f}" for k in (
-            "own_step_time_s", "fwd_bwd_s", "optimizer_s", "compute_s", "transfer_wait_s",
-            "update_wait_s") if k in s)
+        split = ", ".join(f"{k} {s[k]:.2f}" for k in SPLIT_KEYS if k in s)
         extra = f"; split (median s): {split}" if split else ""
         out.append(f"{v}: per-round medians {', '.join(f'{x:.2f}' for x in s['round_medians'])}"
                    f" s{extra}; losses {', '.join(f'{x:.5f}' for x in s['losses'])}")
