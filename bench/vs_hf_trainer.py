@@ -380,16 +380,20 @@ def report(args: argparse.Namespace, summary: dict[str, dict[str, Any]], setup: 
                f"constant, weight decay {args.weight_decay}, clip 1.0, fp32; "
                f"OMP_NUM_THREADS={threads}; {args.rounds} round(s)")
     out.append("")
-    out.append("| trainer | median step s | vs HF Trainer | first step s | peak RSS GiB "
-               "| loss step 1 | loss last step | runs |")
-    out.append("|---|---|---|---|---|---|---|---|")
+    hf_cpu = hf.get("cpu_step_s")
+    out.append("| trainer | median step s | vs HF Trainer | CPU s per step | CPU vs HF "
+               "| first step s | peak RSS GiB | loss step 1 | loss last step | runs |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
     for v in args.variants:
         s = summary[v]
         if "error" in s:
-            out.append(f"| {LABEL[v]} | failed: {s['error'].splitlines()[0]} | | | | | | |")
+            out.append(f"| {LABEL[v]} | failed: {s['error'].splitlines()[0]} | | | | | | | | |")
             continue
         ratio = f"{s['step_s'] / hf_s:.2f}x" if hf_s else "n/a"
-        out.append(f"| {LABEL[v]} | {s['step_s']:.2f} | {ratio} | {s['first_step_s']:.2f} "
+        cpu_s = s.get("cpu_step_s")
+        cpu_ratio = f"{cpu_s / hf_cpu:.2f}x" if cpu_s and hf_cpu else "n/a"
+        out.append(f"| {LABEL[v]} | {s['step_s']:.2f} | {ratio} | {_f(cpu_s)} | {cpu_ratio} "
+                   f"| {s['first_step_s']:.2f} "
                    f"| {s['peak_rss_bytes'] / GiB:.2f} | {s['loss_first']:.6f} "
                    f"| {s['loss_last']:.6f} | {s['runs']} |")
     out.append("")
@@ -498,6 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="where the temporary directory goes (the disk "
                    "tier's files too; default: the system's temp dir)")
     p.add_argument("--json", default=None, help="also write the summary here")
+    p.add_argument("--replay", default=None, help="print the report of a saved --json file "
+                   "(its runs) instead of running; pass the shape flags the runs used")
     p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     return p
@@ -513,6 +519,12 @@ def main() -> None:
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if args.replay:
+        saved = json.loads(Path(args.replay).read_text())
+        args.variants = [v for v in args.variants if saved["runs"].get(v)]
+        summary = {v: summarise(v, saved["runs"][v]) for v in args.variants}
+        print(report(args, summary, saved["setup"], args.threads))
+        return
 
     with tempfile.TemporaryDirectory(prefix="tierlm-vs-hf-", dir=args.dir) as tmp:
         work = Path(tmp)
