@@ -349,9 +349,9 @@ def summarise(variant: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     # where the time went (medians past the first step): the HF Trainer's forward + backward
     # + clipping and its optimizer step; tierlm's compute, transfer wait and update wait
-    for key in SPLIT_KEYS:
-        if key in ok[0]:
-            s[key] = median([t for r in ok for t in r[key][1:]])
+    for key in SPLIT_KEYS:  # a field some runs lack (an older worker's) comes from the rest
+        if any(key in r for r in ok):
+            s[key] = median([t for r in ok if key in r for t in r[key][1:]])
     if variant == "disk":
         plan = ok[0].get("plan_times_s") or {}
         s["plan_disk_s"] = plan.get("disk")
