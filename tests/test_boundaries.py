@@ -109,7 +109,9 @@ def test_planner_replays_host_boundaries(spec, order, tmp_path):
     moved per link in a steady step equal the ledger's."""
     from tierlm.memory.hardware import resolve
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = tiny_model("llama_untied", layers=3)
     shape = ModelShape.from_config(copy.deepcopy(model.config))
@@ -153,8 +155,9 @@ def test_planner_parks_boundaries_only_where_every_segment_recomputes(size, gpu_
     overrides) must not be handed that plan. (7B with 40 GiB or less: the write-back's staging
     and disk-tier gradients held on the host win over parking.)"""
     from tierlm.memory.hardware import resolve
-    from tierlm.memory.planner import ModelShape, TrainShape, plan
     from tierlm.models import preset_config
+    from tierlm.plan.search import plan
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     shape = ModelShape.from_config(preset_config(size))
     hw = resolve("rtx4090", gpu_memory_bytes=gpu_gib and int(gpu_gib * 2**30),

@@ -34,9 +34,10 @@ from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes, ring_kv_bytes
 from tierlm.memory.tiers import Link, Tier
+from tierlm.plan.timing import grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.train.reference import ReferenceStep
 
 MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads

@@ -221,7 +221,9 @@ def test_planner_counts_the_bf16_base(tmp_path):
     moves exactly."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = bf16_model(_lora_model("llama_tied_gqa"))
     plain = tiny_model("llama_tied_gqa", layers=2).config
@@ -356,8 +358,10 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
     adapters on the device) predicts the ledger's device peak, disk bytes and moves exactly."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
     from tierlm.memory.tiers import Tier
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = _lora_model("llama_tied_gqa")
     shape = ModelShape.from_config(copy.deepcopy(model.config), optim=OPTIM, lora=LORA)

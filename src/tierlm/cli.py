@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "probe":
             from tierlm.memory.hardware import probe_path
-            from tierlm.memory.probe import run_probe
+            from tierlm.plan.probe import run_probe
             from tierlm.train.trainer import cache_dir
 
             run_probe(args.dir, probe_path(), compile=args.compile,

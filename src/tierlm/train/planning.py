@@ -22,9 +22,11 @@ from tierlm.config import (
 )
 from tierlm.memory.device import sim_profile
 from tierlm.memory.hardware import HardwareProfile, resolve
-from tierlm.memory.planner import ModelShape, Plan, TrainShape, plan
 from tierlm.memory.tiers import Link
 from tierlm.memory.wear import DiskWear
+from tierlm.plan.result import Plan
+from tierlm.plan.search import plan
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 
 def hardware_for(cfg: Config) -> HardwareProfile:
@@ -219,7 +221,8 @@ def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = Tr
     `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
     import json
 
-    from tierlm.memory.planner import compiled_block_factor, compiled_block_source, describe
+    from tierlm.plan.describe import describe
+    from tierlm.plan.timing import compiled_block_factor, compiled_block_source
 
     hw = hardware_for(cfg)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend,
@@ -290,8 +293,8 @@ def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
 
 def _trained_numel(cfg: Config, model_config: Any) -> int:
     """Parameters --finetune lora/qlora trains: the adapters --lora.* adds."""
-    from tierlm.memory.planner import _lora_layout
     from tierlm.models import build_model
+    from tierlm.runtime.shapes import _lora_layout
 
     return _lora_layout(build_model(model_config, device="meta"), cfg.lora).numel
 
@@ -367,7 +370,8 @@ def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
 
 def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str) -> Plan:
     """The planner's prediction for the placement the engine actually runs."""
-    from tierlm.memory.planner import evaluate, usable_budgets
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
 
     hw = hardware_for(cfg)
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
@@ -405,7 +409,7 @@ def plan_start_lines(p: Plan, rates: dict[str, float | None], trained_share: flo
     """What a run on the tiered runtime says of its plan before the first step: where each
     segment's state lives, which compute weights stay on the device, and the predicted step
     time and tokens/s (all and trained)."""
-    from tierlm.memory.planner import _short
+    from tierlm.plan.describe import _short
 
     counts = p.tier_counts()
     resident = p.resident_names()

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from tierlm.config import Config, base_format_of, lora_of
-from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
+from tierlm.plan.result import Plan
+from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.stepper import Stepper
 
 TRACE_FILE = "trace.json"
@@ -109,7 +110,7 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
     def predict() -> list[TraceEvent]:
         if plan is None:
             return []
-        from tierlm.memory.timeline import predicted_timeline
+        from tierlm.plan.timeline import predicted_timeline
         from tierlm.train.planning import hardware_for, train_shape
 
         shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),

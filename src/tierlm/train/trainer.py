@@ -54,7 +54,6 @@ from tierlm.distributed.setup import (
 )
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
-from tierlm.memory.planner import Plan
 from tierlm.memory.tiers import Tier
 from tierlm.models import (
     build_model,
@@ -70,6 +69,7 @@ from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
+from tierlm.plan.result import Plan
 from tierlm.precision import prepare_precision, set_tf32
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy

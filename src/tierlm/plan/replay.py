@@ -2,7 +2,7 @@
 operations to a `TimingDevice` (tierlm.memory.device), so the predicted step is the simulated
 one (one time model, as there is one byte model).
 
-The replay (tierlm.memory.planner._CountingStep, over byte counts) walks the engine's own walk
+The replay (tierlm.runtime.byte_replay._CountingStep, over byte counts) walks the engine's own walk
 (tierlm.runtime.walk), through the engine's own stream cache, loaders (tierlm.runtime.state
 start_load: HostLoad, WireLoad, DiskLoad, ComputeFileLoad), gradient landing
 (tierlm.runtime.landing.add_to_host) and disk chunking (tierlm.runtime.state.stream_chunks),
@@ -76,7 +76,7 @@ class _Disk:
 
 
 def _timing_store(ledger: Ledger, dev: TimingDevice, direct: bool):
-    from tierlm.memory.planner import _CountingStore
+    from tierlm.runtime.byte_replay import _CountingStore
 
     class TimingStore(_CountingStore):
         """`_CountingStore` with the store's copies and disk requests, booked on `dev`."""
@@ -137,7 +137,7 @@ class _State:
     def __init__(self, s: int, name: str, params: Sequence[tuple[str, int]],
                  placement: SegmentPlacement, copy_bytes: int | None, slots: tuple) -> None:
         from tierlm.memory.layout import FlatLayout
-        from tierlm.memory.planner import _Bytes
+        from tierlm.runtime.byte_replay import _Bytes
 
         self.index, self.placement = s, placement
         self.seg = SimpleNamespace(name=name)
@@ -197,7 +197,8 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     """`config.steps` steps of the engine on `placements`, replayed over byte counts on a
     `TimingDevice`; the last one's timing."""
     from tierlm.config import OptimConfig
-    from tierlm.memory.planner import (
+    from tierlm.optim import build_flat_optimizer
+    from tierlm.runtime.byte_replay import (
         _actions,
         _Bytes,
         _compute_copies,
@@ -205,7 +206,6 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         _stream_plan,
         readahead_schedule,
     )
-    from tierlm.optim import build_flat_optimizer
     from tierlm.runtime.cache import StreamCache, window_bytes
     from tierlm.runtime.costs import SegmentCost
     from tierlm.runtime.landing import LandingRing, add_to_host
