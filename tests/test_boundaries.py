@@ -9,10 +9,10 @@ import torch
 from runtime_helpers import OPTIM, assert_close_run, batches, reference_cases, tiny_model
 
 from tierlm.config import ActivationConfig
-from tierlm.memory.placement import place
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime.placement import place
 
 CPU = torch.device("cpu")
 STEPS, B, T = 3, 2, 16
