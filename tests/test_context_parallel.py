@@ -278,7 +278,7 @@ def test_plan_holds_one_rank_share_of_each_row(capsys):
     """`tierlm plan --context-parallel N`: each rank's activations are those of seq/N tokens;
     attention still reads the whole row; the train command it prints keeps the CP flags."""
     from tierlm.cli import main
-    from tierlm.train.planning import hardware_for, make_plan, model_config_for
+    from tierlm.plan.inputs import hardware_for, make_plan, model_config_for
 
     def plan(cp: int, **hw):
         cfg = from_dict({"model": {"size": "small"}, "data": {"seq_len": 4096},

@@ -23,10 +23,10 @@ from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
 from tierlm.plan.evaluate import _evaluate
+from tierlm.plan.inputs import make_plan, plan_auto
 from tierlm.plan.result import SAFETY_MARGIN, Plan, usable_budgets
 from tierlm.plan.search import plan
 from tierlm.runtime.shapes import ModelShape, TrainShape
-from tierlm.train.planning import make_plan, plan_auto
 
 HW = PROFILES["cpu"]
 TRAIN = TrainShape(batch_size=2, seq_len=32, micro_batches=1)

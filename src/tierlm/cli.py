@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         assert cfg is not None  # plan or train: resolved above
         if args.command == "plan":
-            from tierlm.train.planning import print_plan
+            from tierlm.plan.tables import print_plan
 
             return print_plan(cfg, as_json=args.json,
                               optimizer_table=not args.no_optimizer_table)

@@ -110,8 +110,8 @@ def build_step_trace(cfg: Config, tracer: Tracer | NoTracer, stepper: Stepper,
     def predict() -> list[TraceEvent]:
         if plan is None:
             return []
+        from tierlm.plan.inputs import hardware_for, train_shape
         from tierlm.plan.timeline import predicted_timeline
-        from tierlm.train.planning import hardware_for, train_shape
 
         shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                        base_format=base_format_of(cfg, precision),

@@ -69,6 +69,21 @@ from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
+from tierlm.plan.inputs import (
+    cap_gpu_memory,
+    finetune_precision,
+    plan_auto,
+    predict_for_engine,
+    resolve_precision,
+)
+from tierlm.plan.predictions import (
+    SIM_KEYS,
+    plan_start_lines,
+    predicted_rates,
+    prediction_lines,
+    prediction_record,
+    simulated_step_line,
+)
 from tierlm.plan.result import Plan
 from tierlm.precision import prepare_precision, set_tf32
 from tierlm.runtime import build_engine
@@ -86,19 +101,6 @@ from tierlm.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from tierlm.train.monitor import MetricsLog, build_monitor, check_monitor_deps
-from tierlm.train.planning import (
-    SIM_KEYS,
-    cap_gpu_memory,
-    finetune_precision,
-    plan_auto,
-    plan_start_lines,
-    predict_for_engine,
-    predicted_rates,
-    prediction_lines,
-    prediction_record,
-    resolve_precision,
-    simulated_step_line,
-)
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.rundir import OffloadDir, open_run_dir
