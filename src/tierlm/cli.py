@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "probe":
             from tierlm.memory.hardware import probe_path
+            from tierlm.paths import cache_dir
             from tierlm.plan.probe import run_probe
-            from tierlm.train.trainer import cache_dir
 
             run_probe(args.dir, probe_path(), compile=args.compile,
                       compile_size=args.model_size, compile_seq_len=args.seq_len,

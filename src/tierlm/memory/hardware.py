@@ -16,6 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.paths import cache_dir
+
 GiB = 2**30
 GB = 10**9
 T = 10**12
@@ -177,8 +179,6 @@ PROFILES: dict[str, HardwareProfile] = {
 
 
 def probe_path() -> Path:
-    from tierlm.train.trainer import cache_dir
-
     return cache_dir() / "probe.json"
 
 

@@ -11,7 +11,6 @@ import contextlib
 import datetime as dt
 import functools
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -69,6 +68,7 @@ from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import model_state_nbytes
+from tierlm.paths import cache_dir
 from tierlm.plan.inputs import (
     cap_gpu_memory,
     finetune_precision,
@@ -115,16 +115,6 @@ from tierlm.train.safety import (
 )
 from tierlm.train.schedule import lr_at
 from tierlm.train.trace import build_step_trace, build_tracer
-
-
-def cache_dir() -> Path:
-    """Where trained tokenizers and encoded corpora are kept between runs
-    ($TIERLM_CACHE overrides)."""
-    env = os.environ.get("TIERLM_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tierlm"
 
 
 def resolve_device(name: str) -> torch.device:
