@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from tierlm.config import parse_bytes
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.placement import (
     gib,
@@ -41,8 +42,6 @@ def _least_budget(fits_at: Callable[[int], bool], lo: int, need: int) -> str | N
     value, checked at the bytes `tierlm.config.parse_bytes` reads back from it; None where
     none up to 2**ADVICE_DOUBLINGS x `need` fits. Starts at `need` (the closest plan's own
     need, where the answer usually is), gallops away from it, then bisects."""
-    from tierlm.config import parse_bytes
-
     unit, scale = _size_unit(need)
 
     def stride(k: int) -> int:  # hundredths of the unit a printed digit stands for here
@@ -99,7 +98,6 @@ def _what_would_fit(search: Callable[..., Plan], shape: ModelShape, train: Train
     raw = {"device": device_budget if device_budget is not None else sizes["device"],
            "host": host_budget if host_budget is not None else sizes["host"],
            "disk": hw.disk_budget_bytes}
-    from tierlm.config import parse_bytes
 
     needs = {"device": p.device_total_bytes, "host": p.host_peak_bytes, "disk": p.disk_bytes}
     over = [t for t in raw if needs[t] > p.budgets[t]]

@@ -20,9 +20,11 @@ from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 if TYPE_CHECKING:
     from tierlm.runtime.readahead import ReadAhead
 
+from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.plan.result import Plan, _problems
 from tierlm.plan.timing import _bottleneck, _times, writeback_bytes
 from tierlm.runtime.byte_replay import _compute_copies, _simulate, readahead_schedule
+from tierlm.runtime.schedule import micro_batches_in_flight, parked_inputs
 from tierlm.runtime.shapes import ModelShape, TrainShape
 
 
@@ -150,8 +152,6 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
     (`simulated_<lane>_overlap`). Run for the chosen plan only: the search still ranks
     candidates by `_times` (a replay in virtual time costs ~0.3-2 s at 7B; the search
     evaluates thousands of candidates)."""
-    from tierlm.plan.replay import ReplayConfig, simulate_step
-
     r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
                       p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
                       writeback=p.writeback)
@@ -167,8 +167,6 @@ def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool
     """Host bytes of the boundary activations parked there at the forward's end: the inputs
     the engine parks when every block recomputes (tierlm.runtime.schedule.parked_inputs: every
     block's; the head's is used at once), for the micro-batches in flight."""
-    from tierlm.runtime.schedule import micro_batches_in_flight, parked_inputs
-
     parked = parked_inputs(["full"] * (len(shape.names) - 1), on_host)
     return micro_batches_in_flight(train.micro_batches, order) * len(parked) * \
         train.batch_size * train.seq_len * shape.hidden_size * 4

@@ -21,10 +21,16 @@ from tierlm.config import (
     mode_only_flags,
     parse_bytes,
 )
+from tierlm.distributed.sync import sync_config
 from tierlm.memory.device import sim_profile
 from tierlm.memory.hardware import HardwareProfile, resolve
-from tierlm.plan.result import Plan
+from tierlm.memory.placement import PlacementError
+from tierlm.models import preset_config
+from tierlm.models.hf import _check_checkpoint_dir
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import Plan, usable_budgets
 from tierlm.plan.search import plan
+from tierlm.runtime.compile import check_compile
 from tierlm.runtime.shapes import ModelShape, TrainShape
 
 
@@ -141,8 +147,6 @@ def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> 
 def train_shape(cfg: Config, precision: str) -> TrainShape:
     """One rank's step: under context parallel its 1/N share of every row; with --nproc
     ranks (dp x cp, at least the CP group) the gradient sync --grad-sync chose."""
-    from tierlm.distributed.sync import sync_config
-
     d = cfg.distributed
     cp = d.context_parallel
     nproc = max(d.nproc, cp)
@@ -193,11 +197,8 @@ def model_config_for(cfg: Config) -> Any:
 
         from transformers import AutoConfig
 
-        from tierlm.models.hf import _check_checkpoint_dir
-
         _check_checkpoint_dir(Path(cfg.model.path))
         return AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
-    from tierlm.models import preset_config
 
     return preset_config(cfg.model.size, max_seq_len=cfg.data.seq_len)
 
@@ -207,8 +208,6 @@ def check_trainable(cfg: Config, precision: str) -> None:
     flags to train it (`--nproc` = dp x `--context-parallel`)."""
     from dataclasses import replace
 
-    from tierlm.runtime.compile import check_compile
-
     dist = cfg.distributed
     run = replace(cfg, distributed=replace(dist, nproc=max(dist.nproc, dist.context_parallel)))
     check_supported(run)
@@ -217,8 +216,6 @@ def check_trainable(cfg: Config, precision: str) -> None:
 
 def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
     """`--offload-policy auto`: the planner's choice, or a PlacementError saying what fits."""
-    from tierlm.memory.placement import PlacementError
-
     hw = hardware_for(cfg)
     p, _, _ = make_plan(cfg, model_config, hw, precision)
     if not p.fits:
@@ -230,9 +227,6 @@ def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
 
 def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str) -> Plan:
     """The planner's prediction for the placement the engine actually runs."""
-    from tierlm.plan.evaluate import evaluate
-    from tierlm.plan.result import usable_budgets
-
     hw = hardware_for(cfg)
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                    base_format=base_format_of(cfg, precision),

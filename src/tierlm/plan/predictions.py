@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tierlm.memory.tiers import Tier
+from tierlm.plan.describe import _short
 from tierlm.plan.result import Plan
 
 
@@ -30,8 +32,6 @@ def plan_start_lines(p: Plan, rates: dict[str, float | None], trained_share: flo
     """What a run on the tiered runtime says of its plan before the first step: where each
     segment's state lives, which compute weights stay on the device, and the predicted step
     time and tokens/s (all and trained)."""
-    from tierlm.plan.describe import _short
-
     counts = p.tier_counts()
     resident = p.resident_names()
     n = len(p.placements)
@@ -53,8 +53,6 @@ def prediction_record(p: Plan, engine: Any | None, step: int,
     engine's ledger; on CUDA also torch.cuda.max_memory_allocated), and with `rates`
     (`predicted_rates`) and `measured` (the run's median `step_time_s`, `tokens_per_s`,
     `trained_tokens_per_s`) the step time and tokens/s beside them."""
-    from tierlm.memory.tiers import Tier
-
     rec: dict[str, Any] = {"step": step, "predicted_device_total_bytes": p.device_total_bytes,
                            "predicted_device_peak_bytes": p.device_peak_bytes,
                            "predicted_host_peak_bytes": p.host_peak_bytes,

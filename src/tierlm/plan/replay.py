@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tierlm.config import OptimConfig
 from tierlm.memory.device import TimingDevice
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.ledger import Ledger
@@ -38,7 +39,30 @@ from tierlm.memory.placement import (
     keeps_graph,
 )
 from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.optim import build_flat_optimizer
 from tierlm.plan.replay_parts import StepTiming, _State, _timing, _timing_store
+from tierlm.runtime.byte_replay import (
+    _actions,
+    _Bytes,
+    _compute_copies,
+    _CountingStep,
+    _stream_plan,
+    readahead_schedule,
+)
+from tierlm.runtime.cache import StreamCache, window_bytes
+from tierlm.runtime.costs import SegmentCost
+from tierlm.runtime.landing import LandingRing, add_to_host
+from tierlm.runtime.schedule import grad_landing, landing_ring_numel, parked_inputs, transient_grad
+from tierlm.runtime.state import (
+    CopiesRead,
+    read_copies,
+    reload_resident,
+    start_load,
+    stream_chunks,
+    write_back_copies,
+)
+from tierlm.runtime.walk import StepRules, walk_step
+from tierlm.runtime.writeback import Writer, deferred_copies
 
 STEPS = 2  # the first fills the stream cache and runs the update the second waits for
 
@@ -58,36 +82,6 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                   readahead=None, writeback=None) -> StepTiming:
     """`config.steps` steps of the engine on `placements`, replayed over byte counts on a
     `TimingDevice`; the last one's timing."""
-    from tierlm.config import OptimConfig
-    from tierlm.optim import build_flat_optimizer
-    from tierlm.runtime.byte_replay import (
-        _actions,
-        _Bytes,
-        _compute_copies,
-        _CountingStep,
-        _stream_plan,
-        readahead_schedule,
-    )
-    from tierlm.runtime.cache import StreamCache, window_bytes
-    from tierlm.runtime.costs import SegmentCost
-    from tierlm.runtime.landing import LandingRing, add_to_host
-    from tierlm.runtime.schedule import (
-        grad_landing,
-        landing_ring_numel,
-        parked_inputs,
-        transient_grad,
-    )
-    from tierlm.runtime.state import (
-        CopiesRead,
-        read_copies,
-        reload_resident,
-        start_load,
-        stream_chunks,
-        write_back_copies,
-    )
-    from tierlm.runtime.walk import StepRules, walk_step
-    from tierlm.runtime.writeback import Writer, deferred_copies
-
     dev = TimingDevice(config.hw, train.precision, tf32=train.tf32)
     ledger = Ledger()
     store = _timing_store(ledger, dev, config.direct)

@@ -11,12 +11,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from tierlm.memory.device import AFTER_COMPUTE, TimingDevice, nbytes_of
+from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
     SegmentPlacement,
 )
 from tierlm.memory.simulator import COMPUTE, D2H, DISK, H2D, Op
 from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.runtime.byte_replay import _Bytes, _CountingStore
+from tierlm.runtime.state import GRAD, MASTER
 
 
 @dataclass
@@ -50,8 +53,6 @@ class _Disk:
 
 
 def _timing_store(ledger: Ledger, dev: TimingDevice, direct: bool):
-    from tierlm.runtime.byte_replay import _CountingStore
-
     class TimingStore(_CountingStore):
         """`_CountingStore` with the store's copies and disk requests, booked on `dev`."""
 
@@ -110,9 +111,6 @@ class _State:
 
     def __init__(self, s: int, name: str, params: Sequence[tuple[str, int]],
                  placement: SegmentPlacement, copy_bytes: int | None, slots: tuple) -> None:
-        from tierlm.memory.layout import FlatLayout
-        from tierlm.runtime.byte_replay import _Bytes
-
         self.index, self.placement = s, placement
         self.seg = SimpleNamespace(name=name)
         self.tier = placement.state_tier
@@ -143,8 +141,6 @@ class _State:
         return f"{self.seg.name}/{copy}.bin"
 
     def slot(self, copy: str):
-        from tierlm.runtime.state import GRAD, MASTER
-
         if copy == "master":
             return MASTER
         if copy == "grad":

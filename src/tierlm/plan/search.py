@@ -29,7 +29,10 @@ from tierlm.plan.advice import _what_would_fit
 from tierlm.plan.evaluate import _evaluate, _replay, parked_bytes, simulated_times
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.runtime.byte_replay import activation_workspace_bytes
+from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.schedule import landing_ring_numel, step_schedule
 from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.state import load_bytes
 
 
 def _priority(names: list[str]) -> list[int]:
@@ -203,8 +206,6 @@ def _disk_options(shape: ModelShape, train: TrainShape, hw: HardwareProfile, can
     segments' master and slots pending in host staging (the read-ahead's share and the
     write-back's segments are reserved, so fewer segments' state fits on the host). The
     fastest that fits, or the candidate."""
-    from tierlm.runtime.readahead import ReadAhead
-
     if shape.frozen or not any(p.state_tier == Tier.DISK for p in candidate.placements):
         return candidate
     order, keep, host = (candidate.order, candidate.keep_resident_activations,
@@ -262,8 +263,6 @@ def _host_then_disk(
     `ring_bytes`: the gradients' landing ring under a placement, held beside the state through
     the sweep, less what of `parked` it is not held beside (the estimate then also checks
     the state and the ring together: a lower bound of the replay's peak)."""
-    from tierlm.runtime.state import load_bytes  # the engine's loader rule (it imports memory)
-
     placements = [
         p if p.state_tier == Tier.DEVICE else SegmentPlacement(p.resident, Tier.HOST)
         for p in placements
@@ -299,8 +298,6 @@ def _segment_ring_numel(n_segments: int, micro_batches: int, order: str, frozen:
     """Elements of the landing ring segment `s`'s own gradient landings need under placement
     `p` (tierlm.runtime.schedule.landing_ring_numel over its landings alone): the step's ring
     is the largest of these."""
-    from tierlm.runtime.schedule import landing_ring_numel, step_schedule
-
     if not transient_grad(p.state_tier, frozen):
         return 0
     landings: list = [None] * n_segments

@@ -7,8 +7,12 @@ from typing import Any
 
 from tierlm.config import Config
 from tierlm.memory.hardware import HardwareProfile
+from tierlm.memory.placement import gib
 from tierlm.memory.tiers import Link
 from tierlm.memory.wear import DiskWear
+from tierlm.models import build_model
+from tierlm.optim import OPTIMIZERS
+from tierlm.plan.describe import describe
 from tierlm.plan.inputs import (
     PrecisionChoice,
     check_trainable,
@@ -19,16 +23,14 @@ from tierlm.plan.inputs import (
     resolve_precision,
 )
 from tierlm.plan.result import Plan
-from tierlm.runtime.shapes import ModelShape
+from tierlm.plan.timing import compiled_block_factor, compiled_block_source
+from tierlm.runtime.shapes import ModelShape, _lora_layout
 
 
 def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = True) -> int:
     """`tierlm plan`: 0 when a plan fits, 3 when nothing does (the output says what would).
     `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
     import json
-
-    from tierlm.plan.describe import describe
-    from tierlm.plan.timing import compiled_block_factor, compiled_block_source
 
     hw = hardware_for(cfg)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend,
@@ -71,8 +73,6 @@ def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
     bytes, tokens/s."""
     from dataclasses import replace
 
-    from tierlm.memory.placement import gib
-
     rows = ["", "each fine-tuning method (--finetune) on this model and hardware:",
             "  method  precision  trained   state on dev/host/disk  resident  device peak"
             "  device total       host       disk  tokens/s  fits"]
@@ -99,9 +99,6 @@ def finetune_table_text(cfg: Config, model_config: Any, hw: HardwareProfile,
 
 def _trained_numel(cfg: Config, model_config: Any) -> int:
     """Parameters --finetune lora/qlora trains: the adapters --lora.* adds."""
-    from tierlm.models import build_model
-    from tierlm.runtime.shapes import _lora_layout
-
     return _lora_layout(build_model(model_config, device="meta"), cfg.lora).numel
 
 
@@ -110,9 +107,6 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
     """What each --opt would change in this plan: its state bytes, the state left on disk (or
     how far it is from fitting), the disk traffic and the predicted tokens/s."""
     from dataclasses import replace
-
-    from tierlm.memory.placement import gib
-    from tierlm.optim import OPTIMIZERS
 
     # --finetune lora/qlora: the optimizer holds state for the adapters only
     n = shape.trained_numel if shape.frozen else sum(shape.numels)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tierlm.distributed.context import ring_send_bytes
+from tierlm.distributed.sync import DenseSync
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.placement import (
     MASTER_B,
@@ -16,6 +18,7 @@ from tierlm.memory.placement import (
     keeps_graph,
 )
 from tierlm.memory.tiers import Link, Tier
+from tierlm.models.nf4 import decode_traffic_bytes
 from tierlm.plan.result import Plan
 from tierlm.runtime.byte_replay import _compute_copies, _disk_update_bytes
 from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -243,7 +246,6 @@ def ring_kv_bytes(shape: ModelShape, train: TrainShape, placements,
     resident without its graph). K/V travel in the compute precision, dK/dV in fp32."""
     if train.context_parallel == 1:
         return 0
-    from tierlm.distributed.context import ring_send_bytes
 
     recomputed = sum(not k for k in keeps_graph(placements, keep_resident)[1:-1])
     kw = dict(cp=train.context_parallel, batch=train.batch_size, local_len=train.seq_len,
@@ -279,7 +281,6 @@ def grad_sync_bytes(shape: ModelShape, train: TrainShape) -> float:
     (tierlm.distributed.sync: the bytes `Comm` records in the ledger as net_send)."""
     if train.nproc == 1:
         return 0.0
-    from tierlm.distributed.sync import DenseSync
 
     segments, slots = _sync_segments(shape)
     return (train.grad_sync or DenseSync()).send_bytes(segments, train.nproc, slots)
@@ -296,7 +297,6 @@ def _grad_sync_lane(shape: ModelShape, train: TrainShape, hw: HardwareProfile, c
     sync_s = grad_sync_bytes(shape, train) / hw.net_Bps
     if not sync_s:
         return 0.0, 0.0
-    from tierlm.distributed.sync import DenseSync
 
     sync = train.grad_sync or DenseSync()
     if not sync.overlaps_backward:
@@ -337,8 +337,6 @@ def _decode_s(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placeme
     pass at `decode_traffic_bytes` per weight over the device's memory bandwidth."""
     if not shape.base_nf4_numels:
         return 0.0
-
-    from tierlm.models.nf4 import decode_traffic_bytes
 
     dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
     decodes = sum(n * (2 + (not k)) for n, k in zip(

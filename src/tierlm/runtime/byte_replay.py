@@ -29,7 +29,14 @@ from tierlm.runtime.schedule import grad_landing, transient_grad
 if TYPE_CHECKING:
     from tierlm.runtime.readahead import ReadAhead
 
+from tierlm.activations.dynamic import SegmentCosts, activation_peak_bytes, head_workspace_bytes
+from tierlm.runtime.cache import StreamCache, window_bytes
+from tierlm.runtime.landing import LandingRing
+from tierlm.runtime.readahead import readahead_starts
+from tierlm.runtime.schedule import landing_ring_numel, parked_inputs, step_schedule, streamed_reads
 from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.state import load_bytes, persistent_bytes, pinned_class
+from tierlm.runtime.walk import StepRules, walk_step
 
 _DTYPE_OF_SIZE = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}
 
@@ -133,8 +140,6 @@ def readahead_schedule(
 ) -> dict[int, list[int]]:
     """Action index -> disk-tier segments whose update state is read after it: the engine's
     rule (tierlm.runtime.readahead) on this plan's schedule and sizes."""
-    from tierlm.runtime.readahead import readahead_starts
-
     if readahead is None or shape.frozen:
         return {}
     sizes = [(s, shape.update_state_bytes(s)) for s, p in enumerate(placements)
@@ -148,8 +153,6 @@ def readahead_schedule(
 def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
     """The engine's schedule of one step (tierlm.runtime.schedule.step_schedule, which
     Engine.schedule calls) for this shape: a frozen embedding has no backward."""
-    from tierlm.runtime.schedule import step_schedule
-
     return step_schedule(len(shape.names), train.micro_batches, order,
                          first_trained=not shape.frozen)
 
@@ -157,8 +160,6 @@ def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
 def _stream_plan(shape: ModelShape, placements: list[SegmentPlacement], actions: list
                  ) -> list[list[int]]:
     """Streamed segments each action reads (Engine.stream_plan, by the same rule), in order."""
-    from tierlm.runtime.schedule import streamed_reads
-
     resident = [p.resident for p in placements]
     tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     return [streamed_reads(a, resident, tied_owners) for a in actions]
@@ -325,12 +326,6 @@ def _simulate(
     reads, where a gradient goes, which boundary inputs park; tierlm.runtime.state: the
     persistent state and what a load stages and moves); this replay sets up the state before
     the sweep and counts the update after it."""
-    from tierlm.runtime.cache import StreamCache, window_bytes
-    from tierlm.runtime.landing import LandingRing
-    from tierlm.runtime.schedule import landing_ring_numel, parked_inputs
-    from tierlm.runtime.state import load_bytes, persistent_bytes, pinned_class
-    from tierlm.runtime.walk import StepRules, walk_step
-
     ledger = Ledger() if ledger is None else ledger
     store = _CountingStore(ledger, arena)
     last = len(shape.names) - 1
@@ -449,12 +444,6 @@ def activation_workspace_bytes(shape: ModelShape, train: TrainShape, keep: list[
     recompute theirs in the backward (`full`); the head's chunked loss runs in between. One
     block's saved tensors are linear in the tokens (SDPA's fused kernel), measured under the
     run's precision."""
-    from tierlm.activations.dynamic import (
-        SegmentCosts,
-        activation_peak_bytes,
-        head_workspace_bytes,
-    )
-
     tokens = train.batch_size * train.seq_len
     block = SegmentCosts(int(shape.saved_bytes_per_token(train.precision) * tokens), 0, 0)
     costs = [SegmentCosts(0, 0, 0)] + [block] * (len(keep) - 1)  # embed saves token ids only

@@ -64,7 +64,7 @@ class EngineOptions:
     `options`."""
 
     policy: str = "none"
-    """none | host | disk | tiered (see memory/placement.py)."""
+    """none | host | disk | tiered (see runtime/placement.py)."""
     microbatch_order: str = "microbatch-outer"
     """microbatch-outer or layer-outer."""
     resident: str | None = None

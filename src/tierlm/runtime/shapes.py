@@ -13,12 +13,22 @@ from typing import Any
 
 import torch
 
+from tierlm.config import OptimConfig, PrecisionConfig
+from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     GRAD_B,
     MASTER_B,
     STAGING_CHUNK_NUMEL,
     update_staging_bytes,
 )
+from tierlm.models import build_model
+from tierlm.models.adapters import ModelAdapter, StepContext
+from tierlm.models.lora import lora_targets
+from tierlm.models.nf4 import BLOCK, NF4Format
+from tierlm.optim import build_flat_optimizer
+from tierlm.precision import prepare_precision
+from tierlm.precision.policy import classify, linear_dims
+from tierlm.precision.streaming import ComputeFormat
 
 
 @dataclass(frozen=True)
@@ -144,10 +154,6 @@ class ModelShape:
         its tierlm.config.LoraConfig under --finetune lora or qlora (None: full fine-tuning);
         `base_format`: how its frozen base is held (tierlm.config.base_format_of: fp32, bf16
         or nf4); `precision`: what it computes in (an NF4 base is decoded to it)."""
-        from tierlm.config import OptimConfig
-        from tierlm.memory.layout import FlatLayout
-        from tierlm.models import build_model
-        from tierlm.models.adapters import ModelAdapter
         model = build_model(config, device="meta")
         adapter = ModelAdapter(model)
         segs = adapter.segments
@@ -189,10 +195,6 @@ class ModelShape:
     def with_optimizer(self, config: Any, optim: Any) -> ModelShape:
         """This shape under another optimizer (`optim`: an OptimConfig) for the same model
         `config`: only the optimizer's fields differ."""
-        from tierlm.memory.layout import FlatLayout
-        from tierlm.models import build_model
-        from tierlm.models.adapters import ModelAdapter
-
         model = build_model(config, device="meta")
         segs = ModelAdapter(model).segments
         layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params]) for s in segs]
@@ -230,8 +232,6 @@ def _kv_shape(cfg: Any) -> dict[str, int]:
 def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str, Any]:
     """ModelShape's optimizer fields for segments with these flat layouts under `optim`
     (`trained`: a LoRA run's adapters' flat layout, whose state is all the optimizer holds)."""
-    from tierlm.optim import build_flat_optimizer
-
     optimizer = build_flat_optimizer(optim)
     return {"optim_state_bytes": [optimizer.state_nbytes(lay) for lay in layouts],
             "optim_name": optimizer.name, "optim_whole": optimizer.align == 0,
@@ -244,10 +244,6 @@ def optimizer_fields(layouts: list, optim: Any, trained: Any = None) -> dict[str
 def _lora_layout(model, lora):
     """The flat layout of the adapters `apply_lora` would add: (r, in) and (out, r) per target
     (matrices: they decay, as AdamW's grouping gives them)."""
-    from tierlm.memory.layout import FlatLayout
-    from tierlm.models.lora import lora_targets
-    from tierlm.precision.policy import linear_dims
-
     modules = dict(model.named_modules())
     shapes = []
     for name in lora_targets(model, lora.targets):
@@ -265,12 +261,6 @@ def _base_bytes(model, layouts, lora, base_format: str,
     targets' weights (a multiple of 64 elements), or bf16 for every linear weight the default
     precision policy computes in bf16 (the blocks'), fp32 for the rest; and the NF4 weights
     each segment holds."""
-    from tierlm.config import PrecisionConfig
-    from tierlm.models.lora import lora_targets
-    from tierlm.models.nf4 import BLOCK, NF4Format
-    from tierlm.precision.policy import classify
-    from tierlm.precision.streaming import ComputeFormat
-
     params = dict(model.named_parameters())
     kind_of: dict[str, str] = {}
     if precision == "bf16":  # what slot_kinds reads off the precision layers, by name
@@ -306,11 +296,6 @@ def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
     path and save the (B, H, S, S) softmax), and bf16 autocast and the precision policy's
     layers cast as they do in the run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from tierlm.config import PrecisionConfig
-    from tierlm.models import build_model
-    from tierlm.models.adapters import ModelAdapter, StepContext
-    from tierlm.precision import prepare_precision
 
     model = build_model(config, device="meta")
     with FakeTensorMode(allow_non_fake_inputs=True):
