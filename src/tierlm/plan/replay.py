@@ -41,6 +41,7 @@ from tierlm.memory.placement import (
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.optim import build_flat_optimizer
 from tierlm.plan.replay_parts import StepTiming, _State, _timing, _timing_store
+from tierlm.runtime import schedule
 from tierlm.runtime.byte_replay import (
     _actions,
     _Bytes,
@@ -52,7 +53,7 @@ from tierlm.runtime.byte_replay import (
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.landing import LandingRing, add_to_host
-from tierlm.runtime.schedule import grad_landing, landing_ring_numel, parked_inputs, transient_grad
+from tierlm.runtime.schedule import grad_landing, landing_ring_numel, transient_grad
 from tierlm.runtime.state import (
     CopiesRead,
     read_copies,
@@ -124,7 +125,9 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     tied_owners = [0] if shape.tied_numel else []
     rules = StepRules(
         micro_batches=train.micro_batches,
-        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host),
+        # the engine's rule, read from its module at each call (a test changes it there)
+        parked=schedule.parked_inputs(["keep" if k else "full" for k in keep[:last]],
+                                      boundary_host),
         tied_owners=tied_owners, tied_trained=bool(tied_owners) and not frozen,
         state_tiers=[p.state_tier for p in placements], first_trained=not frozen)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.placement import (
@@ -19,20 +18,15 @@ from tierlm.memory.placement import (
     keeps_graph,
 )
 from tierlm.memory.tiers import Tier
-from tierlm.runtime.schedule import transient_grad
-from tierlm.runtime.writeback import WriteBack
-
-if TYPE_CHECKING:
-    from tierlm.runtime.readahead import ReadAhead
-
 from tierlm.plan.advice import _what_would_fit
 from tierlm.plan.evaluate import _evaluate, _replay, parked_bytes, simulated_times
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.runtime.byte_replay import activation_workspace_bytes
 from tierlm.runtime.readahead import ReadAhead
-from tierlm.runtime.schedule import landing_ring_numel, step_schedule
+from tierlm.runtime.schedule import landing_ring_numel, step_schedule, transient_grad
 from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.runtime.state import load_bytes
+from tierlm.runtime.writeback import WriteBack
 
 
 def _priority(names: list[str]) -> list[int]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierlm.activations.dynamic import SegmentCosts, activation_peak_bytes, head_workspace_bytes
 from tierlm.memory.arena import ArenaReplay
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
@@ -24,19 +25,23 @@ from tierlm.memory.placement import (
     keeps_graph,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
-from tierlm.runtime.schedule import grad_landing, transient_grad
-
-if TYPE_CHECKING:
-    from tierlm.runtime.readahead import ReadAhead
-
-from tierlm.activations.dynamic import SegmentCosts, activation_peak_bytes, head_workspace_bytes
+from tierlm.runtime import schedule
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.landing import LandingRing
 from tierlm.runtime.readahead import readahead_starts
-from tierlm.runtime.schedule import landing_ring_numel, parked_inputs, step_schedule, streamed_reads
+from tierlm.runtime.schedule import (
+    grad_landing,
+    landing_ring_numel,
+    step_schedule,
+    streamed_reads,
+    transient_grad,
+)
 from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.runtime.state import load_bytes, persistent_bytes, pinned_class
 from tierlm.runtime.walk import StepRules, walk_step
+
+if TYPE_CHECKING:
+    from tierlm.runtime.readahead import ReadAhead
 
 _DTYPE_OF_SIZE = {4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}
 
@@ -399,7 +404,9 @@ def _simulate(
         micro_batches=train.micro_batches,
         # the boundary inputs that wait on the host: the engine's rule on the policies `keep`
         # gives (resident graphs kept, the rest recomputed)
-        parked=parked_inputs(["keep" if k else "full" for k in keep[:last]], boundary_host)
+        # the engine's rule, read from its module at each call (a test changes it there)
+        parked=schedule.parked_inputs(["keep" if k else "full" for k in keep[:last]],
+                                      boundary_host)
         if parked is None else parked,
         tied_owners=tied_owners,
         # the head's contribution to tied weights is held in a buffer the size of the owner's
