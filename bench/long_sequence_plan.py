@@ -25,15 +25,11 @@ import argparse
 
 from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import gib
-from tierlm.memory.planner import (
-    ModelShape,
-    TrainShape,
-    grad_sync_bytes,
-    plan,
-    ring_kv_bytes,
-    usable_budgets,
-)
 from tierlm.models import preset_config
+from tierlm.plan.result import usable_budgets
+from tierlm.plan.search import plan
+from tierlm.plan.timing import grad_sync_bytes, ring_kv_bytes
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 
 def main() -> None:

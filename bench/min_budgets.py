@@ -48,7 +48,8 @@ def main() -> None:
     from transformers import Qwen2Config
 
     from tierlm.memory.hardware import resolve
-    from tierlm.memory.planner import ModelShape, TrainShape, plan
+    from tierlm.plan.search import plan
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     hw = resolve("cpu", disk_budget_bytes=1 << 50)  # as bench/scale.py runs: fp32, CPU
     train = TrainShape(args.batch_size, args.seq_len, 1, "fp32")

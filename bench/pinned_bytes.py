@@ -26,9 +26,9 @@ from tierlm.cli import build_parser, config_from_args
 from tierlm.memory.arena import ArenaReplay
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import gib
-from tierlm.memory.planner import _simulate
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.train.planning import hardware_for, make_plan, model_config_for, resolve_precision
+from tierlm.plan.inputs import hardware_for, make_plan, model_config_for, resolve_precision
+from tierlm.runtime.byte_replay import _simulate
 
 
 def torch_pinned_bytes(nbytes: int) -> int:

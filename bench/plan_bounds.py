@@ -33,11 +33,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from tierlm.memory import planner
 from tierlm.memory.hardware import resolve
-from tierlm.memory.planner import ModelShape, TrainShape, parked_bytes, plan
 from tierlm.memory.tiers import Tier
 from tierlm.models import preset_config
+from tierlm.plan import search as planner
+from tierlm.plan.evaluate import parked_bytes
+from tierlm.plan.result import Plan
+from tierlm.plan.search import plan
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 GiB = 2**30
 
@@ -67,7 +70,7 @@ def without_disk_options() -> Iterator[None]:
         planner._disk_options = original
 
 
-def least_moved(p: planner.Plan, shape: ModelShape, train: TrainShape) -> dict[str, int]:
+def least_moved(p: Plan, shape: ModelShape, train: TrainShape) -> dict[str, int]:
     parked = parked_bytes(shape, train, p.order, p.boundary_on_host) * (
         1 if p.order == "layer-outer" else train.micro_batches)
     off = [s for s, pl in enumerate(p.placements) if pl.state_tier != Tier.DEVICE]

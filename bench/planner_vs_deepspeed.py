@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 
 from tierlm.memory.hardware import PROFILES, GiB
-from tierlm.memory.planner import ModelShape, TrainShape, plan
 from tierlm.models import build_model, preset_config
+from tierlm.plan.search import plan
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 
 For the 7B design point (`tierlm plan --model-size 7b --hardware rtx4090 --host-memory 64GiB
 --disk-budget 200GiB --batch-size 4 --seq-len 2048 --grad-accum-steps 8`, bf16 and fp8) and 13B
-at 128 GiB of host memory, the planner's plan is simulated (tierlm.memory.replay, the engine's
+at 128 GiB of host memory, the planner's plan is simulated (tierlm.plan.replay, the engine's
 operations on a timing device) with three activation choices on the same placement:
 
 - `recompute`: the planner's rule today, every streamed block recomputes its forward;
@@ -32,16 +32,12 @@ import time
 
 from tierlm.memory.hardware import resolve
 from tierlm.memory.placement import keeps_graph
-from tierlm.memory.planner import (
-    MATMUL_EFFICIENCY,
-    ModelShape,
-    TrainShape,
-    activation_workspace_bytes,
-    evaluate,
-    plan,
-    simulated_times,
-)
 from tierlm.models import preset_config
+from tierlm.plan.evaluate import evaluate, simulated_times
+from tierlm.plan.search import plan
+from tierlm.plan.timing import MATMUL_EFFICIENCY
+from tierlm.runtime.byte_replay import activation_workspace_bytes
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 GiB = 2**30
 

@@ -10,7 +10,7 @@ at 128 GiB of host memory (400 GiB of disk), and prints per case:
 - the formula's step (`_times`: the sweep's max of the lanes plus the update stall) and its
   ratio to the formula's compute;
 - the simulated step: the replay of the engine's operations on a timing device
-  (tierlm.memory.replay, the second of two steps), its compute lower bound (the compute lane's
+  (tierlm.plan.replay, the second of two steps), its compute lower bound (the compute lane's
   busy time) and the ratio of the two;
 - each lane's busy time in the simulated step (compute, H2D, D2H, disk, the update worker's
   CPU, the training thread's gradient adds) and the compute's time waiting for copies;
@@ -30,8 +30,9 @@ from __future__ import annotations
 import time
 
 from tierlm.memory.hardware import resolve
-from tierlm.memory.planner import ModelShape, TrainShape, plan
 from tierlm.models import preset_config
+from tierlm.plan.search import plan
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 GiB = 2**30
 
@@ -72,7 +73,7 @@ def row(model: str, precision: str, host: int, disk: int) -> list[str]:
 
 def main() -> None:
     print("rtx4090 profile, 8 x 4 x 2048 tokens per step; the simulated step is the replay's "
-          "second of two steps (tierlm.memory.replay)")
+          "second of two steps (tierlm.plan.replay)")
     print()
     head = ["case", "state device/host/disk; resident; order", "formula step (x compute)",
             "simulated step", "compute bound (compute lane busy)", "ratio",

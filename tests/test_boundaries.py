@@ -9,10 +9,10 @@ import torch
 from runtime_helpers import OPTIM, assert_close_run, batches, reference_cases, tiny_model
 
 from tierlm.config import ActivationConfig
-from tierlm.memory.placement import place
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime.placement import place
 
 CPU = torch.device("cpu")
 STEPS, B, T = 3, 2, 16
@@ -109,7 +109,9 @@ def test_planner_replays_host_boundaries(spec, order, tmp_path):
     moved per link in a steady step equal the ledger's."""
     from tierlm.memory.hardware import resolve
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = tiny_model("llama_untied", layers=3)
     shape = ModelShape.from_config(copy.deepcopy(model.config))
@@ -154,10 +156,11 @@ def test_planner_parks_boundaries_only_where_every_segment_recomputes(size, gpu_
     the write-back's staging and disk-tier gradients held on the host win over parking.) The
     plan itself ranks the variants that fit by their simulated step, and picks whichever
     that says; parked or not, parking goes with recomputing everything."""
-    from tierlm.memory import planner
+    from tierlm.plan import search as planner
     from tierlm.memory.hardware import resolve
-    from tierlm.memory.planner import ModelShape, TrainShape, plan
     from tierlm.models import preset_config
+    from tierlm.plan.search import plan
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     shape = ModelShape.from_config(preset_config(size))
     hw = resolve("rtx4090", gpu_memory_bytes=gpu_gib and int(gpu_gib * 2**30),

@@ -13,10 +13,12 @@ from transformers import AutoModelForCausalLM
 from tierlm.memory import Tier
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement, chunk_ranges, staging_numel
-from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
 from tierlm.memory.tiers import TensorClass
 from tierlm.models.testing import tiny_hf_configs
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import usable_budgets
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 CPU = torch.device("cpu")
 B, T = 2, 16

@@ -416,7 +416,7 @@ def test_precision_auto_stops_at_bf16_when_compiled(capsys):
     of refusing its own default; fp8 asked for (named, or --fp8-emulate) is still refused."""
     from tierlm.cli import main
     from tierlm.memory.hardware import PROFILES
-    from tierlm.train.planning import resolve_precision
+    from tierlm.plan.inputs import resolve_precision
 
     auto = PrecisionConfig(mode="auto")
     got = resolve_precision(auto, None, PROFILES["rtx4090"], compiled=True)
@@ -482,9 +482,10 @@ def _times_of(compiled: bool, ratio: float | None):
 
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, _times
     from tierlm.memory.tiers import Tier
     from tierlm.models import preset_config
+    from tierlm.plan.timing import _times
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     shape = ModelShape.from_config(preset_config("tiny"))
     train = TrainShape(batch_size=2, seq_len=64, micro_batches=1, compiled=compiled)
@@ -546,8 +547,8 @@ def test_probe_measures_the_compiled_block_and_keeps_it(compiler, tmp_path, monk
     keeps it."""
     import json
 
-    from tierlm.memory import probe
     from tierlm.models.testing import tiny_hf_configs
+    from tierlm.plan import probe
 
     monkeypatch.setattr(probe, "measure", lambda target, **kw: {"matmul_flops": 1.0})
     # the runs are real (the block compiles), their durations scripted: the compile, then

@@ -34,9 +34,10 @@ from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes, ring_kv_bytes
 from tierlm.memory.tiers import Link, Tier
+from tierlm.plan.timing import grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.train.reference import ReferenceStep
 
 MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads
@@ -277,7 +278,7 @@ def test_plan_holds_one_rank_share_of_each_row(capsys):
     """`tierlm plan --context-parallel N`: each rank's activations are those of seq/N tokens;
     attention still reads the whole row; the train command it prints keeps the CP flags."""
     from tierlm.cli import main
-    from tierlm.train.planning import hardware_for, make_plan, model_config_for
+    from tierlm.plan.inputs import hardware_for, make_plan, model_config_for
 
     def plan(cp: int, **hw):
         cfg = from_dict({"model": {"size": "small"}, "data": {"seq_len": 4096},

@@ -28,9 +28,10 @@ from tierlm.distributed.sync import DelayedSync, DenseSync, TopKSync
 from tierlm.distributed.world import World
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.planner import ModelShape, TrainShape, grad_sync_bytes
 from tierlm.memory.tiers import Link
+from tierlm.plan.timing import grad_sync_bytes
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 MODEL = "llama_tied_gqa"  # tied embeddings: the head's gradient joins the owner's before sync
 STEPS, M, B_GLOBAL, T = 4, 2, 4, 16

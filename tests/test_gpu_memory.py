@@ -8,7 +8,7 @@ import torch
 
 from tierlm.cli import main
 from tierlm.config import from_dict
-from tierlm.train.planning import cap_gpu_memory
+from tierlm.plan.inputs import cap_gpu_memory
 
 GiB = 2**30
 

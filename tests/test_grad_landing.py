@@ -18,16 +18,20 @@ from runtime_helpers import (
     tiny_model,
 )
 
-from tierlm.memory import Tier, planner
+from tierlm.memory import Tier
 from tierlm.memory.device import HostDevice
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, _simulate, evaluate, usable_budgets
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import Link, TensorClass
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import usable_budgets
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import byte_replay as planner
+from tierlm.runtime.byte_replay import _simulate
 from tierlm.runtime.landing import LandingRing, add_to_host
 from tierlm.runtime.schedule import landing_ring_numel, landing_staging_numel, step_schedule
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 CPU = torch.device("cpu")
 B, T = 2, 16

@@ -126,7 +126,7 @@ def test_unbuilt_combinations_are_refused():
                                        "distributed": {"nproc": 2}}))
     # LoRA computes in fp32 or bf16 as auto or the user says; auto's fp8 becomes bf16 (saying
     # why), a named fp8 is refused naming the flag
-    from tierlm.train.planning import PrecisionChoice, finetune_precision
+    from tierlm.plan.inputs import PrecisionChoice, finetune_precision
     for method in ("lora", "qlora"):
         cfg = from_dict({"train": {"finetune": method}})
         got = finetune_precision(cfg, PrecisionChoice("fp8", "RTX 4090 (sm_89) has fp8 units"))
@@ -221,7 +221,9 @@ def test_planner_counts_the_bf16_base(tmp_path):
     moves exactly."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = bf16_model(_lora_model("llama_tied_gqa"))
     plain = tiny_model("llama_tied_gqa", layers=2).config
@@ -356,8 +358,10 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
     adapters on the device) predicts the ledger's device peak, disk bytes and moves exactly."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
     from tierlm.memory.tiers import Tier
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = _lora_model("llama_tied_gqa")
     shape = ModelShape.from_config(copy.deepcopy(model.config), optim=OPTIM, lora=LORA)

@@ -142,17 +142,14 @@ def test_a_budget_keeps_the_last_blocks_and_the_ledger_holds_what_the_plan_measu
 def test_the_planner_keeps_streamed_graphs_last_first_where_the_device_has_room():
     from tierlm.memory.hardware import resolve
     from tierlm.memory.placement import SegmentPlacement, keeps_graph
-    from tierlm.memory.planner import (
-        ModelShape,
-        TrainShape,
-        _keep_streamed,
-        activation_workspace_bytes,
-        describe,
-        evaluate,
-        usable_budgets,
-    )
     from tierlm.memory.tiers import Tier
     from tierlm.models import preset_config
+    from tierlm.plan.describe import describe
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.plan.search import _keep_streamed
+    from tierlm.runtime.byte_replay import activation_workspace_bytes
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     shape = ModelShape.from_config(preset_config("125m", max_seq_len=512))
     train = TrainShape(batch_size=2, seq_len=256, micro_batches=1, precision="fp32")

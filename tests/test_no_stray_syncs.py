@@ -183,7 +183,7 @@ def test_norms_cross_to_the_device_as_one_vector():
 # -- the source (AST) ----
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tierlm"
-SCANNED = ("runtime", "memory", "precision", "activations", "optim")
+SCANNED = ("runtime", "memory", "precision", "activations", "optim", "plan")
 # the one place that talks to streams and events and makes the step's waits (issue R, item 1)
 DEVICE_INTERFACE = {"memory/device.py"}
 STREAM_AND_SYNC_FUNCTIONS = {
@@ -230,12 +230,12 @@ ALLOWED = {
     ("runtime/compile.py", "compiled_graphs", "int"): "torch._dynamo's counters: a dict",
     ("memory/disk.py", "supports_direct_io", "torch.equal"):
         "the O_DIRECT probe at setup, on host buffers",
-    ("memory/probe.py", "decode_memory_Bps.decode", "torch.cuda.synchronize"):
+    ("plan/probe.py", "decode_memory_Bps.decode", "torch.cuda.synchronize"):
         "tierlm probe's measurements, before training",
-    ("memory/probe.py", "measure.mm", "torch.cuda.synchronize"): "tierlm probe's measurements",
-    ("memory/probe.py", "measure.copy", "non_blocking"): "tierlm probe's measurements",
-    ("memory/probe.py", "measure.copy", "torch.cuda.synchronize"): "tierlm probe's measurements",
-    ("memory/probe.py", "measure_compiled_block.timer.run", "torch.cuda.synchronize"):
+    ("plan/probe.py", "measure.mm", "torch.cuda.synchronize"): "tierlm probe's measurements",
+    ("plan/probe.py", "measure.copy", "non_blocking"): "tierlm probe's measurements",
+    ("plan/probe.py", "measure.copy", "torch.cuda.synchronize"): "tierlm probe's measurements",
+    ("plan/probe.py", "measure_compiled_block.timer.run", "torch.cuda.synchronize"):
         "tierlm probe's measurements",
     ("precision/matmul.py", "scaled_mm_works", ".item"): "the fp8 capability check at setup",
     ("precision/watch.py", "Fp8Watch.state_dict", ".tolist"): "checkpoint state, outside a step",

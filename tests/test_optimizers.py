@@ -18,14 +18,17 @@ from tierlm.config import NotSupportedYet, OptimConfig
 from tierlm.distributed.delayed import Delayed
 from tierlm.distributed.sync import DelayedSync
 from tierlm.memory.layout import FlatLayout
-from tierlm.memory.planner import ModelShape, describe, evaluate, usable_budgets
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.optim import OPTIMIZERS, build_flat_optimizer, build_optimizer
 from tierlm.optim import native as kernels
 from tierlm.optim.adafactor import FlatAdafactor
 from tierlm.optim.flat import FlatOptimizer, StateSlot, params_in
 from tierlm.optim.lion import Lion
+from tierlm.plan.describe import describe
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import usable_budgets
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime.shapes import ModelShape
 from tierlm.train.reference import ReferenceStep
 
 CPU = torch.device("cpu")
@@ -337,7 +340,7 @@ def test_planner_counts_the_optimizers_state(name, tmp_path):
     eng.close()
     assert optim_bytes == sum(shape.optim_state_bytes) > 0
     from tierlm.memory.hardware import PROFILES
-    from tierlm.memory.planner import TrainShape
+    from tierlm.runtime.shapes import TrainShape
 
     hw = PROFILES["rtx4090"]
     p = evaluate(shape, TrainShape(B, T, M), hw, placements, "microbatch-outer", True,

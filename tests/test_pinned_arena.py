@@ -20,10 +20,13 @@ from tierlm.memory.arena import (
 from tierlm.memory.disk import ALIGN_BYTES
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, describe, evaluate, usable_budgets
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.plan.describe import describe
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import usable_budgets
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.train.preflight import check_pinned_memory
 from tierlm.train.safety import HostMemoryError
 

@@ -10,11 +10,14 @@ from runtime_helpers import OPTIM, tiny_model
 from tierlm.cli import main
 from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, evaluate, plan, usable_budgets
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import usable_budgets
+from tierlm.plan.search import plan
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
 
@@ -289,7 +292,7 @@ def test_auto_refuses_an_impossible_budget_before_the_first_step(tmp_path, capsy
 
 def test_probe_measures_and_detect_uses_it(tmp_path, monkeypatch):
     from tierlm.memory import hardware
-    from tierlm.memory.probe import run_probe
+    from tierlm.plan.probe import run_probe
 
     out = tmp_path / "probe.json"
     monkeypatch.setattr(hardware, "probe_path", lambda: out)
@@ -317,7 +320,7 @@ def test_named_profiles_and_overrides():
 
 def test_precision_auto_takes_bf16_only_where_native():
     from tierlm.config import PrecisionConfig
-    from tierlm.train.planning import resolve_precision
+    from tierlm.plan.inputs import resolve_precision
 
     auto = PrecisionConfig(mode="auto")
     assert resolve_precision(auto, torch.device("cpu"), None).mode == "fp32"
@@ -345,7 +348,7 @@ def test_precision_auto_takes_bf16_only_where_native():
 def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkeypatch):
     """The device rule at train time (the GPU's own answers stood in for: no CUDA here)."""
     from tierlm.config import PrecisionConfig
-    from tierlm.train.planning import resolve_precision
+    from tierlm.plan.inputs import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -366,7 +369,7 @@ def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkey
 ])
 def test_precision_auto_refuses_flags_its_choice_ignores(flags, flag, resolved):
     from tierlm.config import ConfigError, PrecisionConfig
-    from tierlm.train.planning import resolve_precision
+    from tierlm.plan.inputs import resolve_precision
 
     p = PrecisionConfig(mode="auto", **flags)
     backend = "fsdp" if resolved == "bf16" else "engine"
@@ -515,7 +518,7 @@ def test_deferred_write_back_leaves_the_window_but_not_the_drive():
     unchanged and still bounds the step, and a write-back limit of one segment waits for the
     drive (the stall it adds is named)."""
     from tierlm.memory.hardware import resolve
-    from tierlm.memory.planner import _times
+    from tierlm.plan.timing import _times
 
     shape = ModelShape.from_config(preset_config("1b", max_seq_len=2048))
     train = TrainShape(4, 2048, 8, "bf16")
@@ -561,8 +564,8 @@ SHARED_CASES = [  # (model factory, micro-batches, order, placement spec)
 def test_the_replay_takes_the_engines_schedule(case, tmp_path):
     """The planner's actions and stream plan are the engine's, action for action, and the
     persistent state it counts is what the engine allocated."""
-    from tierlm.memory.planner import _actions, _stream_plan
     from tierlm.memory.tiers import Link, TensorClass
+    from tierlm.runtime.byte_replay import _actions, _stream_plan
     from tierlm.runtime.state import load_bytes, persistent_bytes, start_load
 
     factory, m, order, spec = case
@@ -681,7 +684,7 @@ def test_gradient_sync_is_counted_in_the_net_lane_and_named_when_it_binds(capsys
     waits for; delayed sync sends the weights every k steps, after the step."""
     from tierlm.config import LoraConfig
     from tierlm.distributed.sync import DelayedSync, DenseSync
-    from tierlm.memory.planner import grad_sync_bytes
+    from tierlm.plan.timing import grad_sync_bytes
 
     shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
     n = shape.n_params
@@ -732,7 +735,7 @@ def test_the_search_ranks_fitting_variants_by_their_simulated_step(monkeypatch):
     """The variants (order x activations x boundary tier) that fit are ranked by the simulated
     step, not the formula: with a simulator that reverses the formula's order, the search
     returns the variant the formula ranks slowest; the advice's searches do not simulate."""
-    import tierlm.memory.planner as planner
+    import tierlm.plan.search as planner
 
     shape = ModelShape.from_config(preset_config("125m", max_seq_len=512))
     train = TrainShape(batch_size=2, seq_len=256, micro_batches=2)

@@ -21,17 +21,12 @@ from transformers import LlamaConfig, Qwen2Config
 from tierlm.config import from_dict, parse_bytes
 from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import (
-    SAFETY_MARGIN,
-    ModelShape,
-    Plan,
-    TrainShape,
-    _evaluate,
-    plan,
-    usable_budgets,
-)
 from tierlm.memory.tiers import Tier
-from tierlm.train.planning import make_plan, plan_auto
+from tierlm.plan.evaluate import _evaluate
+from tierlm.plan.inputs import make_plan, plan_auto
+from tierlm.plan.result import SAFETY_MARGIN, Plan, usable_budgets
+from tierlm.plan.search import plan
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 HW = PROFILES["cpu"]
 TRAIN = TrainShape(batch_size=2, seq_len=32, micro_batches=1)

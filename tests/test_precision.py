@@ -532,8 +532,10 @@ def test_planner_predicts_the_compute_copies_and_their_h2d_bytes(tmp_path):
     """The planner's replay counts what `streamed` measures, byte for byte: the blocks' host
     compute copies and the bytes that cross per step, per precision (fp8: with the scales)."""
     from tierlm.memory.hardware import PROFILES
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
     from tierlm.memory.tiers import Link, TensorClass, Tier
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     hw = PROFILES["cpu"]
     shape = ModelShape.from_config(copy.deepcopy(tiny_model("llama_untied", layers=2).config))

@@ -227,7 +227,7 @@ def test_report_leaves_out_an_empty_fetch_panel_and_plots_peak_rss(tmp_path):
 def test_end_lines_without_a_plan_give_the_measured_rates():
     """The reference trainer has no plan: its run still ends with its step time and both
     tokens/s."""
-    from tierlm.train.planning import prediction_lines
+    from tierlm.plan.predictions import prediction_lines
 
     rec = {"measured_step_time_s": 0.25, "measured_tokens_per_s": 512.0,
            "measured_trained_tokens_per_s": 256.0}

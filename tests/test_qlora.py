@@ -391,7 +391,9 @@ def test_planner_counts_the_nf4_base(spec, precision, tmp_path):
     runs alike), and the engine reserves the decode buffer the planner counts."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     model = _qlora_model()
     shape = ModelShape.from_config(tiny_model("llama_tied_gqa", layers=2).config, optim=OPTIM,
@@ -490,8 +492,11 @@ def test_planner_counts_the_decode_time_per_matmul():
     bandwidth; the decode is part of the step's compute, and LoRA has none."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, _decode_s, evaluate, usable_budgets
     from tierlm.models.nf4 import decode_traffic_bytes
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.plan.timing import _decode_s
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     config = tiny_model("llama_tied_gqa", layers=2).config
     hw = PROFILES["rtx4090"]

@@ -539,7 +539,7 @@ _RSS_CHILD = textwrap.dedent("""
     else:  # everything a run holds that does not depend on the model, and no model
         import torch, transformers, tierlm.cli, tierlm.train
         from tierlm.data import encode_documents, load_corpus, load_or_train_tokenizer
-        from tierlm.train.trainer import cache_dir
+        from tierlm.paths import cache_dir
         corpus = load_corpus(sys.argv[2], None)
         tok = load_or_train_tokenizer([d.text for d in corpus.train], 512,
                                       cache_dir() / "tokenizers")

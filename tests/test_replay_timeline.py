@@ -1,5 +1,5 @@
 """One time model: the engine on a simulated GPU (tierlm.memory.device.SimDevice) and the
-planner's replay of the same configuration over byte counts (tierlm.memory.replay, on a
+planner's replay of the same configuration over byte counts (tierlm.plan.replay, on a
 TimingDevice) put the same operations on the timeline, at the same virtual times."""
 
 import copy
@@ -11,12 +11,12 @@ from runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model
 from tierlm.memory.device import SimDevice
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape
-from tierlm.memory.replay import ReplayConfig, simulate_step
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
+from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.runtime.writeback import WriteBack
 
 B, T, M, STEPS = 1, 8, 2, 2
@@ -127,7 +127,7 @@ def _check(preset, kind, order, precision, tmp_path, **options):
 def test_the_simulated_step_is_the_plan_s():
     """`tierlm plan`'s plan carries the replay's steady-state step and its lanes; with
     everything on the device the step is its compute, no copy lane is busy."""
-    from tierlm.memory.planner import plan
+    from tierlm.plan.search import plan
 
     shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
     p = plan(shape, TrainShape(2, 64, 2, "bf16"), HW)

@@ -18,10 +18,11 @@ from runtime_helpers import (
 )
 
 from tierlm.memory import PlacementError, Tier
-from tierlm.memory.placement import COMPUTE_B, SegmentPlacement, place
+from tierlm.memory.placement import COMPUTE_B, SegmentPlacement
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime.placement import place
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.state import as_tensor
 from tierlm.runtime.writeback import WriteBack

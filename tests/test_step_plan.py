@@ -11,7 +11,7 @@ import torch
 from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 
 import tierlm.activations
-import tierlm.memory.placement
+import tierlm.runtime.placement
 import tierlm.runtime.plan
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
@@ -44,7 +44,7 @@ def test_engine_runs_the_plan_it_is_given_and_matches_the_reference(tmp_path, mo
     plan = dataclasses.replace(plan_step(model, OPTIM, options, device=CPU),
                                activation_policies=POLICIES)
     # from here on nothing may choose: the engine executes the plan
-    for module, name in ((tierlm.runtime.plan, "place"), (tierlm.memory.placement, "place"),
+    for module, name in ((tierlm.runtime.plan, "place"), (tierlm.runtime.placement, "place"),
                          (tierlm.runtime.plan, "resolve_policies"),
                          (tierlm.activations, "resolve_policies"),
                          (tierlm.runtime.plan, "probe_costs"),

@@ -188,10 +188,12 @@ def _predicted(hw_name, precision, writeback):
     """All-disk `tiny`, 2 micro-batches: (shape, train, hw, plan, predicted events)."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.memory.planner import ModelShape, TrainShape, evaluate, usable_budgets
     from tierlm.memory.tiers import Tier
-    from tierlm.memory.timeline import predicted_timeline
     from tierlm.models import preset_config
+    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.result import usable_budgets
+    from tierlm.plan.timeline import predicted_timeline
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     shape = ModelShape.from_config(preset_config("tiny", max_seq_len=32))
     train = TrainShape(2, 32, M, precision)
@@ -218,7 +220,8 @@ def _never_overlap(events):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("segments", [1, 4])
 def test_predicted_write_back_follows_each_update_on_the_drive(hw_name, precision, segments):
-    from tierlm.memory.planner import _compute_copies, writeback_bytes
+    from tierlm.plan.timing import writeback_bytes
+    from tierlm.runtime.byte_replay import _compute_copies
     from tierlm.runtime.writeback import WriteBack
 
     shape, train, hw, plan, events = _predicted(hw_name, precision, WriteBack(segments=segments))
@@ -279,7 +282,7 @@ def test_predicted_update_with_the_write_back_inside(hw_name, precision):
     """Without a deferred write-back the update is drawn as before: per segment its disk read,
     CPU update and the write of its whole state (and its compute copy), one after another from
     the end of the sweep; the sweep is the same drawing as with the write-back deferred."""
-    from tierlm.memory.planner import _compute_copies
+    from tierlm.runtime.byte_replay import _compute_copies
     from tierlm.runtime.writeback import WriteBack
 
     shape, train, hw, plan, events = _predicted(hw_name, precision, None)

@@ -166,7 +166,7 @@ def test_resumed_run_summarises_perplexity_from_where_it_resumed(tmp_path):
 def test_prediction_lines_do_not_call_an_empty_tier_a_misprediction():
     """A tier the plan leaves empty and the run too read "(0.00x)"; a ratio needs a
     prediction."""
-    from tierlm.train.planning import prediction_lines
+    from tierlm.plan.predictions import prediction_lines
 
     MiB = 2**20
     rec = {"predicted_device_peak_bytes": 4 * MiB, "measured_device_peak_bytes": 3 * MiB,

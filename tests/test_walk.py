@@ -8,9 +8,10 @@ import torch
 from runtime_helpers import OPTIM, batches, tiny_model
 
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.planner import ModelShape, TrainShape, _simulate
 from tierlm.memory.tiers import Tier
 from tierlm.runtime import Action, EngineOptions, build_engine, walk
+from tierlm.runtime.byte_replay import _simulate
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 CPU = torch.device("cpu")
 

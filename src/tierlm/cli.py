@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "probe":
             from tierlm.memory.hardware import probe_path
-            from tierlm.memory.probe import run_probe
-            from tierlm.train.trainer import cache_dir
+            from tierlm.paths import cache_dir
+            from tierlm.plan.probe import run_probe
 
             run_probe(args.dir, probe_path(), compile=args.compile,
                       compile_size=args.model_size, compile_seq_len=args.seq_len,
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         assert cfg is not None  # plan or train: resolved above
         if args.command == "plan":
-            from tierlm.train.planning import print_plan
+            from tierlm.plan.tables import print_plan
 
             return print_plan(cfg, as_json=args.json,
                               optimizer_table=not args.no_optimizer_table)

@@ -707,7 +707,7 @@ def _validate_precision(p: PrecisionConfig) -> None:
             re.compile(value)
         except re.error as exc:
             raise ConfigError(f"{flag}: {value!r} is not a regex: {exc}") from None
-    if p.mode != "auto":  # auto is checked once resolved (tierlm.train.planning)
+    if p.mode != "auto":  # auto is checked once resolved (tierlm.plan.inputs)
         check_precision_flags(p, p.mode)
 
 

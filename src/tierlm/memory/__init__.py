@@ -1,7 +1,7 @@
-"""Mechanism: tiers, the ledger, flat layouts, the store, disk I/O; and placement policy."""
+"""Mechanism: tiers, the ledger, flat layouts, the store, disk I/O, the placement record."""
 
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.placement import PlacementError, SegmentPlacement, place
+from tierlm.memory.placement import PlacementError, SegmentPlacement
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import Link, TensorClass, Tier
 
@@ -13,5 +13,4 @@ __all__ = [
     "Store",
     "TensorClass",
     "Tier",
-    "place",
 ]

@@ -156,7 +156,7 @@ class FreeList:
 
 class ArenaReplay:
     """The arena's two regions as offsets only, growing: what a replay of a step's pinned
-    allocations (tierlm.memory.planner._CountingStore) cuts them from. Its capacities are the
+    allocations (tierlm.runtime.byte_replay._CountingStore) cuts them from. Its capacities are the
     arena that sequence needs, fragmentation included (`pinned_bytes`)."""
 
     def __init__(self) -> None:

@@ -20,7 +20,7 @@ during a step (tests/test_no_stray_syncs.py holds that). Three devices answer:
   worker and the write-back run inline on host clocks of their own, so the timeline does not
   depend on how the OS schedules threads.
 
-`TimingDevice` is `SimDevice` without tensors: the planner's replay (tierlm.memory.replay) runs
+`TimingDevice` is `SimDevice` without tensors: the planner's replay (tierlm.plan.replay) runs
 the engine's walk over byte counts on one, issuing the same operations, so the plan's simulated
 step is the timeline the engine gives on `SimDevice`.
 """
@@ -379,7 +379,7 @@ class _TimedIO(Future):
 class TimingDevice(Device):
     """A GPU's timing without tensors: every copy, wait, compute region, disk request, CPU
     price and worker books on a `Timeline` at the profile's rates and touches no memory. The
-    planner's replay (tierlm.memory.planner.simulate_step) runs the step over byte counts on
+    planner's replay (tierlm.plan.replay.simulate_step) runs the step over byte counts on
     one, so its timeline is the one `SimDevice` gives the engine's real tensors."""
 
     kind = "timing"

@@ -16,6 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.paths import cache_dir
+
 GiB = 2**30
 GB = 10**9
 T = 10**12
@@ -164,7 +166,7 @@ PROFILES: dict[str, HardwareProfile] = {
     # GB/s, fused AdamW 1.6 G params/s. The "device" is the CPU: copies are memcpys. Between
     # ranks, gloo's isend/irecv over loopback TCP: 0.34-0.60 GB/s per rank each way for 4-64
     # MiB messages on 2 ranks (tests running beside it), taken as 0.5 GB/s. Its memory as the
-    # NF4 decode moves it (tierlm.memory.probe.decode_memory_Bps, 16M weights): 0.8-9.7 GB/s
+    # NF4 decode moves it (tierlm.plan.probe.decode_memory_Bps, 16M weights): 0.8-9.7 GB/s
     # over ten runs at load 5, ~4 GB/s typical.
     "cpu": HardwareProfile(
         name="cpu", gpu_memory_bytes=8 * GiB, host_memory_bytes=16 * GiB,
@@ -177,8 +179,6 @@ PROFILES: dict[str, HardwareProfile] = {
 
 
 def probe_path() -> Path:
-    from tierlm.train.trainer import cache_dir
-
     return cache_dir() / "probe.json"
 
 

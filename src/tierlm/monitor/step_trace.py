@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from tierlm.config import Config
-from tierlm.memory.planner import Plan
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
+from tierlm.plan.result import Plan
 from tierlm.runtime.stepper import Stepper
 
 TRACE_FILE = "trace.json"

@@ -4,7 +4,7 @@ Pinned are the host buffers PCIe copies read or write: the copy a streamed host-
 crosses from (`runtime.state.pinned_class`), disk loads' staging, a gradient file pass's chunks,
 the landing ring and parked boundary inputs. How many of them a step holds at once is a matter
 of the step's order (a load in flight while a gradient lands and inputs wait on the host), which
-the planner's replay (tierlm.memory.planner._simulate) already walks with the engine's own walk
+the planner's replay (tierlm.runtime.byte_replay._simulate) already walks with the engine's own walk
 and rules. So the arena is sized by that replay, run on a shape made from the engine's own
 parts (its flat layouts, its compute copies' exact bytes, its parked inputs): one byte model for
 the plan's pinned peak, the placement report preflight checks, and the arena the engine
@@ -37,7 +37,8 @@ def step_pinned_bytes(
     # the planner imports runtime/ lazily; runtime/ sits above memory/, so this import is a
     # downward one
     from tierlm.memory.arena import ArenaReplay
-    from tierlm.memory.planner import ModelShape, TrainShape, _simulate
+    from tierlm.runtime.byte_replay import _simulate
+    from tierlm.runtime.shapes import ModelShape, TrainShape
 
     segs = parts.adapter.segments
     layouts = parts.layouts

@@ -37,7 +37,6 @@ from tierlm.memory.placement import (
     PlacementReport,
     SegmentPlacement,
     keeps_graph,
-    place,
 )
 from tierlm.memory.tiers import Tier
 from tierlm.models.adapters import ModelAdapter
@@ -46,6 +45,7 @@ from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.pinned import step_pinned_bytes
+from tierlm.runtime.placement import place
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.schedule import (
     boundary_activation_bytes,
@@ -64,7 +64,7 @@ class EngineOptions:
     `options`."""
 
     policy: str = "none"
-    """none | host | disk | tiered (see memory/placement.py)."""
+    """none | host | disk | tiered (see runtime/placement.py)."""
     microbatch_order: str = "microbatch-outer"
     """microbatch-outer or layer-outer."""
     resident: str | None = None

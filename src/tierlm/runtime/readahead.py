@@ -11,7 +11,7 @@ back and dropped). Segments are read in the order the update consumes them (forw
 the first one that never fits ends the read-ahead, so the update order is unchanged.
 
 `readahead_starts` is a pure function of the schedule: the engine issues the reads where it says,
-and the planner's replay (tierlm.memory.planner._simulate) counts them at the same actions.
+and the planner's replay (tierlm.runtime.byte_replay._simulate) counts them at the same actions.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 model).
 
 The engine (tierlm.runtime.engine) executes these rules on tensors; the planner's replay
-(tierlm.memory.planner._simulate) runs the same functions over byte counts. A change to the
+(tierlm.runtime.byte_replay._simulate) runs the same functions over byte counts. A change to the
 schedule, to which segments an action reads, to where a gradient goes or to which boundary
 inputs wait on the host therefore changes the plan with it. The read-ahead rule lives beside
 them in tierlm.runtime.readahead.

@@ -2,7 +2,7 @@
 
 The schedule (tierlm.runtime.schedule) says which actions a step runs; this module says in what
 order each action waits for, holds, parks, drops and lands what it touches. `Engine.step` walks
-it over tensors, computing as it goes; the planner's replay (tierlm.memory.planner._simulate)
+it over tensors, computing as it goes; the planner's replay (tierlm.runtime.byte_replay._simulate)
 walks it over byte counts. What the two do differently sits behind `StepBackend`: the engine's
 compute (activation policies, the chunked loss, clocks, trace spans), stores and copies; the
 replay's counting store and its marks for the timeline. Change the order here and the plan

@@ -10,7 +10,7 @@ the staging when a segment's writes have landed.
 
 Host RAM: staging now outlives the update, so it is bounded by `WriteBack.segments`: the update
 of a disk-tier segment first waits until fewer than that many write-backs are pending. The
-planner (tierlm.memory.planner) counts that many segments' master and slots in its host peak.
+planner (tierlm.plan) counts that many segments' master and slots in its host peak.
 
 Hazards: whatever reads a segment's master or slot files waits for its pending write-back
 (`Writer.wait`: the next update of it, the read-ahead; `Writer.drain`: checkpoints, evaluation,

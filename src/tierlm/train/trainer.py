@@ -11,7 +11,6 @@ import contextlib
 import datetime as dt
 import functools
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -66,9 +65,7 @@ from tierlm.distributed.setup import (
 )
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
-from tierlm.memory.planner import ModelShape, Plan
 from tierlm.memory.tiers import Tier
-from tierlm.memory.timeline import predicted_timeline
 from tierlm.models import (
     build_model,
     count_params,
@@ -85,26 +82,32 @@ from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.optim import model_state_nbytes
-from tierlm.precision import prepare_precision, set_tf32
-from tierlm.runtime import build_engine
-from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
-from tierlm.runtime.state import InitialWeights, module_weights
-from tierlm.runtime.stepper import Stepper
-from tierlm.train.planning import (
-    SIM_KEYS,
+from tierlm.paths import cache_dir
+from tierlm.plan.inputs import (
     cap_gpu_memory,
     finetune_precision,
     hardware_for,
     plan_auto,
-    plan_start_lines,
     predict_for_engine,
+    resolve_precision,
+    train_shape,
+)
+from tierlm.plan.predictions import (
+    SIM_KEYS,
+    plan_start_lines,
     predicted_rates,
     prediction_lines,
     prediction_record,
-    resolve_precision,
     simulated_step_line,
-    train_shape,
 )
+from tierlm.plan.result import Plan
+from tierlm.plan.timeline import predicted_timeline
+from tierlm.precision import prepare_precision, set_tf32
+from tierlm.runtime import build_engine
+from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
+from tierlm.runtime.shapes import ModelShape
+from tierlm.runtime.state import InitialWeights, module_weights
+from tierlm.runtime.stepper import Stepper
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.rundir import OffloadDir, open_run_dir
@@ -119,16 +122,6 @@ from tierlm.train.safety import (
     storage_failure,
 )
 from tierlm.train.schedule import lr_at
-
-
-def cache_dir() -> Path:
-    """Where trained tokenizers and encoded corpora are kept between runs
-    ($TIERLM_CACHE overrides)."""
-    env = os.environ.get("TIERLM_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tierlm"
 
 
 def resolve_device(name: str) -> torch.device:

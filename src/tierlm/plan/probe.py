@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
+from tierlm.config import PrecisionConfig
 from tierlm.memory.disk import dd_throughput
+from tierlm.models import build_model, preset_config
+from tierlm.models.adapters import ModelAdapter
+from tierlm.models.nf4 import decode_traffic_bytes, dequantise, nf4_nbytes, quantise
+from tierlm.precision import prepare_precision
+from tierlm.runtime.compile import NoCompile, SegmentCompile
 
 
 def _seconds(fn: Callable[[], None]) -> float:
@@ -43,8 +49,6 @@ def decode_memory_Bps(dev: torch.device, numel: int = 16 * 2**20) -> float:
     """Device memory bandwidth as QLoRA's per-matmul NF4 decode sees it: `numel` weights
     decoded into fp32, at the bytes tierlm.models.nf4.decode_traffic_bytes counts per weight
     (the planner's decode time divides the same count by this rate)."""
-    from tierlm.models.nf4 import decode_traffic_bytes, dequantise, nf4_nbytes, quantise
-
     x = torch.randn(numel)
     buf = quantise(x, torch.empty(nf4_nbytes(numel), dtype=torch.uint8)).to(dev)
     out = torch.empty(numel, device=dev)
@@ -148,12 +152,6 @@ def measure_compiled_block(
     `compiled_block_compile_s` and `compiled_block_probe` (what was measured)."""
     import copy
 
-    from tierlm.config import PrecisionConfig
-    from tierlm.models import build_model
-    from tierlm.models.adapters import ModelAdapter
-    from tierlm.precision import prepare_precision
-    from tierlm.runtime.compile import NoCompile, SegmentCompile
-
     config = copy.deepcopy(config)
     config.num_hidden_layers = 1
     base = build_model(config, device=device, seed=0)
@@ -223,8 +221,6 @@ def run_probe(
     target.mkdir(parents=True, exist_ok=True)
     result: dict[str, float | str] = dict(measure(target, disk_mib=disk_mib, log=log))
     if compile == "segments":
-        from tierlm.models import preset_config
-
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         size, seq_len, precision = COMPILE_PROBE_DEFAULTS[dev.type]
         size, seq_len = compile_size or size, compile_seq_len or seq_len

@@ -1,0 +1,168 @@
+"""The plan in words: `tierlm plan`'s description, the flags that reproduce a plan, and the
+ledger's predicted peaks."""
+
+from __future__ import annotations
+
+from tierlm.memory.hardware import HardwareProfile
+from tierlm.memory.placement import (
+    GRAD_B,
+    MASTER_B,
+    gib,
+    keeps_graph,
+)
+from tierlm.plan.evaluate import SIMULATED_LANES
+from tierlm.plan.result import SAFETY_MARGIN, Plan
+from tierlm.plan.timing import compiled_block_source, grad_sync_bytes, ring_kv_bytes
+from tierlm.runtime.shapes import ModelShape, TrainShape
+
+
+def describe(
+    p: Plan, shape: ModelShape, train: TrainShape, hw: HardwareProfile,
+    run_flags: list[str] | None = None,
+) -> str:
+    lines = []
+    n = shape.n_params
+    emb = shape.numels[0]
+    lines.append(f"model: {n / 1e9:.2f}B params ({shape.n_layers} blocks; embed "
+                 f"{emb / 1e6:.0f}M, blocks {sum(shape.numels[1:-1]) / 1e9:.2f}B, head "
+                 f"{shape.numels[-1] / 1e6:.0f}M{', tied' if shape.tied_numel else ''})")
+    if shape.frozen:  # --finetune lora/qlora: a frozen base and the trained adapters
+        base = sum(MASTER_B * shape.numels[s] if shape.base_copy(s) is None
+                   else shape.base_copy(s) for s in range(len(shape.numels)))
+        t, optim = shape.trained_numel, shape.trained_optim_bytes
+        lines.append(f"model state by class: frozen base {gib(base)}; adapters "
+                     f"{t / 1e6:.1f}M params: master {gib(MASTER_B * t)}, gradients "
+                     f"{gib(GRAD_B * t)}, {shape.optim_name} state {gib(optim)} "
+                     f"({optim / max(t, 1):.2f} B/param)  (all of it in one place needs "
+                     f"{gib(base + (MASTER_B + GRAD_B) * t + optim)} + activations)")
+    else:
+        optim = sum(shape.optim_state_bytes)
+        lines.append(f"model state by class: compute/master {gib(MASTER_B * n)}, gradients "
+                     f"{gib(GRAD_B * n)}, {shape.optim_name} state {gib(optim)} "
+                     f"({optim / n:.2f} B/param)  (all of it in one place needs "
+                     f"{gib((MASTER_B + GRAD_B) * n + optim)} + activations)")
+    lines.append(f"hardware: {hw.name}; budgets after a {SAFETY_MARGIN:.0%} margin: device "
+                 f"{gib(p.budgets['device'])}, host {gib(p.budgets['host'])}, disk "
+                 f"{gib(p.budgets['disk'])}")
+    cp = train.context_parallel
+    share = (f" per rank (context parallel {cp}: rows of {cp * train.seq_len})" if cp > 1
+             else "")
+    precision = train.precision
+    if precision == "fp32" and not hw.device_is_cpu:
+        rate = hw.fp32_compute_flops(tf32=train.tf32) / 1e12
+        precision += (f" (TF32 tensor cores, {rate:.0f} TFLOPS peak)" if train.tf32 else
+                      f" (IEEE, {rate:.0f} TFLOPS peak; --tf32 for the tensor cores)")
+    lines.append(f"step: {train.micro_batches} x {train.batch_size} x {train.seq_len} "
+                 f"tokens{share}, {precision}, micro-batch order {p.order}")
+    compiled = compiled_block_source(train, hw)
+    if compiled:
+        lines.append(compiled)
+    lines.append("")
+    lines.append("peak bytes per tier (by tensor class):")
+    for tier, total, classes in (
+        ("device", p.device_peak_bytes, p.device_by_class),
+        ("host", p.host_peak_bytes, p.host_by_class),
+        ("disk", p.disk_bytes, p.disk_by_class),
+    ):
+        parts = ", ".join(f"{c} {gib(v)}" for c, v in classes.items())
+        lines.append(f"  {tier:6s} {gib(total):>10s}  ({parts})")
+    lines.append(f"  + device activation workspace {gib(p.workspace_bytes)} -> device total "
+                 f"{gib(p.device_total_bytes)}")
+    pinned = ", ".join(f"{c} {gib(v)}" for c, v in p.pinned_by_class.items())
+    lines.append(f"  of host, pinned for PCIe copies {gib(p.pinned_peak_bytes)} at peak"
+                 + (f" ({pinned})" if pinned else "")
+                 + f", in one arena of {gib(p.pinned_arena_bytes)} (4 KiB units)"
+                 if p.pinned_arena_bytes else "  of host, pinned for PCIe copies: nothing")
+    counts = p.tier_counts()
+    resident = p.resident_names()
+    lines.append("")
+    lines.append(f"placement: state on device {counts['device']}, host {counts['host']}, disk "
+                 f"{counts['disk']} of {len(p.placements)} segments; compute weights resident: "
+                 f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
+    host_grads = sum(pl.host_grad for pl in p.placements)
+    if counts["disk"]:
+        ra = ("off" if p.readahead is None else
+              f"{len(p.readahead_segments)} segments' master and slots "
+              f"({gib(sum(shape.update_state_bytes(s) for s in p.readahead_segments))}) read "
+              f"during the backward, up to {gib(p.readahead.extra_bytes)} beyond what it frees")
+        wb = ("inside the update" if p.writeback is None else
+              f"behind the step, up to {p.writeback.segments} segments pending")
+        lines.append(f"disk tier: gradients of {host_grads} of {counts['disk']} segments held in "
+                     f"host RAM; update read-ahead: {ra}; master and slots written back {wb}")
+    keeps = keeps_graph(p.placements, p.keep_resident_activations)
+    streamed = [s for s, q in enumerate(p.placements[:-1]) if not q.resident]
+    streamed_keep = sum(keeps[s] for s in streamed)
+    lines.append(f"activations: resident segments "
+                 f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
+                 + ("streamed segments recompute from their boundary input" if not streamed_keep
+                    else f"{streamed_keep} of {len(streamed)} streamed segments keep theirs "
+                    "(the last; the others recompute from their boundary input)")
+                 + "; boundary activations wait on the "
+                 + ("host" if p.boundary_on_host else "device"))
+    t = p.times_s
+    lines.append("")
+    decode = f" incl. NF4 decode {t['decode']:.2f}" if t.get("decode") else ""
+    behind = (f", of which the write-back {t['writeback']:.2f} drains behind the step"
+              if t["writeback"] else "")
+    lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}"
+                 f"{decode}, "
+                 f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
+                 f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
+                 f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
+                 f"{t['update_disk']:.2f}{behind}, runs behind the next step's first forward "
+                 f"({t['update_window']:.2f} s); one disk serves sweep and update: "
+                 f"{t['disk']:.2f} s)")
+    if cp > 1 or train.nproc > 1:
+        kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
+        ring = (f"ring K/V {gib(kv)} sent per rank per step = {t['net']:.2f} s, overlapping "
+                f"attention {t['attention']:.2f} s" if cp > 1 else "")
+        how = "dense fp32" if train.grad_sync is None else train.grad_sync.summary()
+        grads = (f"gradient sync ({how} over {train.nproc} ranks) "
+                 f"{gib(grad_sync_bytes(shape, train))} per rank per step = "
+                 f"{t['grad_sync']:.2f} s, {t['grad_sync_exposed']:.2f} s of it waited for"
+                 if train.nproc > 1 else "")
+        lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max, at "
+                     f"{hw.net_Bps / 1e9:.1f} GB/s: " + "; ".join(x for x in (ring, grads) if x))
+    if "simulated_step" in t:  # the replay of the engine's operations in virtual time
+        busy = ", ".join(f"{lane} {t[f'simulated_{key}']:.2f}"
+                         for key, lane in SIMULATED_LANES.items() if t[f"simulated_{key}"])
+        lines.append(f"simulated step: {t['simulated_step']:.2f} s "
+                     f"({t['simulated_step'] / max(t['simulated_compute'], 1e-30):.2f}x its "
+                     f"compute {t['simulated_compute']:.2f}; the formula above: "
+                     f"{t['step']:.2f} s); lanes busy: {busy}; compute waiting for copies "
+                     f"{t['simulated_transfer_wait']:.2f}")
+    lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
+                 f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
+                 f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "
+                 f"{p.step_over_bound:.2f}x of it")
+    lines.append("moved per step: " + ", ".join(
+        f"{k} {gib(v)}" for k, v in p.moved_bytes.items() if v))
+    lines.append("")
+    if p.fits:
+        lines.append("fits. Train with: tierlm train " + " ".join((run_flags or []) + flags(p)))
+    else:
+        lines.append("DOES NOT FIT: " + "; ".join(p.problems))
+    return "\n".join(lines)
+
+
+def _short(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names) if len(names) <= 6 else ", ".join(names[:6]) + f", ... ({len(names)})"
+
+
+def flags(p: Plan) -> list[str]:
+    out = ["--offload-policy", "auto", "--microbatch-order", p.order]
+    if not p.keep_resident_activations:
+        out += ["--grad-checkpointing", "full"]
+    if p.boundary_on_host:
+        out += ["--boundary-activations", "host"]
+    return out
+
+
+def ledger_prediction(p: Plan) -> dict[str, int]:
+    return {
+        "predicted_device_peak_bytes": p.device_peak_bytes,
+        "predicted_host_peak_bytes": p.host_peak_bytes,
+        "predicted_disk_bytes": p.disk_bytes,
+    }

@@ -1,0 +1,173 @@
+"""One candidate placement evaluated: its peak bytes per tier from the byte replay
+(tierlm.runtime.byte_replay), its step time from the time model (tierlm.plan.timing) and, for the
+variants that fit, from the simulated step (tierlm.plan.replay)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tierlm.memory.arena import ArenaReplay
+from tierlm.memory.hardware import HardwareProfile
+from tierlm.memory.placement import (
+    MASTER_B,
+    STAGING_CHUNK_NUMEL,
+    SegmentPlacement,
+    staging_numel,
+)
+from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.plan.replay import ReplayConfig, simulate_step
+from tierlm.plan.result import Plan, _problems
+from tierlm.plan.timing import _bottleneck, _times, writeback_bytes
+from tierlm.runtime import schedule
+from tierlm.runtime.byte_replay import _compute_copies, _simulate, readahead_schedule
+from tierlm.runtime.schedule import micro_batches_in_flight
+from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
+
+if TYPE_CHECKING:
+    from tierlm.runtime.readahead import ReadAhead
+
+
+def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
+             chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
+             writeback: WriteBack | None = DEFAULT_WRITEBACK) -> Plan:
+    """Predict memory and time for one given placement (the planner's inner step; also used to
+    predict runs whose placement the user chose; `chunk_numel`: the engine's
+    staging_chunk_numel; `readahead`: its update read-ahead; `writeback`: its deferred
+    write-back)."""
+    return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host,
+                     chunk_numel=chunk_numel, readahead=readahead, writeback=writeback)
+
+
+def _update_overlap_bytes(
+    shape: ModelShape, placements: list[SegmentPlacement], copies: list[int | None],
+    chunk_numel: int = STAGING_CHUNK_NUMEL, *, read_ahead: frozenset[int] = frozenset(),
+    parked_per_block: int = 0, pending_bytes: int = 0,
+) -> int:
+    """Host staging while the background update overlaps the next forward. Updates run in
+    forward order; the forward of segment a waits for a's update, then reads a's weights
+    (disk: through staging chunks) while the worker updates the next segment b (disk: chunks of
+    master, gradient and the optimizer's slots staged). The read-ahead's buffers of b and of
+    every segment after it are still held (each is freed once its update has written it back),
+    and the forward has parked the boundary inputs of the blocks up to a + 1 on the host
+    (`parked_per_block`: one block's, for the micro-batches of the first group); with a
+    deferred write-back, `pending_bytes` of earlier segments' master and slots may still wait
+    to be written. So the peak is the worst such pair."""
+    order = [i for i, p in enumerate(placements) if p.state_tier != Tier.DEVICE]
+    last = len(placements) - 1
+
+    def read(i: int) -> int:  # the compute file, or the fp32 master in chunks
+        if placements[i].state_tier != Tier.DISK:
+            return 0
+        return (MASTER_B * staging_numel(shape.numels[i], chunk_numel) if copies[i] is None
+                else copies[i])
+
+    def update(i: int) -> int:  # master, gradient, slots; the compute copy it encodes
+        if placements[i].state_tier != Tier.DISK:
+            return 0
+        held = sum(shape.update_state_bytes(j) for j in read_ahead if j >= i)
+        return pending_bytes + held + shape.update_staging(i, copies[i], chunk_numel,
+                                           host_grad=placements[i].host_grad,
+                                           read_ahead=i in read_ahead)
+
+    def parked(a: int) -> int:  # boundary inputs of blocks 1 .. a + 1
+        return parked_per_block * max(0, min(a + 1, last - 1))
+
+    pairs = [update(order[0])] if order else [0]
+    pairs += [parked(a) + read(a) + update(b) for a, b in zip(order, order[1:], strict=False)]
+    return max(pairs)
+
+
+def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
+              chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
+              writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None) -> Plan:
+    """`replay`: this placement's `_replay` when the caller has it (the write-back options
+    change neither the sweep's bytes nor its ledger)."""
+    ledger, workspace, read_ahead, arena = replay or _replay(
+        shape, train, placements, order, keep, boundary_host, chunk_numel, readahead)
+    device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
+    host_persistent = ledger.tier_bytes(Tier.HOST)
+    first_group = train.micro_batches if order == "layer-outer" else 1
+    copies = _compute_copies(shape, train.precision, placements)
+    # The write-back's staging outlives the update: up to `segments` of them may wait while
+    # the next sweep runs (on top of its ledger peak), one fewer while an update stages.
+    pending = sorted(writeback_bytes(shape, placements, copies, writeback, chunk_numel).values(),
+                     reverse=True)
+    limit = 0 if writeback is None else writeback.segments
+    host_peak = max(ledger.peak_tier_bytes[Tier.HOST] + sum(pending[:limit]),
+                    host_persistent + _update_overlap_bytes(
+                        shape, placements, copies, chunk_numel,
+                        read_ahead=frozenset(read_ahead),
+                        parked_per_block=parked_bytes(shape, train, order, boundary_host)
+                        // max(1, len(shape.names) - 2),
+                        pending_bytes=sum(pending[:max(0, limit - 1)])))
+    moved = {link.value: ledger.total_moved_bytes[link] for link in Link}
+    times = _times(shape, train, hw, placements, keep, moved, read_ahead=frozenset(read_ahead),
+                   groups=train.micro_batches // first_group, writeback=writeback,
+                   chunk_numel=chunk_numel)
+
+    def by_class(tier: Tier) -> dict[str, int]:
+        return {c.value: ledger.peak_class_bytes[(tier, c)] for c in TensorClass
+                if ledger.peak_class_bytes[(tier, c)]}
+
+    plan = Plan(
+        placements=placements, order=order, keep_resident_activations=keep,
+        device_peak_bytes=device_peak, host_peak_bytes=host_peak,
+        disk_bytes=ledger.tier_bytes(Tier.DISK),
+        device_by_class=by_class(Tier.DEVICE), host_by_class=by_class(Tier.HOST),
+        disk_by_class=by_class(Tier.DISK), workspace_bytes=workspace, moved_bytes=moved,
+        times_s=times, bottleneck=_bottleneck(times),
+        tokens_per_s=train.tokens_per_step / times["step"], budgets=budgets,
+        names=shape.names, numels=shape.numels, boundary_on_host=boundary_host,
+        readahead=readahead, readahead_segments=read_ahead, writeback=writeback,
+        pinned_peak_bytes=ledger.pinned_peak_bytes, pinned_arena_bytes=arena.total_bytes,
+        pinned_by_class={c.value: ledger.pinned_class_peak_bytes[c] for c in TensorClass
+                         if ledger.pinned_class_peak_bytes[c]},
+    )
+    plan.problems = _problems(plan, budgets)
+    plan.fits = not plan.problems
+    return plan
+
+
+def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
+    """The sweep's replay (ledger, workspace), the segments it reads ahead and the pinned arena
+    it needs."""
+    arena = ArenaReplay()
+    ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
+                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena)
+    read_ahead = [s for segs in readahead_schedule(
+        shape, train, placements, order, boundary_host, readahead).values() for s in segs]
+    return ledger, workspace, read_ahead, arena.pinned_bytes()
+
+
+SIMULATED_LANES = {"compute": "compute", "h2d": "H2D", "d2h": "D2H", "disk": "disk",
+                   "cpu_update": "cpu update", "cpu_adds": "cpu"}
+
+
+def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
+                    ) -> dict[str, float]:
+    """`p`'s steady-state step as the replay simulates it (tierlm.plan.replay: the engine's
+    operations on a timing device, two steps, the second's), for `times_s`: the step, each
+    lane's busy time in it (`simulated_<lane>`) and each copy lane's busy time under compute
+    (`simulated_<lane>_overlap`). Run for the chosen plan only: the search still ranks
+    candidates by `_times` (a replay in virtual time costs ~0.3-2 s at 7B; the search
+    evaluates thousands of candidates)."""
+    r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
+                      p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
+                      writeback=p.writeback)
+    out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
+    for key, lane in SIMULATED_LANES.items():
+        out[f"simulated_{key}"] = r.lane_busy_s.get(lane, 0.0)
+    for key in ("h2d", "d2h", "disk"):
+        out[f"simulated_{key}_overlap"] = r.overlap_s.get(SIMULATED_LANES[key], 0.0)
+    return out
+
+
+def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool) -> int:
+    """Host bytes of the boundary activations parked there at the forward's end: the inputs
+    the engine parks when every block recomputes (tierlm.runtime.schedule.parked_inputs: every
+    block's; the head's is used at once), for the micro-batches in flight."""
+    # the engine's rule, read from its module at each call (a test changes it there)
+    parked = schedule.parked_inputs(["full"] * (len(shape.names) - 1), on_host)
+    return micro_batches_in_flight(train.micro_batches, order) * len(parked) * \
+        train.batch_size * train.seq_len * shape.hidden_size * 4

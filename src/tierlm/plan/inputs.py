@@ -1,0 +1,244 @@
+"""From a run's config to the planner's inputs and its plan: the hardware profile, the precision
+choice (`auto` resolved), the step shape, and the plan itself (`make_plan`, `plan_auto`,
+`predict_for_engine`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierlm.config import (
+    Config,
+    ConfigError,
+    NotSupportedYet,
+    PrecisionConfig,
+    base_format_of,
+    check_precision_flags,
+    check_supported,
+    lora_of,
+    mode_only_flags,
+    parse_bytes,
+)
+from tierlm.distributed.sync import sync_config
+from tierlm.memory.device import sim_profile
+from tierlm.memory.hardware import HardwareProfile, resolve
+from tierlm.memory.placement import PlacementError
+from tierlm.models import preset_config
+from tierlm.models.hf import _check_checkpoint_dir
+from tierlm.plan.evaluate import evaluate
+from tierlm.plan.result import Plan, usable_budgets
+from tierlm.plan.search import plan
+from tierlm.runtime.compile import check_compile
+from tierlm.runtime.shapes import ModelShape, TrainShape
+
+
+def hardware_for(cfg: Config) -> HardwareProfile:
+    mem = cfg.memory
+
+    def size(v: str | None, flag: str) -> int | None:
+        return parse_bytes(v, flag) if v else None
+
+    hardware = mem.hardware
+    simulated = sim_profile(cfg.run.device)
+    if hardware == "auto" and simulated is not None:
+        hardware = simulated.name  # plan for the GPU the run simulates
+    return resolve(
+        hardware,
+        gpu_memory_bytes=size(mem.gpu_memory, "--gpu-memory"),
+        host_memory_bytes=size(mem.host_memory, "--host-memory"),
+        disk_budget_bytes=size(mem.disk_budget, "--disk-budget"),
+        offload_dir=mem.offload_dir,
+    )
+
+
+def cap_gpu_memory(cfg: Config, device: torch.device) -> None:
+    """`--gpu-memory` on a CUDA run also caps what this process may allocate on the GPU
+    (`torch.cuda.set_per_process_memory_fraction`), so a large card stands in for the smaller
+    one the plan is made for; an allocation past the cap raises CUDA's out-of-memory error."""
+    if device.type != "cuda" or not cfg.memory.gpu_memory:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = parse_bytes(cfg.memory.gpu_memory, "--gpu-memory")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The run's compute precision (fp32 | bf16 | fp8) and, when --precision auto chose it,
+    why."""
+
+    mode: str
+    why: str | None = None  # None: the user named the precision
+
+    def describe(self) -> str:
+        return f"precision: auto -> {self.mode} ({self.why})" if self.why else (
+            f"precision: {self.mode}")
+
+
+def resolve_precision(
+    p: PrecisionConfig, device: torch.device | None, hw: HardwareProfile | None, *,
+    backend: str = "engine", compiled: bool = False, context_parallel: int = 1,
+) -> PrecisionChoice:
+    """`auto`: fp8 where the device has fp8 units (CUDA sm_89+; a profile with
+    `fp8_matmul_flops`) or the user asked for emulation (`--fp8-emulate`), else bf16 where the
+    device computes it natively, else fp32; at most bf16 under `--backend fsdp` (no fp8 there),
+    under `--compile segments` (`compiled`; fp8 is not compiled yet, tierlm.runtime.compile) and
+    under `--context-parallel` above 1 (its ring has no fp8 path, tierlm.distributed.context).
+    Judged against `device` at train time, against the profile `hw` when planning. A flag the
+    resolved precision would ignore (`--fp8-history` under bf16, ...) is an error."""
+    if p.mode != "auto":
+        return PrecisionChoice(p.mode)
+    mode, why = _auto_precision(device, hw)
+    if mode != "fp8" and p.fp8_emulate:
+        mode, why = "fp8", f"--fp8-emulate on {why}"
+    if mode == "fp8" and backend == "fsdp":
+        mode, why = "bf16", f"{why}; bf16 at most: --backend fsdp has no fp8"
+    if mode == "fp8" and compiled and not p.fp8_emulate:
+        mode, why = "bf16", f"{why}; bf16 at most: --compile segments has no fp8 yet"
+    if mode == "fp8" and context_parallel > 1 and not p.fp8_emulate:
+        mode, why = "bf16", f"{why}; bf16 at most: --context-parallel has no fp8 yet"
+    check_precision_flags(p, mode, auto_why=why)
+    return PrecisionChoice(mode, why)
+
+
+def finetune_precision(cfg: Config, choice: PrecisionChoice) -> PrecisionChoice:
+    """--finetune lora/qlora computes in fp32 or bf16: the frozen base's copy in the dtype its
+    layers compute in (bf16 for the blocks' linear layers: LoRA's base stored and streamed as
+    bf16, QLoRA's NF4 decoded to bf16), the adapters' fp32 masters and AdamW state, and every
+    matmul under the bf16 policy of full training (tierlm.models.frozen). fp8 is not built for
+    a frozen base (it would need an E4M3 copy of it, or NF4 re-quantised to E4M3 per action):
+    `auto` choosing fp8 becomes bf16, saying why; a named fp8 is refused, naming the flag."""
+    if cfg.train.finetune == "full" or choice.mode != "fp8":
+        return choice
+    if choice.why is None:
+        raise NotSupportedYet(f"--finetune {cfg.train.finetune} with --precision fp8",
+                              "use --precision bf16 (or auto)")
+    for flag, modes in mode_only_flags(cfg.precision):  # asked for fp8 only: nothing reads it
+        if "bf16" not in modes:
+            raise ConfigError(f"{flag} has no effect under --finetune {cfg.train.finetune}: it "
+                              f"computes in bf16 at most; drop {flag.split()[0]}")
+    return PrecisionChoice("bf16", f"{choice.why}; bf16 at most: --finetune "
+                                   f"{cfg.train.finetune} has no fp8 (its frozen base and "
+                                   "adapters compute in bf16)")
+
+
+def _auto_precision(device: torch.device | None, hw: HardwareProfile | None) -> tuple[str, str]:
+    if device is not None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 9):
+            return "fp8", f"{name} (sm_{major}{minor}) has fp8 units"
+        if torch.cuda.is_bf16_supported():
+            return "bf16", f"{name} (sm_{major}{minor}) computes bf16, has no fp8 units"
+        return "fp32", f"{name} (sm_{major}{minor}) has no bf16 or fp8 units"
+    if device is not None:
+        return "fp32", f"device {device.type}: no fp8 units, no native bf16"
+    if hw is None:
+        raise ValueError("resolve_precision: give the device or the hardware profile")
+    if hw.fp8_matmul_flops is not None:
+        return "fp8", f"{hw.name} has fp8 units"
+    if hw.device_is_cpu:
+        return "fp32", f"{hw.name}: a CPU profile, no fp8 units, no native bf16"
+    return "bf16", f"{hw.name} computes bf16, has no fp8 units"
+
+
+def train_shape(cfg: Config, precision: str) -> TrainShape:
+    """One rank's step: under context parallel its 1/N share of every row; with --nproc
+    ranks (dp x cp, at least the CP group) the gradient sync --grad-sync chose."""
+    d = cfg.distributed
+    cp = d.context_parallel
+    nproc = max(d.nproc, cp)
+    return TrainShape(
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.data.seq_len // cp,
+        micro_batches=cfg.train.grad_accum_steps,
+        precision=precision,
+        context_parallel=cp,
+        compiled=cfg.run.compile == "segments",
+        nproc=nproc,
+        grad_sync=sync_config(d, cfg.train.max_steps) if nproc > 1 else None,
+        tf32=cfg.precision.tf32,
+    )
+
+
+def make_plan(
+    cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
+    shape: ModelShape | None = None, *, advise: bool = True,
+) -> tuple[Plan, ModelShape, TrainShape]:
+    """`shape`: the model's (default: from `model_config` under the run's optimizer);
+    `advise`: a plan that does not fit says what would (the planner searches again for it)."""
+    mem = cfg.memory
+    shape = shape or ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                            base_format=base_format_of(cfg, precision),
+                                            precision=precision)
+    train = train_shape(cfg, precision)
+    p = plan(
+        shape,
+        train,
+        hw,
+        device_budget=parse_bytes(mem.device_budget) if mem.device_budget else None,
+        host_budget=parse_bytes(mem.host_budget) if mem.host_budget else None,
+        # parked boundaries need every segment to recompute (--boundary-activations), or
+        # `dynamic`, which parks the inputs of the segments it recomputes
+        park_boundaries=cfg.activations.policy == "dynamic" or (
+            cfg.activations.policy in ("none", "full") and not cfg.activations.overrides),
+        advise=advise,
+    )
+    return p, shape, train
+
+
+def model_config_for(cfg: Config) -> Any:
+    """The model's config without weights: the preset's (with its default vocabulary) or the
+    checkpoint directory's config.json."""
+    if cfg.model.path:
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        _check_checkpoint_dir(Path(cfg.model.path))
+        return AutoConfig.from_pretrained(cfg.model.path, trust_remote_code=False)
+
+    return preset_config(cfg.model.size, max_seq_len=cfg.data.seq_len)
+
+
+def check_trainable(cfg: Config, precision: str) -> None:
+    """Refuse, as `tierlm train` would, a plan whose run is not built: the plan ends with the
+    flags to train it (`--nproc` = dp x `--context-parallel`)."""
+    from dataclasses import replace
+
+    dist = cfg.distributed
+    run = replace(cfg, distributed=replace(dist, nproc=max(dist.nproc, dist.context_parallel)))
+    check_supported(run)
+    check_compile(run, precision)
+
+
+def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
+    """`--offload-policy auto`: the planner's choice, or a PlacementError saying what fits."""
+    hw = hardware_for(cfg)
+    p, _, _ = make_plan(cfg, model_config, hw, precision)
+    if not p.fits:
+        raise PlacementError(
+            f"--offload-policy auto: no plan fits on {hw.name}: " + "; ".join(p.problems)
+        )
+    return p
+
+
+def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str) -> Plan:
+    """The planner's prediction for the placement the engine actually runs."""
+    hw = hardware_for(cfg)
+    shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
+                                   base_format=base_format_of(cfg, precision),
+                                   precision=precision)
+    placements = engine.report.placements
+    # the engine's own choice per segment (`none` keeps streamed graphs where the budget holds
+    # them); the head keeps as the planner's rule says
+    keep = (*(not p.recomputes for p in engine.policies),
+            placements[-1].resident and engine.opts.keep_resident_activations)
+    return evaluate(
+        shape, train_shape(cfg, precision), hw, placements,
+        engine.opts.microbatch_order, keep,
+        usable_budgets(hw), engine.host_boundaries, readahead=engine.opts.readahead,
+        writeback=engine.opts.writeback,
+    )
