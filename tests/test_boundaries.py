@@ -156,9 +156,9 @@ def test_planner_parks_boundaries_only_where_every_segment_recomputes(size, gpu_
     the write-back's staging and disk-tier gradients held on the host win over parking.) The
     plan itself ranks the variants that fit by their simulated step, and picks whichever
     that says; parked or not, parking goes with recomputing everything."""
-    from tierlm.plan import search as planner
     from tierlm.memory.hardware import resolve
     from tierlm.models import preset_config
+    from tierlm.plan import search as planner
     from tierlm.plan.search import plan
     from tierlm.runtime.shapes import ModelShape, TrainShape
 
