@@ -301,7 +301,8 @@ def plan_step(
         acts.policy, acts.overrides, names[:-1], keeps[:-1],
         fallback=acts.dynamic_fallback, costs=costs, in_flight=parts.in_flight,
         budget_bytes=activation_budget, head_bytes=parts.head_bytes,
-        # a LoRA base's streamed segments recompute as before (not probed; see the note)
+        # a LoRA base's streamed segments recompute as before (the probe measures
+        # full-parameter segments only, so their kept graphs are not measured)
         boundary_bytes=boundary_bytes, planned=planned or parts.frozen_base,
     )
     # the host RAM the step pins (tierlm.runtime.pinned), which the engine's arena will hold
