@@ -37,6 +37,7 @@ train: $(STAMP)
 # extras) fail when their package is missing instead of skipping (tests/comparisons.py)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench train_large_model.py
+	$(VENV)/bin/lint-imports
 	TIERLM_REQUIRE_COMPARISONS=1 OMP_NUM_THREADS=$(TEST_THREADS) \
 		$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
 
