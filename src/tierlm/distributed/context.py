@@ -150,19 +150,8 @@ def build_ring(layout: ContextLayout) -> Ring:
     return Ring(group=mine, ranks=layout.cp_ranks, index=layout.cp_rank)
 
 
-# -- which tokens of a micro-batch this rank trains on ----
-
-class WholeSequence:
-    """No context parallelism: every token of every row (the engine's default)."""
-
-    ring: Ring | None = None
-
-    def take(self, ids, targets, positions):
-        return ids, targets, positions
-
-
-WHOLE_SEQUENCE = WholeSequence()
-
+# -- which tokens of a micro-batch this rank trains on (tierlm.runtime.sequence_share: the
+# protocol the engine calls, and its whole-sequence default) ----
 
 @dataclass
 class ZigzagShare:

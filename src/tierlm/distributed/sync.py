@@ -22,74 +22,26 @@ Every byte on the wire goes through `Comm`, which counts it in the ledger.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from tierlm.config import DistributedConfig
-from tierlm.data.batch import local_divisor
 from tierlm.distributed.checks import parse_ratio_overrides, resolved_mode
 from tierlm.distributed.comm import Comm, all_gather_send_bytes, all_reduce_send_bytes
 from tierlm.memory.layout import ParamSlot
+
+# the protocol the engine calls and its null object live in runtime/, below: NO_SYNC is
+# re-exported for tierlm.distributed's lazy names
+from tierlm.runtime.grad_sync import NO_SYNC as NO_SYNC
+from tierlm.runtime.grad_sync import NoSync, Pending
 
 # Parameters kept dense under top-k by default (the config's default): embeddings (a batch
 # touches few rows, and error feedback would hold stale rows for long), the output head and
 # the norms (tiny, and the loss is most sensitive to them).
 DEFAULT_RATIO_OVERRIDES = DistributedConfig().sparse_grad_ratio_overrides
-
-
-class Pending:
-    """An exchange in flight: `wait()` blocks until the bytes are in and the gradient is final."""
-
-    def __init__(self, works: list[Any] = (), then: Callable[[], None] | None = None) -> None:
-        self._works = list(works)
-        self._then = then
-
-    def wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        if self._then is not None:
-            self._then()
-
-
-DONE = Pending()
-
-
-class GradSync(Protocol):
-    def loss_divisor(self, local_tokens: int) -> float: ...
-
-    def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending: ...
-
-
-class NoSync:
-    """A single process, or a strategy that never touches gradients: nothing to exchange."""
-
-    engine_state_per_rank = False
-
-    def loss_divisor(self, local_tokens: int) -> float:
-        """Gradients stay this rank's (one process; delayed sync's local steps): its own mean."""
-        return local_divisor(local_tokens)
-
-    def start(self, segment: str, grad: torch.Tensor, slots: list[ParamSlot]) -> Pending:
-        return DONE
-
-    def after_step(self, engine: Any, skipped: bool) -> None:
-        pass
-
-    def check_optimizer(self, optimizer: Any) -> None:
-        """Refuse, before anything is allocated, an optimizer (tierlm.optim.flat) whose state
-        this strategy cannot handle."""
-
-    def local_state(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_local_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        pass
-
-
-NO_SYNC = NoSync()
 
 
 # -- configs: the type picks the implementation ----

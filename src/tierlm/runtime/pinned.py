@@ -16,13 +16,12 @@ the step's region what the step's buffers reach.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from tierlm.memory.arena import PinnedBytes
+from tierlm.memory.arena import ArenaReplay, PinnedBytes
 from tierlm.memory.placement import SegmentPlacement
-
-if TYPE_CHECKING:
-    from tierlm.runtime.plan import EngineOptions, StepParts
+from tierlm.runtime.byte_replay import _simulate
+from tierlm.runtime.options import EngineOptions
+from tierlm.runtime.parts import StepParts
+from tierlm.runtime.shapes import ModelShape, TrainShape
 
 
 def step_pinned_bytes(
@@ -34,12 +33,6 @@ def step_pinned_bytes(
     and the step's peak beside them. `parked`: the segments whose boundary input waits on the
     host (Engine.parked_inputs; None: every segment but the first when boundaries go to the
     host, the most any activation policy parks)."""
-    # the planner imports runtime/ lazily; runtime/ sits above memory/, so this import is a
-    # downward one
-    from tierlm.memory.arena import ArenaReplay
-    from tierlm.runtime.byte_replay import _simulate
-    from tierlm.runtime.shapes import ModelShape, TrainShape
-
     segs = parts.adapter.segments
     layouts = parts.layouts
     optimizer = parts.optimizer

@@ -5,195 +5,38 @@ activation policy each segment runs, and, in its `options`, the micro-batch orde
 boundary inputs wait, the read-ahead and write-back, and the run's other knobs. The engine
 executes it and chooses nothing. `plan_step` makes the choices from EngineOptions (a placement
 policy or the planner's placements, an activation policy or dynamic's budget rule over probed
-costs) with the byte rules of `StepParts`, the very sizes the engine builds its step from.
+costs) with the byte rules of `StepParts`, the very sizes the engine builds its step from
+(EngineOptions: tierlm.runtime.options; StepParts: tierlm.runtime.parts).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tierlm.activations import (
-    default_chunk_tokens,
     dynamic_reserve_bytes,
-    head_workspace_bytes,
     probe_costs,
     resolve_policies,
 )
-from tierlm.activations.chunked_loss import sum_cross_entropy
 from tierlm.activations.dynamic import SegmentCosts
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
-from tierlm.distributed.context import WHOLE_SEQUENCE, WholeSequence, ZigzagShare
-from tierlm.distributed.sync import NO_SYNC, GradSync
 from tierlm.memory.device import Device
-from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
-    STAGING_CHUNK_NUMEL,
-    KeepGraphs,
     PlacementReport,
     SegmentPlacement,
     keeps_graph,
 )
-from tierlm.memory.tiers import Tier
-from tierlm.models.adapters import ModelAdapter
-from tierlm.models.frozen import FrozenBase
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
-from tierlm.optim import build_flat_optimizer
-from tierlm.precision.streaming import ComputeCopies
+from tierlm.runtime.options import EngineOptions
+from tierlm.runtime.parts import StepParts
 from tierlm.runtime.pinned import step_pinned_bytes
 from tierlm.runtime.placement import place
-from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.schedule import (
-    boundary_activation_bytes,
-    micro_batches_in_flight,
     parked_inputs,
 )
 from tierlm.runtime.state import InitialWeights, module_weights
-from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
-
-
-@dataclass(kw_only=True)
-class EngineOptions:
-    """What a tiered run asks for. `plan_step` reads the fields that choose (policy, resident,
-    the budgets, placements, activations, keep_resident_activations, check_placement) and
-    turns them into a StepPlan; the engine reads only the others, through the plan's
-    `options`."""
-
-    policy: str = "none"
-    """none | host | disk | tiered (see runtime/placement.py)."""
-    microbatch_order: str = "microbatch-outer"
-    """microbatch-outer or layer-outer."""
-    resident: str | None = None
-    """Regex of segment names whose compute weights stay on the device."""
-    device_budget_bytes: int | None = None
-    host_budget_bytes: int | None = None
-    disk_budget_bytes: int | None = None
-    """What the disk tier may hold (--disk-budget); None: no limit beyond the free space."""
-    activation_budget_bytes: int | None = None
-    """Device bytes `dynamic` may spend on activations beyond what the ledger holds (a plan's
-    device budget less its ledger peak); None: the device budget less the placement."""
-    offload_dir: str | None = None
-    placements: list[SegmentPlacement] | None = None
-    """A placement per segment chosen by the planner; None: derive it from `policy`."""
-    grad_clip: float = 1.0
-    """Global-norm clipping bound; 0 disables it."""
-    loss_chunk_tokens: int | None = None
-    """Tokens per cross-entropy chunk at the head; None: ~16M logits per chunk."""
-    chunk_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sum_cross_entropy
-    """(logits, targets) -> a chunk's summed loss at the head: the compiled one under
-    --compile segments (tierlm.runtime.compile); the blocks compile in the model itself."""
-    batch_size: int = 1
-    seq_len: int = 1
-    micro_batches: int = 1
-    """Shape of the step, for the activation reserve in the placement."""
-    activations: ActivationConfig | None = None
-    """Activation policy per segment (tierlm.activations); None: the planner's choice in
-    keep_resident_activations (True: resident segments keep their graph, streamed ones
-    recompute; False: every segment recomputes; a flag per segment: those that keep)."""
-    keep_resident_activations: KeepGraphs = True
-    boundary_tier: Tier = Tier.DEVICE
-    """Where a segment's boundary input waits between its forward and its backward: on the
-    device, or in host RAM (copied there as it is produced, dropped from the device once the
-    segment's forward has read it, brought back for its backward). On host, layer-outer holds
-    two segments' micro-batches on the device instead of every segment's. Needs the `full`
-    activation policy, or `dynamic`, which parks the inputs of the segments it recomputes: a
-    kept graph pins its input on the device."""
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    check_placement: Callable[[PlacementReport], None] = lambda report: None
-    """Called with the placement before anything is allocated or written (the trainer's
-    free-space and host-memory checks refuse an impossible run here)."""
-    grad_sync: GradSync = NO_SYNC
-    """Data parallelism (tierlm.distributed): started on each segment's complete gradient,
-    overlapping the rest of the backward, and waited for before the norm is taken."""
-    sequence_share: WholeSequence | ZigzagShare = WHOLE_SEQUENCE
-    """The tokens of each row this rank trains on (context parallel: its zig-zag share, and the
-    ring its attention runs over)."""
-    tracer: Tracer | NoTracer = NO_TRACER
-    """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
-    updates, recorded while the trainer arms it for --monitor.trace_step."""
-    staging_chunk_numel: int = STAGING_CHUNK_NUMEL
-    """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
-    1024, so chunk offsets suit O_DIRECT)."""
-    base_format: str = "fp32"
-    """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32 (its master),
-    bf16 (--finetune lora under bf16: its compute copy alone), or nf4 (--finetune qlora:
-    each base layer decodes its weight on the device per matmul); tierlm.models.frozen."""
-    readahead: ReadAhead | None = None
-    """Read disk-tier segments' master and slots into host staging during the backward, so the
-    update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
-    writeback: WriteBack | None = DEFAULT_WRITEBACK
-    """Write a disk-tier segment's master and slots back behind the step, its update ending
-    once its compute copy (or, computing from fp32, its master) is on disk; at most
-    `segments` write-backs pending (tierlm.runtime.writeback; the planner sets it). None: the
-    update writes everything back before it ends."""
-
-
-class StepParts:
-    """What a model's step is built from, and the sizes the plan and the engine both take from
-    it: the segments, their flat layouts, the compute copies and the flat optimizer, and the
-    device bytes the step holds besides model state (boundary activations, tied gradients, a
-    frozen base's adapters and decode buffer, the head's workspace)."""
-
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig,
-                 options: EngineOptions) -> None:
-        chunk = options.staging_chunk_numel
-        if chunk <= 0 or chunk % 1024:
-            raise ValueError(f"staging_chunk_numel must be a positive multiple of 1024 (4 KiB "
-                             f"of fp32, O_DIRECT's alignment), got {chunk}")
-        self.adapter = ModelAdapter(model)
-        segs = self.adapter.segments
-        # weights whose state is off the device are held, moved and computed from in the
-        # precision they compute in (tierlm.precision.streaming); a LoRA base in its bf16
-        # compute copy or NF4 bytes alone, on every tier (tierlm.models.frozen)
-        self.frozen_copy = options.base_format != "fp32"
-        self.compute_copies = (FrozenBase(model, options.base_format) if self.frozen_copy
-                               else ComputeCopies(model))
-        self.optimizer = build_flat_optimizer(optim)
-        # Frozen parameters (requires_grad False: a LoRA run's base) are streamed weights with
-        # no gradient and no optimizer state; the trained ones (its adapters) then live on the
-        # device, a small flat layout per segment. Without frozen parameters the segment's
-        # streamed weights are what is trained.
-        self.frozen_base = any(not p.requires_grad for s in segs for _, p, _ in s.params)
-        self.layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params
-                                    if not (self.frozen_base and p.requires_grad)])
-                        for s in segs]
-        self.trained_layouts = [FlatLayout([(n, tuple(p.shape), d) for n, p, d in s.params
-                                            if p.requires_grad]) for s in segs]
-        trained_bytes = sum(
-            (4 + 4) * lay.numel + self.optimizer.state_nbytes(lay)
-            for lay in self.trained_layouts if lay.numel) if self.frozen_base else 0
-        config = model.config
-        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
-        self.hidden_bytes = options.batch_size * options.seq_len * config.hidden_size * 4
-        self.in_flight = micro_batches_in_flight(options.micro_batches,
-                                                 options.microbatch_order)
-        # the owner's gradient holding the head's contribution to tied weights, one per
-        # micro-batch in flight (tierlm.runtime.walk)
-        tied = any(n in segs[-1].borrowed for n, _, _ in segs[0].params)
-        self.tied_trained = tied and not self.frozen_base  # frozen ties take no gradient
-        tied_bytes = self.layouts[0].numel * 4 if self.tied_trained else 0
-        # a QLoRA matmul decodes its NF4 weight into a buffer of its own, one weight at a time
-        # (outside the ledger): room for the largest
-        decoded_bytes = max((self.compute_copies.decoded_nbytes(lay) for lay in self.layouts),
-                            default=0) if self.frozen_copy else 0
-        self.host_boundaries = options.boundary_tier == Tier.HOST
-        self.activation_bytes = (
-            boundary_activation_bytes(
-                len(segs), self.hidden_bytes, options.micro_batches, options.microbatch_order,
-                on_host=self.host_boundaries,
-            )
-            + self.in_flight * tied_bytes
-        )
-        # device bytes placed before any model state, besides the activation policy's reserve
-        self.fixed_device_bytes = self.activation_bytes + trained_bytes + decoded_bytes
-        vocab = config.vocab_size
-        self.chunk_tokens = options.loss_chunk_tokens or default_chunk_tokens(vocab)
-        self.head_bytes = head_workspace_bytes(
-            self.chunk_tokens, vocab, options.batch_size * options.seq_len, config.hidden_size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,6 @@ import torch
 if TYPE_CHECKING:
     from tierlm.memory.ledger import Ledger
     from tierlm.runtime.cache import StreamCache
-    from tierlm.runtime.engine import Engine
     from tierlm.runtime.state import DiskTensor
 
 # (name, weights, optimizer state): tensors, or for disk-tier state `DiskTensor`s that read their
@@ -44,7 +43,9 @@ class Stepper(ABC):
     skipped_steps: int  # steps skipped for a non-finite gradient (checkpointed)
 
     # optional capabilities: None where this stepper has none (see the module docstring)
-    engine: Engine | None = None
+    # the tiered engine (tierlm.runtime.engine.Engine, a Stepper itself): named by its base
+    # here, since the base cannot import the class built on it
+    engine: Stepper | None = None
     ledger: Ledger | None = None
     cache: StreamCache | None = None
     fp8_stats: Callable[[], dict[str, tuple[float, float]]] | None = None
