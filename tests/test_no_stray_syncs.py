@@ -218,13 +218,14 @@ ALLOWED = {
     ("memory/arena.py", "_unregister", "int"): "cudaHostUnregister's error code, at close",
     ("runtime/engine.py", "Engine.step", "int"):
         "the batch's trained tokens, counted in host memory before the batch moves",
-    ("runtime/engine.py", "Engine._streamed_head", ".synchronize"):
+    ("runtime/evaluation.py", "Evaluation._streamed_head", ".synchronize"):
         "Engine.synchronize (the update threads) before evaluation, outside a step",
-    ("runtime/engine.py", "Engine.eval_loss.loss_sum", ".item"): "evaluation, outside a step",
-    ("runtime/engine.py", "Engine._named", ".synchronize"):
+    ("runtime/evaluation.py", "Evaluation.eval_loss.loss_sum", ".item"):
+        "evaluation, outside a step",
+    ("runtime/state_io.py", "StateIO._named", ".synchronize"):
         "Engine.synchronize before reading the state out (checkpoint, export)",
-    ("runtime/engine.py", "Engine.load", ".synchronize"): "Engine.synchronize before a restore",
-    ("runtime/engine.py", "Engine.state_shards", ".synchronize"):
+    ("runtime/state_io.py", "StateIO.load", ".synchronize"): "Engine.synchronize before a restore",
+    ("runtime/state_io.py", "StateIO.state_shards", ".synchronize"):
         "Engine.synchronize before a checkpoint's shards",
     ("runtime/engine.py", "Engine.close", ".synchronize"): "Engine.synchronize at close",
     ("runtime/compile.py", "compiled_graphs", "int"): "torch._dynamo's counters: a dict",

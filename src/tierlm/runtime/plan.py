@@ -16,26 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tierlm.activations import (
-    dynamic_reserve_bytes,
-    probe_costs,
-    resolve_policies,
-)
+from tierlm.activations import dynamic_reserve_bytes, probe_costs, resolve_policies
 from tierlm.activations.dynamic import SegmentCosts
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.memory.device import Device
-from tierlm.memory.placement import (
-    PlacementReport,
-    SegmentPlacement,
-    keeps_graph,
-)
+from tierlm.memory.placement import PlacementReport, SegmentPlacement, keeps_graph
 from tierlm.runtime.options import EngineOptions
 from tierlm.runtime.parts import StepParts
 from tierlm.runtime.pinned import step_pinned_bytes
 from tierlm.runtime.placement import place
-from tierlm.runtime.schedule import (
-    parked_inputs,
-)
+from tierlm.runtime.schedule import parked_inputs
 from tierlm.runtime.state import InitialWeights, module_weights
 
 

@@ -1,0 +1,124 @@
+"""The engine's optimizer updates (part of tierlm.runtime.engine.Engine): a segment's update on
+the tier that holds its state, a device one on the training thread, host and disk ones on the
+update worker behind the next forward, a disk one chunk by chunk through host staging or in one
+chunk with its write-back deferred (tierlm.runtime.writeback). Engine._finish_step decides,
+once the global norm is read, whether and with what clipping coefficient they run."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.optim.flat import advance
+from tierlm.runtime.state import (
+    SegmentState,
+    read_copies,
+    stream_chunks,
+    write_back_copies,
+)
+from tierlm.runtime.writeback import deferred_copies
+
+
+class Updates:
+    """The Engine's updates, and the wait for one before its segment's weights are read."""
+
+    def _wait_update(self, s: int) -> None:
+        fut = self._updates.pop(s, None)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()  # re-raises a failed update here, in the training thread
+            t1 = time.perf_counter()
+            self.update_wait_s += t1 - t0
+            self.tracer.record("wait", f"update {self.states[s].seg.name}", t0, t1,
+                               cat="update wait")
+
+    def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
+        slots = [s.name for s in st.slots]
+
+        # what the simulated device prices a CPU update at (a device one is a compute region)
+        def cpu(params: float) -> contextlib.AbstractContextManager[None]:
+            if st.tier == Tier.DEVICE:
+                return contextlib.nullcontext()
+            return self.dev.cpu_work(f"update {st.seg.name}", params=params)
+
+        def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            """The optimizer on elements [lo, lo + n) of the segment (all of it, off the disk
+            tier)."""
+            with cpu(bufs["grad"].numel() * self.optimizer.cpu_cost):
+                bufs["grad"].mul_(coef)
+                self.optimizer.update_range(st.layout, lo, bufs["master"], bufs["grad"],
+                                            {c: bufs[c] for c in slots}, st.steps, lr)
+            if st.tier == Tier.DISK and st.compute_format is not None:  # the whole master
+                self.compute_copies.refresh(self.store, st, bufs["master"])
+
+        lane = "device update" if st.tier == Tier.DEVICE else "cpu update"
+        with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
+            if st.tier == Tier.DISK:
+                self._update_disk(st, step)
+            else:
+                step(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
+                self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
+                st.grad.zero_()
+            advance(st.steps)
+
+    def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
+        """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
+        slots, a gradient held on the host) are staged in chunks, the next chunk read while this
+        one updates; the gradient is spent, only master and slots go back to their files.
+        An update of one chunk (a compute copy's segment, or a small one) defers their
+        write-back (`_update_whole`)."""
+        self._writer.wait(st.index)  # the last step's write-back of its files has landed
+        ahead = self._readahead.pop(st.index, None)
+        held = {} if ahead is None else dict(ahead.buffers())
+        if st.grad is not None:
+            held["grad"] = st.grad
+        ranges = self._update_ranges(st)
+        if self.opts.writeback is not None and len(ranges) == 1:
+            self._update_whole(st, step, held)
+            return
+        ends = {lo: lo + n for lo, n in ranges}
+
+        def chunk(lo: int, bufs: dict[str, torch.Tensor]) -> None:
+            for c, buf in held.items():
+                a, b = st.slot(c).range(st.layout, lo, ends[lo])
+                bufs[c] = buf[a:b]
+            step(lo, bufs)
+
+        stream_chunks(self.store, st, ranges,
+                      read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk)
+        if ahead is not None:
+            write_back_copies(self.store, st, ahead.bufs)  # and frees the staging
+        if st.grad is not None:
+            st.grad.zero_()
+
+    def _update_whole(self, st: SegmentState, step: Callable[[int, dict], None],
+                      held: dict[str, torch.Tensor]) -> None:
+        """A disk-tier update in one chunk with its write-back deferred: the copies not in RAM
+        are read whole, the optimizer runs (and writes the compute file), the fp32 master is
+        written now where the forward reads it, and the rest goes to the writer, which frees
+        the staging once written (tierlm.runtime.writeback)."""
+        self._writer.make_room()
+        missing = tuple(c for c in (*st.state_copies, "grad") if c not in held)
+        bufs = {**read_copies(self.store, st, missing), **held}
+        step(0, bufs)
+        if st.grad is not None:  # held on the host: the next step accumulates into it
+            st.grad.zero_()
+        elif "grad" in bufs:  # staged from its file: spent
+            self.store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
+        later = deferred_copies(st.state_copies, st.compute_format is not None)
+        write_back_copies(self.store, st, {c: bufs[c] for c in st.state_copies
+                                           if c not in later})
+        self._writer.submit(st, {c: bufs[c] for c in later})
+
+    def _update_ranges(self, st: SegmentState) -> list[tuple[int, int]]:
+        """Chunks in which a disk segment's state is rewritten: the whole segment where it has
+        a compute copy (its fp8 scales come from whole tensors), else staging chunks cut where
+        the optimizer's slots can be cut (whole segments for an optimizer with align 0)."""
+        if st.compute_format is not None:
+            return [(0, st.numel)]
+        return self.optimizer.chunk_ranges(st.layout, self.chunk_numel)
