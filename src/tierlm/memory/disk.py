@@ -5,7 +5,9 @@ offload directory. `DiskTier` moves one contiguous CPU tensor to or from one fil
 chunks issued in parallel on a thread pool (the GIL is released inside `os.pwritev`/`os.preadv`,
 so the threads overlap). Where the filesystem allows it, files are opened with O_DIRECT: the page
 cache is bypassed (no double buffering of hundreds of GB of state in RAM, no writeback storms),
-which requires buffers aligned to ALIGN_BYTES; `aligned_empty` allocates them.
+which requires buffers aligned to ALIGN_BYTES; `aligned_empty` allocates them
+(tierlm.memory.buffers). `dd_throughput`, the reference it is compared against, is
+tierlm.memory.disk_reference's; both are importable from here too.
 
 This module is mechanism only: which tensors live on disk, and when they move, is the planner's
 and the runtime's business.
@@ -15,11 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import math
-import mmap
 import os
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 
+from tierlm.memory.buffers import ALIGN_BYTES, aligned_empty, mapped_empty, round_up
+from tierlm.memory.disk_reference import dd_throughput, drop_page_cache
 from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 
 __all__ = [
@@ -45,10 +46,6 @@ __all__ = [
     "supports_direct_io",
 ]
 
-# O_DIRECT needs buffer address, file offset and length aligned to the logical block size of the
-# device (512 or 4096); 4096 covers both and is the page size.
-ALIGN_BYTES = 4096
-
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)  # 0 where the platform has no O_DIRECT
 
 
@@ -58,47 +55,6 @@ class DiskFullError(OSError):
 
 class DiskIOError(OSError):
     """Any other disk-tier I/O failure; the message names the file and the operation."""
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-MAPPED_MIN_BYTES = 128 << 10
-"""Unpinned host buffers from this size up are mappings of their own (`mapped_empty`)."""
-
-
-def mapped_empty(nbytes: int) -> torch.Tensor:
-    """`nbytes` uninitialised bytes (as uint8) in an anonymous mapping of their own, unmapped
-    when the last tensor viewing them is freed. This is how the runtime's host buffers (the
-    store's state, the pinned arena's blocks, offloaded activations) leave malloc: glibc keeps
-    freed heap memory and, with its default dynamic M_MMAP_THRESHOLD, serves buffers of a size
-    it has seen freed from the heap, so RSS would not follow the ledger; a process-wide lower
-    threshold would (it did) but makes every activation and gradient buffer of torch a fresh
-    mapping the kernel zero-fills each step. Page aligned, so also an O_DIRECT buffer."""
-    # torch.frombuffer holds the mmap object until the storage is freed; the mmap object's
-    # deallocation unmaps it (nothing else holds a reference to it)
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
-
-
-def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool | None = None) -> torch.Tensor:
-    """An uninitialised 1-D tensor usable as an O_DIRECT buffer.
-
-    Its data_ptr is ALIGN_BYTES-aligned and its allocation extends to the next multiple of
-    ALIGN_BYTES past the data. pin=None pins only when CUDA is available (pinning raises on a
-    CPU-only build). Unpinned, from MAPPED_MIN_BYTES up it is a mapping of its own
-    (`mapped_empty`): freeing it gives its pages back to the kernel at once.
-    """
-    if numel < 0:
-        raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
-    if pin is None:
-        pin = torch.cuda.is_available()
-    padded_bytes = _round_up(max(numel * dtype.itemsize, 1), ALIGN_BYTES)
-    if not pin and padded_bytes >= MAPPED_MIN_BYTES:
-        return mapped_empty(padded_bytes).view(dtype)[:numel]
-    raw = torch.empty(padded_bytes + ALIGN_BYTES, dtype=torch.uint8, pin_memory=pin)
-    offset = -raw.data_ptr() % ALIGN_BYTES
-    return raw[offset : offset + padded_bytes].view(dtype)[:numel]
 
 
 def _memory(address: int, nbytes: int) -> memoryview:
@@ -235,7 +191,7 @@ class DiskTier:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         # Chunk boundaries must be valid O_DIRECT offsets.
-        self.chunk_bytes = _round_up(chunk_bytes, ALIGN_BYTES)
+        self.chunk_bytes = round_up(chunk_bytes, ALIGN_BYTES)
         supported = supports_direct_io(self.root) if direct is not False else False
         if direct and not supported:
             raise DiskIOError(
@@ -291,7 +247,7 @@ class DiskTier:
         path = self.path(name)
         nbytes = src.nbytes
         start = offset_bytes or 0
-        file_bytes = _round_up(start + nbytes, ALIGN_BYTES) if self.direct else start + nbytes
+        file_bytes = round_up(start + nbytes, ALIGN_BYTES) if self.direct else start + nbytes
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = self._begin(name, create=True)
@@ -562,53 +518,3 @@ class DiskTier:
             )
         reason = exc.strerror or str(exc)
         return DiskIOError(exc.errno, message or f"{op} {path} failed: {reason}", str(path))
-
-
-# reference measurement -----------------------------------------------------------------------
-
-
-def drop_page_cache() -> bool:
-    """Flush dirty pages and drop the page cache; False where that is not permitted."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        return False
-    return True
-
-
-def _run_timed_s(cmd: list[str]) -> float:
-    start_s = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
-    elapsed_s = time.perf_counter() - start_s
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
-    return elapsed_s
-
-
-def dd_throughput(
-    directory: str | Path, size_bytes: int, *, block_bytes: int = 8 << 20
-) -> tuple[float, float]:
-    """Sequential O_DIRECT (write, read) throughput of `dd` in `directory`, in bytes/s.
-
-    The ceiling DiskTier is compared against. The write includes its fsync; the page cache is
-    dropped before the read where permitted. Needs a filesystem that accepts O_DIRECT.
-    """
-    dd = shutil.which("dd")
-    if dd is None:
-        raise RuntimeError("dd_throughput: `dd` is not on PATH")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    count = max(1, math.ceil(size_bytes / block_bytes))
-    total_bytes = count * block_bytes
-    path = directory / f".tierlm-dd-{os.getpid()}"
-    try:
-        write = [dd, "if=/dev/zero", f"of={path}", f"bs={block_bytes}", f"count={count}"]
-        write_s = _run_timed_s([*write, "oflag=direct", "conv=fsync"])
-        drop_page_cache()
-        read_s = _run_timed_s(
-            [dd, f"if={path}", "of=/dev/null", f"bs={block_bytes}", "iflag=direct"]
-        )
-    finally:
-        path.unlink(missing_ok=True)
-    return total_bytes / write_s, total_bytes / read_s
