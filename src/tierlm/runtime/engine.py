@@ -54,7 +54,7 @@ from tierlm.runtime.clock import compute_clock
 from tierlm.runtime.compute import MicroBatch, SegmentCompute
 from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.engine_schedule import EngineSchedule
-from tierlm.runtime.evaluation import Evaluation, _eval_mode
+from tierlm.runtime.evaluation import Evaluation, eval_mode
 from tierlm.runtime.gradients import Gradients
 from tierlm.runtime.landing import LandingRing
 from tierlm.runtime.options import EngineOptions
@@ -118,7 +118,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         # held-out loss and sampling without dropout; a model without any keeps its modules'
         # mode (a compiled block would compile once more for eval mode, for nothing)
         self._outside_training: Callable[[], contextlib.AbstractContextManager] = (
-            functools.partial(_eval_mode, model) if self.has_dropout else contextlib.nullcontext)
+            functools.partial(eval_mode, model) if self.has_dropout else contextlib.nullcontext)
 
         segs = self.adapter.segments
         self.index = {s.name: i for i, s in enumerate(segs)}
@@ -286,7 +286,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
                 # the embed segment reads the positions (GPT-2's are learned); the full context
                 # replaces this one once the embedding exists
                 mbs.append(MicroBatch(ids, targets, positions,
-                                       ctx=self.adapter.embed_context(ids, positions)))
+                                      ctx=self.adapter.embed_context(ids, positions)))
             # a step of a larger shape than planned (more micro-batches, longer rows) grows
             # the pinned arena's step region, between steps
             b, t = mbs[0].ids.shape

@@ -14,7 +14,7 @@ from tierlm.runtime.schedule import Action
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """`model` in eval mode for a forward outside training (held-out loss, sampling), as the
     reference trainer's `model.eval()`: no dropout in the held-out loss, and nothing drawn from
     the training random stream (a resumed or reference run would draw other masks after)."""
