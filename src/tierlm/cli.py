@@ -152,7 +152,7 @@ def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
         export_hf_from_checkpoint,
         latest_valid_checkpoint,
     )
-    from tierlm.monitor.progress import open_progress
+    from tierlm.progress import open_progress
 
     path = Path(checkpoint)
     if (path / "checkpoints").is_dir():

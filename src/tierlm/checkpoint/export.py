@@ -30,7 +30,7 @@ from tierlm.models.export import (
     write_hf_model,
 )
 from tierlm.models.lora import merged_sources
-from tierlm.monitor.progress import NO_PROGRESS, Progress
+from tierlm.progress import NO_PROGRESS, Progress
 
 _NOT_EXPORTED = re.compile(
     r"(optimizer(-.+)?|rng)\.safetensors|state\.json|__\d+_\d+\.distcp|\.metadata|config\.json|"

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 __all__ = [
     "ALIGN_BYTES",

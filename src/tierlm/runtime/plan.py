@@ -41,7 +41,6 @@ from tierlm.memory.placement import (
 from tierlm.memory.tiers import Tier
 from tierlm.models.adapters import ModelAdapter
 from tierlm.models.frozen import FrozenBase
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.pinned import step_pinned_bytes
@@ -54,6 +53,7 @@ from tierlm.runtime.schedule import (
 )
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 
 @dataclass(kw_only=True)
@@ -113,7 +113,7 @@ class EngineOptions:
     """The tokens of each row this rank trains on (context parallel: its zig-zag share, and the
     ring its attention runs over)."""
     tracer: Tracer | NoTracer = NO_TRACER
-    """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
+    """The step timeline (tierlm.trace): actions, waits, copies, disk requests and
     updates, recorded while the trainer arms it for --monitor.trace_step."""
     staging_chunk_numel: int = STAGING_CHUNK_NUMEL
     """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of

@@ -78,9 +78,7 @@ from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
-from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
-from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
 from tierlm.plan.inputs import (
@@ -103,11 +101,13 @@ from tierlm.plan.predictions import (
 from tierlm.plan.result import Plan
 from tierlm.plan.timeline import predicted_timeline
 from tierlm.precision import prepare_precision, set_tf32
+from tierlm.progress import NO_PROGRESS, open_progress
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
+from tierlm.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.rundir import OffloadDir, open_run_dir
