@@ -208,7 +208,7 @@ def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, t
     from runtime_helpers import bf16_autocast, bf16_model
 
     from tierlm.config import LoraConfig
-    from tierlm.models.lora import apply_lora
+    from tierlm.finetune.lora import apply_lora
 
     base = tiny_model("llama_tied_gqa", layers=LAYERS)
     apply_lora(base, LoraConfig(rank=4, alpha=8.0), seed=3)

@@ -25,9 +25,9 @@ from tierlm.config import (
     from_dict,
 )
 from tierlm.data import train_bpe_tokenizer
+from tierlm.finetune.lora import apply_lora
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model
-from tierlm.models.lora import apply_lora
 from tierlm.models.testing import tiny_hf_configs
 from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.train.reference import ReferenceStep

@@ -107,7 +107,7 @@ def finetune_precision(cfg: Config, choice: PrecisionChoice) -> PrecisionChoice:
     """--finetune lora/qlora computes in fp32 or bf16: the frozen base's copy in the dtype its
     layers compute in (bf16 for the blocks' linear layers: LoRA's base stored and streamed as
     bf16, QLoRA's NF4 decoded to bf16), the adapters' fp32 masters and AdamW state, and every
-    matmul under the bf16 policy of full training (tierlm.models.frozen). fp8 is not built for
+    matmul under the bf16 policy of full training (tierlm.runtime.frozen). fp8 is not built for
     a frozen base (it would need an E4M3 copy of it, or NF4 re-quantised to E4M3 per action):
     `auto` choosing fp8 becomes bf16, saying why; a named fp8 is refused, naming the flag."""
     if cfg.train.finetune == "full" or choice.mode != "fp8":

@@ -40,9 +40,9 @@ from tierlm.memory.placement import (
 )
 from tierlm.memory.tiers import Tier
 from tierlm.models.adapters import ModelAdapter
-from tierlm.models.frozen import FrozenBase
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
+from tierlm.runtime.frozen import FrozenBase
 from tierlm.runtime.pinned import step_pinned_bytes
 from tierlm.runtime.placement import place
 from tierlm.runtime.readahead import ReadAhead
@@ -121,7 +121,7 @@ class EngineOptions:
     base_format: str = "fp32"
     """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32 (its master),
     bf16 (--finetune lora under bf16: its compute copy alone), or nf4 (--finetune qlora:
-    each base layer decodes its weight on the device per matmul); tierlm.models.frozen."""
+    each base layer decodes its weight on the device per matmul); tierlm.runtime.frozen."""
     readahead: ReadAhead | None = None
     """Read disk-tier segments' master and slots into host staging during the backward, so the
     update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""
@@ -148,7 +148,7 @@ class StepParts:
         segs = self.adapter.segments
         # weights whose state is off the device are held, moved and computed from in the
         # precision they compute in (tierlm.precision.streaming); a LoRA base in its bf16
-        # compute copy or NF4 bytes alone, on every tier (tierlm.models.frozen)
+        # compute copy or NF4 bytes alone, on every tier (tierlm.runtime.frozen)
         self.frozen_copy = options.base_format != "fp32"
         self.compute_copies = (FrozenBase(model, options.base_format) if self.frozen_copy
                                else ComputeCopies(model))

@@ -63,6 +63,7 @@ from tierlm.distributed.setup import (
     quiet,
     shard_batches,
 )
+from tierlm.finetune.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
 from tierlm.memory.tiers import Tier
@@ -76,7 +77,6 @@ from tierlm.models import (
 from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
-from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
 from tierlm.optim import model_state_nbytes
@@ -406,7 +406,7 @@ class Trainer:
             else:
                 self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
                                          seed=cfg.run.seed)
-        # --finetune lora: peft's adapters on the frozen base (tierlm.models.lora); before the
+        # --finetune lora: peft's adapters on the frozen base (tierlm.finetune.lora); before the
         # precision policy and the stepper, which both see the wrapped modules
         self.finetune, initial_weights = prepare_finetune(
             cfg.train.finetune, self.model, cfg.lora, initial_weights, seed=cfg.run.seed,
