@@ -683,7 +683,8 @@ def test_gradient_sync_is_counted_in_the_net_lane_and_named_when_it_binds(capsys
     while the last micro-batch's backward runs, all but the embedding's, which the update
     waits for; delayed sync sends the weights every k steps, after the step."""
     from tierlm.config import LoraConfig
-    from tierlm.distributed.sync import DelayedSync, DenseSync
+    from tierlm.distributed.delayed import DelayedSync
+    from tierlm.distributed.sync import DenseSync
     from tierlm.plan.timing import grad_sync_bytes
 
     shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)

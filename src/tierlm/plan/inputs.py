@@ -21,7 +21,7 @@ from tierlm.config import (
     mode_only_flags,
     parse_bytes,
 )
-from tierlm.distributed.sync import sync_config
+from tierlm.distributed.strategies import sync_config
 from tierlm.memory.device import sim_profile
 from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.placement import PlacementError
