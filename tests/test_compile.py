@@ -416,7 +416,7 @@ def test_precision_auto_stops_at_bf16_when_compiled(capsys):
     of refusing its own default; fp8 asked for (named, or --fp8-emulate) is still refused."""
     from tierlm.cli import main
     from tierlm.memory.hardware import PROFILES
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     auto = PrecisionConfig(mode="auto")
     got = resolve_precision(auto, None, PROFILES["rtx4090"], compiled=True)

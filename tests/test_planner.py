@@ -320,7 +320,7 @@ def test_named_profiles_and_overrides():
 
 def test_precision_auto_takes_bf16_only_where_native():
     from tierlm.config import PrecisionConfig
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     auto = PrecisionConfig(mode="auto")
     assert resolve_precision(auto, torch.device("cpu"), None).mode == "fp32"
@@ -348,7 +348,7 @@ def test_precision_auto_takes_bf16_only_where_native():
 def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkeypatch):
     """The device rule at train time (the GPU's own answers stood in for: no CUDA here)."""
     from tierlm.config import PrecisionConfig
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -369,7 +369,7 @@ def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkey
 ])
 def test_precision_auto_refuses_flags_its_choice_ignores(flags, flag, resolved):
     from tierlm.config import ConfigError, PrecisionConfig
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     p = PrecisionConfig(mode="auto", **flags)
     backend = "fsdp" if resolved == "bf16" else "engine"

@@ -83,11 +83,9 @@ from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
 from tierlm.plan.inputs import (
     cap_gpu_memory,
-    finetune_precision,
     hardware_for,
     plan_auto,
     predict_for_engine,
-    resolve_precision,
     train_shape,
 )
 from tierlm.plan.predictions import (
@@ -101,6 +99,7 @@ from tierlm.plan.predictions import (
 from tierlm.plan.result import Plan
 from tierlm.plan.timeline import predicted_timeline
 from tierlm.precision import prepare_precision, set_tf32
+from tierlm.precision.choice import finetune_precision, resolve_precision
 from tierlm.progress import NO_PROGRESS, open_progress
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
