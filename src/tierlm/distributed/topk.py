@@ -44,8 +44,6 @@ from tierlm.memory.layout import ParamSlot
 DEFAULT_RATIO_OVERRIDES = DistributedConfig().sparse_grad_ratio_overrides
 
 
-
-
 def entries_sent(ratio: float, numel: int) -> int:
     """k, the entries of a `numel`-entry parameter sent at `ratio`: at least one; k >= numel
     means the parameter goes dense."""
