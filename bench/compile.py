@@ -33,8 +33,8 @@ import torch
 from activations import PeakMemory  # bench/activations.py, this script's folder
 
 from tierlm.config import ActivationConfig, LoraConfig, OptimConfig, PrecisionConfig
+from tierlm.finetune.lora import apply_lora, store_frozen_as_computed
 from tierlm.models import build_model, preset_config
-from tierlm.models.lora import apply_lora, store_frozen_as_computed
 from tierlm.precision import prepare_precision
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.compile import NoCompile, SegmentCompile, compiled_graphs

@@ -6,8 +6,8 @@ them) is exported by each path in a fresh subprocess, the paths interleaved roun
 
 - old: what `tierlm export` did before streaming: build the model in RAM from config.json, copy
   every checkpoint tensor into it, `export_hf` (`save_pretrained`: one fp32 model.safetensors);
-- streamed: `tierlm export` now (`cli._export`: `export_hf_from_checkpoint`, which the end of
-  a run calls too), float32 and bfloat16.
+- streamed: `tierlm export` now (`cli.commands.export_checkpoint`: `export_hf_from_checkpoint`,
+  which the end of a run calls too), float32 and bfloat16.
 
 Peak RSS is VmHWM from /proc/self/status, reset (`echo 5 > /proc/self/clear_refs`) right before
 the export, after imports (and one build of the model on the meta device, which imports the
@@ -81,8 +81,8 @@ if mode == "old":  # cli._export before streaming (the checkpoint carries no tok
             p.copy_(weights[name])
     export_hf(model, None, out)
 else:  # what `tierlm export CHECKPOINT OUT --export-dtype D` runs
-    from tierlm.cli import _export
-    _export(str(ckpt), str(out), mode.split("-")[1])
+    from tierlm.cli.commands import export_checkpoint
+    export_checkpoint(str(ckpt), str(out), mode.split("-")[1])
 seconds = time.perf_counter() - t0
 print(json.dumps({"peak": status("VmHWM"), "rise": status("VmHWM") - before,
                   "seconds": seconds,

@@ -10,7 +10,7 @@ device peak, and the median step time after the first; every figure also as a ra
 fp32, measured in the same run, interleaved.
 
 QLoRA's decode (outside the ledger) gets a second table: the buffer the engine reserves for it
-now (one matmul's weight, tierlm.models.nf4.NF4Linear) against the whole-segment decode it
+now (one matmul's weight, tierlm.precision.nf4.NF4Linear) against the whole-segment decode it
 replaced (the largest NF4 segment decoded into fp32, or into its bf16 compute copy), the largest
 decoded weight measured alive and how many were alive at once (a hook on the decode), and the
 device peak with the decode added both ways (on CUDA also `max_memory_allocated`).
@@ -36,10 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from tierlm.config import LoraConfig, OptimConfig, PrecisionConfig  # noqa: E402
+from tierlm.finetune.lora import apply_lora  # noqa: E402
 from tierlm.memory.tiers import Link, Tier  # noqa: E402
-from tierlm.models import nf4  # noqa: E402
-from tierlm.models.lora import apply_lora  # noqa: E402
-from tierlm.precision import prepare_precision  # noqa: E402
+from tierlm.precision import nf4, prepare_precision  # noqa: E402
 from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
 
 RUNS = [("lora", "fp32"), ("lora", "bf16"), ("qlora", "fp32"), ("qlora", "bf16")]

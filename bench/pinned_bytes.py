@@ -27,7 +27,8 @@ from tierlm.memory.arena import ArenaReplay
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import gib
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.plan.inputs import hardware_for, make_plan, model_config_for, resolve_precision
+from tierlm.plan.inputs import hardware_for, make_plan, model_config_for
+from tierlm.precision.choice import resolve_precision
 from tierlm.runtime.byte_replay import _simulate
 
 

@@ -99,8 +99,8 @@ def bf16_lora_reference(base, steps, lrs, clip: float, *, nf4: bool = False):
     """peft's LoRA model `base` (under the bf16 precision policy) trained in plain PyTorch: the
     base stored in bf16 where its layers compute in bf16 (under `nf4` its NF4 round trip, then
     bf16), bf16 autocast. Its step records, adapters and frozen weights (as fp32)."""
-    from tierlm.models.lora import store_frozen_as_computed
-    from tierlm.models.nf4 import quantise_in_place
+    from tierlm.finetune.lora import store_frozen_as_computed
+    from tierlm.precision.nf4 import quantise_in_place
     from tierlm.train.reference import ReferenceStep
 
     model = copy.deepcopy(base)

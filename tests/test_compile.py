@@ -208,7 +208,7 @@ def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, t
     from runtime_helpers import bf16_autocast, bf16_model
 
     from tierlm.config import LoraConfig
-    from tierlm.models.lora import apply_lora
+    from tierlm.finetune.lora import apply_lora
 
     base = tiny_model("llama_tied_gqa", layers=LAYERS)
     apply_lora(base, LoraConfig(rank=4, alpha=8.0), seed=3)
@@ -416,7 +416,7 @@ def test_precision_auto_stops_at_bf16_when_compiled(capsys):
     of refusing its own default; fp8 asked for (named, or --fp8-emulate) is still refused."""
     from tierlm.cli import main
     from tierlm.memory.hardware import PROFILES
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     auto = PrecisionConfig(mode="auto")
     got = resolve_precision(auto, None, PROFILES["rtx4090"], compiled=True)

@@ -23,8 +23,10 @@ from runtime_helpers import OPTIM, assert_close_run, batches, tiny_model
 from tierlm.config import ConfigError
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.data_parallel import DataParallelStep
+from tierlm.distributed.delayed import DelayedSync
 from tierlm.distributed.setup import RankSlice
-from tierlm.distributed.sync import DelayedSync, DenseSync, TopKSync
+from tierlm.distributed.sync import DenseSync
+from tierlm.distributed.topk import TopKSync
 from tierlm.distributed.world import World
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
@@ -632,7 +634,7 @@ def test_fsdp_checkpoints_resume_only_fsdp_runs_of_their_world_size(tmp_path):
 # -- strategy configs ----
 
 def test_topk_ratios_by_pattern_and_warmup():
-    from tierlm.distributed.sync import parse_ratio_overrides
+    from tierlm.distributed.checks import parse_ratio_overrides
 
     sync = TopKSync(ratio=0.01, warmup_steps=4,
                     overrides=parse_ratio_overrides("embed|lm_head|norm=1.0,mlp=0.1"))
@@ -654,7 +656,7 @@ def test_topk_ratios_by_pattern_and_warmup():
 
 def test_distributed_flags_resolve_to_typed_strategies():
     from tierlm.config import resolve
-    from tierlm.distributed.sync import sync_config
+    from tierlm.distributed.strategies import sync_config
 
     def strategy(**flags):
         cfg = resolve(None, {f"distributed.{k}": v for k, v in flags.items()})

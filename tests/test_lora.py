@@ -25,9 +25,9 @@ from tierlm.config import (
     from_dict,
 )
 from tierlm.data import train_bpe_tokenizer
+from tierlm.finetune.lora import apply_lora
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model
-from tierlm.models.lora import apply_lora
 from tierlm.models.testing import tiny_hf_configs
 from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.train.reference import ReferenceStep
@@ -126,7 +126,7 @@ def test_unbuilt_combinations_are_refused():
                                        "distributed": {"nproc": 2}}))
     # LoRA computes in fp32 or bf16 as auto or the user says; auto's fp8 becomes bf16 (saying
     # why), a named fp8 is refused naming the flag
-    from tierlm.plan.inputs import PrecisionChoice, finetune_precision
+    from tierlm.precision.choice import PrecisionChoice, finetune_precision
     for method in ("lora", "qlora"):
         cfg = from_dict({"train": {"finetune": method}})
         got = finetune_precision(cfg, PrecisionChoice("fp8", "RTX 4090 (sm_89) has fp8 units"))

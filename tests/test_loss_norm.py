@@ -22,7 +22,8 @@ from test_distributed import run_ranks
 
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.data_parallel import DataParallelStep
-from tierlm.distributed.sync import DelayedSync, DenseSync
+from tierlm.distributed.delayed import DelayedSync
+from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.runtime import EngineOptions, build_engine

@@ -15,8 +15,7 @@ from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_m
 
 from tierlm.checkpoint import SafetensorsFile, write_safetensors
 from tierlm.config import NotSupportedYet, OptimConfig
-from tierlm.distributed.delayed import Delayed
-from tierlm.distributed.sync import DelayedSync
+from tierlm.distributed.delayed import Delayed, DelayedSync
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.optim import OPTIMIZERS, build_flat_optimizer, build_optimizer

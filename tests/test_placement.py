@@ -14,9 +14,9 @@ import torch
 from runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model, tiny_model
 
 from tierlm.config import LoraConfig
+from tierlm.finetune.lora import apply_lora
 from tierlm.memory.placement import SegmentPlacement, update_staging_bytes
 from tierlm.memory.tiers import Tier
-from tierlm.models.lora import apply_lora
 from tierlm.runtime import Engine, EngineOptions, build_engine
 from tierlm.runtime.schedule import grad_landing
 from tierlm.runtime.state import load_bytes

@@ -320,7 +320,7 @@ def test_named_profiles_and_overrides():
 
 def test_precision_auto_takes_bf16_only_where_native():
     from tierlm.config import PrecisionConfig
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     auto = PrecisionConfig(mode="auto")
     assert resolve_precision(auto, torch.device("cpu"), None).mode == "fp32"
@@ -348,7 +348,7 @@ def test_precision_auto_takes_bf16_only_where_native():
 def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkeypatch):
     """The device rule at train time (the GPU's own answers stood in for: no CUDA here)."""
     from tierlm.config import PrecisionConfig
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -369,7 +369,7 @@ def test_precision_auto_on_a_cuda_device(capability, bf16, resolved, why, monkey
 ])
 def test_precision_auto_refuses_flags_its_choice_ignores(flags, flag, resolved):
     from tierlm.config import ConfigError, PrecisionConfig
-    from tierlm.plan.inputs import resolve_precision
+    from tierlm.precision.choice import resolve_precision
 
     p = PrecisionConfig(mode="auto", **flags)
     backend = "fsdp" if resolved == "bf16" else "engine"
@@ -683,7 +683,8 @@ def test_gradient_sync_is_counted_in_the_net_lane_and_named_when_it_binds(capsys
     while the last micro-batch's backward runs, all but the embedding's, which the update
     waits for; delayed sync sends the weights every k steps, after the step."""
     from tierlm.config import LoraConfig
-    from tierlm.distributed.sync import DelayedSync, DenseSync
+    from tierlm.distributed.delayed import DelayedSync
+    from tierlm.distributed.sync import DenseSync
     from tierlm.plan.timing import grad_sync_bytes
 
     shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)

@@ -16,7 +16,7 @@ from monitor_helpers import tiny_corpus, tiny_run_cfg
 from tierlm.cli import main
 from tierlm.config import PrecisionConfig, from_dict
 from tierlm.monitor.metrics import read_metrics
-from tierlm.monitor.progress import LineProgress, open_progress
+from tierlm.progress import LineProgress, open_progress
 
 CPU = torch.device("cpu")
 

@@ -19,9 +19,9 @@ from runtime_helpers import (
 )
 
 from tierlm.config import LoraConfig, from_dict
+from tierlm.finetune.lora import apply_lora
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.models.lora import apply_lora
-from tierlm.models.nf4 import (
+from tierlm.precision.nf4 import (
     BLOCK,
     SCALE_BLOCK,
     decode_workspace_nbytes,
@@ -163,14 +163,14 @@ def test_tiered_qlora_matches_peft_on_the_round_tripped_base(reference, policy, 
 
 
 class _LiveDecodes:
-    """Wraps tierlm.models.nf4._decode_weight (what NF4Linear decodes each matmul's weight
+    """Wraps tierlm.precision.nf4._decode_weight (what NF4Linear decodes each matmul's weight
     with): records every decoded weight and, at each decode, how many earlier ones are still
     alive, so a decode kept by the graph or a whole segment's decode shows up."""
 
     def __init__(self, monkeypatch) -> None:
         import weakref
 
-        from tierlm.models import nf4
+        from tierlm.precision import nf4
 
         self.alive: list[weakref.ref] = []
         self.most_alive = self.largest_bytes = self.calls = 0
@@ -305,7 +305,7 @@ def test_qlora_learns_and_its_adapter_loads_with_peft_on_the_round_tripped_base(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tierlm.models.lora import save_adapter
+    from tierlm.finetune.lora import save_adapter
 
     plain = tiny_model("llama_tied_gqa", layers=2)
     plain.save_pretrained(tmp_path / "base")
@@ -339,8 +339,8 @@ def test_qlora_run_learns_and_writes_adapter_and_merged_export(tmp_path):
 
     from tierlm.checkpoint import export_hf_from_checkpoint
     from tierlm.data import train_bpe_tokenizer
+    from tierlm.finetune.lora import lora_targets
     from tierlm.models import build_model
-    from tierlm.models.lora import lora_targets
     from tierlm.models.testing import tiny_hf_configs
     from tierlm.train.trainer import Trainer
 
@@ -492,10 +492,10 @@ def test_planner_counts_the_decode_time_per_matmul():
     bandwidth; the decode is part of the step's compute, and LoRA has none."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
-    from tierlm.models.nf4 import decode_traffic_bytes
     from tierlm.plan.evaluate import evaluate
     from tierlm.plan.result import usable_budgets
     from tierlm.plan.timing import _decode_s
+    from tierlm.precision.nf4 import decode_traffic_bytes
     from tierlm.runtime.shapes import ModelShape, TrainShape
 
     config = tiny_model("llama_tied_gqa", layers=2).config
@@ -533,7 +533,7 @@ def test_adapter_records_whether_its_base_was_nf4(method, tmp_path):
     from peft import LoraConfig as PeftLoraConfig
     from peft import PeftConfig, PeftModel
 
-    from tierlm.models.lora import lora_targets, prepare_finetune
+    from tierlm.finetune.lora import lora_targets, prepare_finetune
 
     model = tiny_model("llama_tied_gqa", layers=2)
     plain = copy.deepcopy(model)

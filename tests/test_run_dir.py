@@ -226,8 +226,8 @@ def test_exports_follow_the_umask(tmp_path):
     import torch
 
     from tierlm.config import LoraConfig
+    from tierlm.finetune.lora import prepare_finetune
     from tierlm.models import build_model, preset_config
-    from tierlm.models.lora import prepare_finetune
     from tierlm.train.run import run_training
 
     old = os.umask(0o022)

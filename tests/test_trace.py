@@ -13,8 +13,8 @@ from tierlm.memory.disk import DiskTier
 from tierlm.memory.store import Store
 from tierlm.monitor.metrics import read_metrics
 from tierlm.monitor.report import load_run, trace_figures
-from tierlm.monitor.trace import MEASURED_PID, PREDICTED_PID, NoTracer, TraceEvent, chrome_trace
 from tierlm.runtime.writeback import deferred_copies
+from tierlm.trace import MEASURED_PID, PREDICTED_PID, NoTracer, TraceEvent, chrome_trace
 from tierlm.train import Trainer
 
 TRACE_STEP = 2

@@ -19,7 +19,9 @@ from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
 
 from tierlm.distributed.comm import Comm  # noqa: E402
 from tierlm.distributed.data_parallel import DataParallelStep  # noqa: E402
-from tierlm.distributed.sync import DelayedSync, DenseSync, TopKSync  # noqa: E402
+from tierlm.distributed.delayed import DelayedSync  # noqa: E402
+from tierlm.distributed.sync import DenseSync  # noqa: E402
+from tierlm.distributed.topk import TopKSync  # noqa: E402
 from tierlm.distributed.world import World  # noqa: E402
 from tierlm.memory.layout import FlatLayout  # noqa: E402
 from tierlm.memory.ledger import Ledger  # noqa: E402

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from tierlm.activations.policies import Keep, RunScope, Selective
+from tierlm.activations.rerun import recording_paused
 from tierlm.activations.saved import storages_of
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import PlacementError, gib
-from tierlm.precision.scaling import recording_paused
 
 
 @dataclass(frozen=True)

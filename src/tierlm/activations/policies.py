@@ -31,11 +31,11 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from tierlm.activations.offload import Copier, HostPool, OffloadScope
+from tierlm.activations.rerun import recording_paused
 from tierlm.activations.saved import FrozenWeights, SavedTensorScope, storage_key
 from tierlm.activations.selective import SelectiveRun
 from tierlm.memory.device import Device, as_device
 from tierlm.memory.ledger import Ledger
-from tierlm.precision.scaling import recording_paused
 
 SegmentRun = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one segment: (flat weights, boundary input) -> output, under the step's autocast."""

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from tierlm.activations.rerun import recording_paused
 from tierlm.activations.saved import storage_bytes, storage_key
-from tierlm.precision.scaling import recording_paused
 
 aten = torch.ops.aten
 

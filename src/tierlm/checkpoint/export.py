@@ -20,6 +20,7 @@ from tierlm.checkpoint.format import (
 )
 from tierlm.checkpoint.resume import check_tensor_names, check_weight_names
 from tierlm.checkpoint.safetensors_io import TensorFiles, read_in_chunks
+from tierlm.finetune.lora import merged_sources
 from tierlm.models import build_model
 from tierlm.models.export import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -29,8 +30,7 @@ from tierlm.models.export import (
     source_dtype,
     write_hf_model,
 )
-from tierlm.models.lora import merged_sources
-from tierlm.monitor.progress import NO_PROGRESS, Progress
+from tierlm.progress import NO_PROGRESS, Progress
 
 _NOT_EXPORTED = re.compile(
     r"(optimizer(-.+)?|rng)\.safetensors|state\.json|__\d+_\d+\.distcp|\.metadata|config\.json|"

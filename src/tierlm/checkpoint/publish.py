@@ -39,7 +39,7 @@ from tierlm.checkpoint.format import (
 from tierlm.checkpoint.safetensors_io import write_safetensors
 from tierlm.crashpoints import crash_point
 from tierlm.models.export import fsync_dir
-from tierlm.monitor.progress import NO_PHASE, Phase
+from tierlm.progress import NO_PHASE, Phase
 from tierlm.runtime.stepper import Shard
 
 _LEFTOVER = re.compile(r"\.(step_\d+)\.(tmp|old|del)-\d+")

@@ -8,7 +8,7 @@ is imported."""
 from importlib import import_module
 from typing import Any
 
-_HOMES = {"NO_SYNC": "sync", "DelayedSync": "sync", "DenseSync": "sync", "TopKSync": "sync",
+_HOMES = {"NO_SYNC": "sync", "DelayedSync": "delayed", "DenseSync": "sync", "TopKSync": "topk",
           "World": "world"}
 
 __all__ = ["NO_SYNC", "DelayedSync", "DenseSync", "TopKSync", "World"]

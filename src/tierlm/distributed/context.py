@@ -44,7 +44,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierlm.config import ConfigError
 from tierlm.memory.tiers import Link
+from tierlm.models.adapters import SUPPORTED
 
 ATTN_IMPLEMENTATION = "tierlm_ring"
 
@@ -166,8 +168,6 @@ class ZigzagShare:
     def take(self, ids, targets, positions):
         """(B, T/N) ids, targets and global positions of this rank's tokens."""
         if positions is not None:
-            from tierlm.config import ConfigError
-
             raise ConfigError(
                 "--context-parallel: the ring's causal mask spans the whole row, so packed "
                 "examples with their own positions would see each other: use --data.packing "
@@ -349,9 +349,6 @@ def check_ring_model(model: torch.nn.Module) -> None:
     transformers' attention interface, sliding windows (the ring's mask is plain causal).
     GPT-2's learned positions need nothing more: its embedding looks up the global positions
     the share gives, as RoPE reads them in the Llama family."""
-    from tierlm.config import ConfigError
-    from tierlm.models.adapters import SUPPORTED
-
     cfg = model.config
     if cfg.model_type not in SUPPORTED:
         raise ConfigError(

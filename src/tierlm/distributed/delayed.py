@@ -31,14 +31,44 @@ same world size continues exactly.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
 from tierlm.config import NotSupportedYet
-from tierlm.distributed.comm import Comm
-from tierlm.distributed.sync import DelayedSync, NoSync
+from tierlm.distributed.comm import Comm, all_reduce_send_bytes
+from tierlm.distributed.sync import NoSync, Segments, segment_numel
 from tierlm.runtime.state import read_copies, write_back_copies
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedSync:
+    """Local SGD: no gradient exchange; every `every` steps (and at `final_step`) the ranks'
+    weights are averaged, and with `moments="average"` both AdamW moments too, in bf16 on the
+    wire; "local" keeps them per rank (see the module docstring)."""
+
+    every: int
+    final_step: int | None = None
+    moments: Literal["local", "average"] = "local"
+    overlaps_backward: ClassVar[bool] = False  # the averaging waits for the step's updates
+
+    def build(self, comm: Comm) -> Delayed:
+        return Delayed(comm, self)
+
+    def summary(self) -> str:
+        return f"delayed, every {self.every} steps" + (
+            ", moments averaged" if self.moments == "average" else "")
+
+    def send_bytes(self, segments: Segments, world: int, slot_numels: Sequence[int] = ()) -> float:
+        """Once every `every` steps: each segment's fp32 master all-reduced, and with
+        moments="average" each optimizer state slot in bf16 (the extra average at
+        `final_step` left out of the mean)."""
+        sync = sum(all_reduce_send_bytes(4 * segment_numel(seg), world) for seg in segments)
+        if self.moments == "average":
+            sync += sum(all_reduce_send_bytes(2 * n, world) for n in slot_numels)
+        return sync / self.every
 
 
 class Delayed(NoSync):

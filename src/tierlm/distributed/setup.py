@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from tierlm.config import Config, ConfigError
+from tierlm.distributed.checks import resolved_mode
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.data_parallel import DataParallelStep
-from tierlm.distributed.sync import resolved_mode, sync_config
+from tierlm.distributed.strategies import sync_config
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 

@@ -25,20 +25,78 @@ buffers that hold it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import torch
 
-from tierlm.distributed.comm import Comm
-from tierlm.distributed.sync import NoSync, Pending, TopKSync
+from tierlm.config import DistributedConfig
+from tierlm.distributed.checks import parse_ratio_overrides
+from tierlm.distributed.comm import Comm, all_gather_send_bytes, all_reduce_send_bytes
+from tierlm.distributed.sync import NoSync, Pending, Segments, segment_numel
 from tierlm.memory.layout import ParamSlot
+
+# Parameters kept dense under top-k by default (the config's default): embeddings (a batch
+# touches few rows, and error feedback would hold stale rows for long), the output head and
+# the norms (tiny, and the loss is most sensitive to them).
+DEFAULT_RATIO_OVERRIDES = DistributedConfig().sparse_grad_ratio_overrides
 
 
 def entries_sent(ratio: float, numel: int) -> int:
     """k, the entries of a `numel`-entry parameter sent at `ratio`: at least one; k >= numel
     means the parameter goes dense."""
     return max(1, round(ratio * numel))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopKSync:
+    """Send the largest-magnitude `ratio` of each parameter's gradient (values + indices);
+    `overrides` are (regex, ratio) pairs matched against parameter names, first match wins,
+    ratio 1.0 meaning dense; the rest stays in a local residual added to the next step's
+    gradient (error feedback) unless `error_feedback` is off; with `feedback="ef21"` each rank
+    sends the top-k of the change in its gradient instead and every rank steps with the
+    average of the ranks' running estimates (see the module docstring). Over the first
+    `warmup_steps` the ratio falls geometrically from 1.0 (dense) to its target."""
+
+    ratio: float
+    overrides: tuple[tuple[str, float], ...] = field(
+        default_factory=lambda: parse_ratio_overrides(DEFAULT_RATIO_OVERRIDES)
+    )
+    error_feedback: bool = True
+    feedback: Literal["residual", "ef21"] = "residual"
+    warmup_steps: int = 0
+    overlaps_backward: ClassVar[bool] = True
+
+    def build(self, comm: Comm) -> TopK:
+        return TopK(comm, self)
+
+    def summary(self) -> str:
+        return f"top-k {self.ratio:g}" + (" with dense overrides" if self.overrides else "")
+
+    def ratio_for(self, name: str) -> float:
+        """The ratio parameter `name` is sent at after the warm-up: the first override whose
+        pattern it contains, else `ratio`."""
+        return next((r for p, r in self.overrides if re.search(p, name)), self.ratio)
+
+    def send_bytes(self, segments: Segments, world: int, slot_numels: Sequence[int] = ()) -> float:
+        """After the warm-up, per segment: the parameters sent whole, all-reduced as one fp32
+        buffer; the k entries of each other one, all-gathered as fp32 values and int32 indices
+        (int64 in a segment of 2**31 entries or more). ef21 sends as many."""
+        total = 0
+        for seg in segments:
+            dense = sparse = 0
+            for name, numel in seg:
+                k = entries_sent(self.ratio_for(name), numel)
+                dense, sparse = (dense + numel, sparse) if k >= numel else (dense, sparse + k)
+            index_bytes = 4 if segment_numel(seg) < 2**31 else 8
+            if dense:
+                total += all_reduce_send_bytes(4 * dense, world)
+            if sparse:
+                total += all_gather_send_bytes(index_bytes * sparse, world) + \
+                    all_gather_send_bytes(4 * sparse, world)
+        return total
 
 
 @dataclass(frozen=True)

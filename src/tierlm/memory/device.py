@@ -48,7 +48,7 @@ from tierlm.memory.simulator import (
     Timeline,
 )
 from tierlm.memory.tiers import Link
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 AFTER_COMPUTE = None
 """`copy(after=AFTER_COMPUTE)`: the copy waits for all compute queued so far (a download of what

@@ -32,7 +32,7 @@ import torch
 
 from tierlm.memory.buffers import ALIGN_BYTES, aligned_empty, mapped_empty, round_up
 from tierlm.memory.disk_reference import dd_throughput, drop_page_cache
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 __all__ = [
     "ALIGN_BYTES",

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierlm.config import ConfigError
 from tierlm.paths import cache_dir
 
 GiB = 2**30
@@ -250,8 +251,6 @@ def resolve(
     elif name in PROFILES:
         prof = PROFILES[name]
     else:
-        from tierlm.config import ConfigError
-
         raise ConfigError(
             f"--hardware {name}: unknown profile; known: auto, {', '.join(PROFILES)}"
         )

@@ -19,7 +19,7 @@ same operations to a `Timeline`, which keeps CUDA's ordering rules in virtual se
 Durations are bytes over the profile's rates (copies at `COPY_EFFICIENCY` of the link), FLOPs
 over the profile's matmul rate in the run's precision (at `MATMUL_EFFICIENCY`), parameters over
 the CPU's AdamW rate. Every operation is kept as a `TraceEvent`, so a step's timeline is both the
-planner's prediction and a Perfetto trace (tierlm.monitor.trace).
+planner's prediction and a Perfetto trace (tierlm.trace).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from tierlm.memory.device import (
 from tierlm.memory.disk import DiskTier, aligned_empty
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link, TensorClass, Tier
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 
 class Store:
@@ -46,7 +46,7 @@ class Store:
         # every copy, wait and event goes through the device (tierlm.memory.device)
         self.dev = as_device(device, tracer)
         self.device = self.dev.torch_device  # where device-tier tensors are allocated
-        self.tracer = tracer  # the step timeline (tierlm.monitor.trace): every copy and request
+        self.tracer = tracer  # the step timeline (tierlm.trace): every copy and request
         self.ledger = ledger or Ledger()
         self.cuda = self.device.type == "cuda"
         self._disk: DiskTier | None = None

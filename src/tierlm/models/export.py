@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tierlm.crashpoints import crash_point
-from tierlm.monitor.progress import NO_PHASE, NO_PROGRESS, Phase, Progress
+from tierlm.progress import NO_PHASE, NO_PROGRESS, Phase, Progress
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

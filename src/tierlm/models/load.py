@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from tierlm.models.adapters import Segment
 from tierlm.models.hf import ModelLoadError
-from tierlm.monitor.progress import NO_PROGRESS, Phase, Progress
+from tierlm.progress import NO_PROGRESS, Phase, Progress
 
 # patterns transformers drops silently besides the model's own `_keys_to_ignore_on_load_unexpected`
 # (rotary tables and position ids that older checkpoints stored as persistent buffers)

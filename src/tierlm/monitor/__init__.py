@@ -1,8 +1,8 @@
 """Monitoring: what a run records about itself, how it shows it, and the report made from it.
 
-Two layers live here. `trace.py` (the step timeline recorder) and `progress.py` (phase progress)
-import nothing of tierlm: the runtime, the memory tiers and the model loader call into them.
-The rest sits above the runtime and below train/ (it never imports tierlm.train):
+It sits above plan/ (the step trace draws the plan's predicted timeline) and below train/ (it
+never imports tierlm.train). The step timeline recorder and phase progress, which every layer
+calls, are the leaves tierlm/trace.py and tierlm/progress.py, below every package.
 
 - metrics.py: each step's record, MetricsLog (metrics.jsonl), TensorBoard, `build_monitor`
 - probes.py: what a step measures (times, moves, RSS, CUDA memory, stream fetches, fp8, GPU)
@@ -12,7 +12,3 @@ The rest sits above the runtime and below train/ (it never imports tierlm.train)
 - step_trace.py: `--monitor.trace_step`, the trainer's side of trace.json
 - report.py, plots.py, trace_plots.py: `tierlm report` and its figures
 """
-
-from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
-
-__all__ = ["NO_TRACER", "NoTracer", "TraceEvent", "Tracer"]

@@ -15,7 +15,7 @@ import time
 from typing import Any, TextIO
 
 from tierlm.memory.tiers import Link, Tier
-from tierlm.monitor.progress import RichProgress, fmt_duration
+from tierlm.progress import RichProgress, fmt_duration
 
 _LINK_LABEL = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
                Link.DISK_WRITE: "disk write", Link.NET_SEND: "net send",
@@ -188,7 +188,7 @@ class RichView:
 
 def open_view(total: int, start: int, *, stream: TextIO | None = None, every: int = 10,
               phases: Any = None):
-    """`phases`: the run's progress (tierlm.monitor.progress); the terminal view draws its
+    """`phases`: the run's progress (tierlm.progress); the terminal view draws its
     phases (evaluation, checkpoints) while it is open."""
     stream = stream or sys.stdout
     if stream.isatty():

@@ -38,7 +38,7 @@ from tierlm.monitor.probes import (
     disk_segment_bytes,
     probe_disk_Bps,
 )
-from tierlm.monitor.progress import NO_PROGRESS, Progress
+from tierlm.progress import NO_PROGRESS, Progress
 from tierlm.runtime.stepper import Stepper
 
 

@@ -1,4 +1,4 @@
-"""`--monitor.trace_step N`: the trainer's side of the step timeline (tierlm.monitor.trace).
+"""`--monitor.trace_step N`: the trainer's side of the step timeline (tierlm.trace).
 
 Decided at setup: `build_tracer` gives the runtime a `Tracer` (or `NO_TRACER`), and
 `build_step_trace` the loop a `StepTrace` (or `NoStepTrace`) that it calls around every step.
@@ -22,9 +22,9 @@ import torch
 
 from tierlm.config import Config
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
 from tierlm.plan.result import Plan
 from tierlm.runtime.stepper import Stepper
+from tierlm.trace import NO_TRACER, NoTracer, TraceEvent, Tracer, chrome_trace
 
 TRACE_FILE = "trace.json"
 TIME_KEYS = ("step_time_s", "compute_s", "transfer_wait_s", "update_wait_s", "sweep_s")

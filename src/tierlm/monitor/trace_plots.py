@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.monitor.plots import WIDTH_IN, byte_unit
-from tierlm.monitor.trace import LANES, MEASURED_PID, PREDICTED_PID
+from tierlm.trace import LANES, MEASURED_PID, PREDICTED_PID
 
 LANE_COLOR = {"step": "tab:olive", "compute": "tab:blue", "wait": "tab:gray", "H2D": "tab:purple",
               "D2H": "tab:pink", "disk read": "tab:green", "disk write": "tab:red",

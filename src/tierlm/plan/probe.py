@@ -24,8 +24,8 @@ from tierlm.config import PrecisionConfig
 from tierlm.memory.disk import dd_throughput
 from tierlm.models import build_model, preset_config
 from tierlm.models.adapters import ModelAdapter
-from tierlm.models.nf4 import decode_traffic_bytes, dequantise, nf4_nbytes, quantise
 from tierlm.precision import prepare_precision
+from tierlm.precision.nf4 import decode_traffic_bytes, dequantise, nf4_nbytes, quantise
 from tierlm.runtime.compile import NoCompile, SegmentCompile
 
 
@@ -47,7 +47,7 @@ def _best_s(fn: Callable[[], None], repeats: int = 3) -> float:
 
 def decode_memory_Bps(dev: torch.device, numel: int = 16 * 2**20) -> float:
     """Device memory bandwidth as QLoRA's per-matmul NF4 decode sees it: `numel` weights
-    decoded into fp32, at the bytes tierlm.models.nf4.decode_traffic_bytes counts per weight
+    decoded into fp32, at the bytes tierlm.precision.nf4.decode_traffic_bytes counts per weight
     (the planner's decode time divides the same count by this rate)."""
     x = torch.randn(numel)
     buf = quantise(x, torch.empty(nf4_nbytes(numel), dtype=torch.uint8)).to(dev)

@@ -14,16 +14,14 @@ from tierlm.models import build_model
 from tierlm.optim import OPTIMIZERS
 from tierlm.plan.describe import describe
 from tierlm.plan.inputs import (
-    PrecisionChoice,
     check_trainable,
-    finetune_precision,
     hardware_for,
     make_plan,
     model_config_for,
-    resolve_precision,
 )
 from tierlm.plan.result import Plan
 from tierlm.plan.timing import compiled_block_factor, compiled_block_source
+from tierlm.precision.choice import PrecisionChoice, finetune_precision, resolve_precision
 from tierlm.runtime.shapes import ModelShape, _lora_layout
 
 

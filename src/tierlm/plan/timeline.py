@@ -46,11 +46,11 @@ from typing import Any
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link
-from tierlm.monitor.trace import TraceEvent
 from tierlm.plan.result import Plan
 from tierlm.plan.timing import COPY_EFFICIENCY, update_spans
 from tierlm.runtime.byte_replay import _simulate
 from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.trace import TraceEvent
 
 LANE = {Link.H2D: "H2D", Link.D2H: "D2H", Link.DISK_READ: "disk read",
         Link.DISK_WRITE: "disk write"}

@@ -18,8 +18,8 @@ from tierlm.memory.placement import (
     keeps_graph,
 )
 from tierlm.memory.tiers import Link, Tier
-from tierlm.models.nf4 import decode_traffic_bytes
 from tierlm.plan.result import Plan
+from tierlm.precision.nf4 import decode_traffic_bytes
 from tierlm.runtime.byte_replay import _compute_copies, _disk_update_bytes
 from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.runtime.writeback import WriteBack
@@ -332,7 +332,7 @@ def compiled_block_source(train: TrainShape, hw: HardwareProfile) -> str | None:
 def _decode_s(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements,
               keep_resident: KeepGraphs) -> float:
     """Seconds per step a QLoRA base spends decoding NF4 weights on the device (part of its
-    compute): each matmul decodes its weight (tierlm.models.nf4.NF4Linear) in every micro-batch's
+    compute): each matmul decodes its weight (tierlm.precision.nf4.NF4Linear) in every micro-batch's
     forward and backward, and once more where the segment recomputes its forward; a memory-bound
     pass at `decode_traffic_bytes` per weight over the device's memory bandwidth."""
     if not shape.base_nf4_numels:

@@ -1,4 +1,6 @@
-"""Precision: the per-layer policy, fp8 linear layers with their scaling, and the watch.
+"""Precision: the per-layer policy, fp8 linear layers with their scaling, and the watch; the
+choice of a run's precision (choice.py: `--precision auto` resolved); NF4, the format of a
+qlora base, and its linear layer (nf4.py).
 
 `prepare_precision` is the one entry point the trainer calls at setup (before the runtime is
 built, so the tiered runtime's `functional_call` runs the swapped modules too).

@@ -21,35 +21,15 @@ add error.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tierlm.activations.rerun import recording_is_paused
 from tierlm.precision.formats import Fp8Format, cast_counting, to_fp8
 
 TINY_AMAX = 1e-12  # an all-zero tensor gets a large finite scale, not inf
-
-# Open `recording_paused()` blocks. Process-wide, not per thread: a recompute may run in the
-# autograd engine's device thread while the step that started it waits for it.
-_paused = 0
-
-
-@contextlib.contextmanager
-def recording_paused() -> Iterator[None]:
-    """Cast as usual, record no statistics: a recompute (its forward recorded these tensors
-    already; recording again would count them twice, and add ops that selective checkpointing's
-    replay refuses, having not seen them in the forward) and the dynamic activation policy's
-    probe (random inputs must not move the scales)."""
-    global _paused
-    _paused += 1
-    try:
-        yield
-    finally:
-        _paused -= 1
-
 
 class ScalingRule(Protocol):
     name: str
@@ -144,7 +124,7 @@ class TensorScaler:
         scale = self.rule.scale(self, amax)
         x8, under, over = cast_counting(xf, scale, self.fmt, overflow=self.rule.saturates,
                                         mag=mag, cast=cast)
-        if self.recording and not _paused:
+        if self.recording and not recording_is_paused():
             if self.step_amax is None:
                 self.step_amax, self.underflow, self.overflow = amax, under, over
             else:
@@ -165,7 +145,7 @@ class TensorScaler:
         x8 * inv_scale: its amax, the dynamic scale of that amax (the stored scale, or twice
         it where rounding took the amax down to a power of two: either multiplies out to the
         same products), and no underflow, the decoded values being on the grid already."""
-        if self.recording and not _paused:
+        if self.recording and not recording_is_paused():
             # E4M3 magnitudes order as their low seven bits do: the amax without decoding
             top = (x8.view(torch.uint8) & 0x7F).amax().view(x8.dtype).float()
             amax = top * inv_scale

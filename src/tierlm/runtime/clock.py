@@ -7,7 +7,7 @@ stepper wraps its forward, backward and on-device update work in `measure()` and
 `take()` once per step. The device measures (tierlm.memory.device): the wall time inside the
 regions on a CPU, CUDA events around them on a GPU (a kernel runs after its launch returns), the
 virtual time of the compute lane on a simulated device, which also prices each region by the
-FLOPs it is given. Each region is a span on the trace's `compute` lane (tierlm.monitor.trace),
+FLOPs it is given. Each region is a span on the trace's `compute` lane (tierlm.trace),
 so that lane is exactly what `compute_s` counts.
 """
 
@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from tierlm.memory.device import Device, as_device
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 
 class ComputeClock(Protocol):

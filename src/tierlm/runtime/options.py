@@ -19,7 +19,7 @@ from tierlm.memory.placement import (
     SegmentPlacement,
 )
 from tierlm.memory.tiers import Tier
-from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.runtime.grad_sync import NO_SYNC, GradSync
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.sequence_share import WHOLE_SEQUENCE, SequenceShare
@@ -84,7 +84,7 @@ class EngineOptions:
     """The tokens of each row this rank trains on (context parallel: its zig-zag share, and the
     ring its attention runs over: tierlm.distributed.context.ZigzagShare)."""
     tracer: Tracer | NoTracer = NO_TRACER
-    """The step timeline (tierlm.monitor.trace): actions, waits, copies, disk requests and
+    """The step timeline (tierlm.trace): actions, waits, copies, disk requests and
     updates, recorded while the trainer arms it for --monitor.trace_step."""
     staging_chunk_numel: int = STAGING_CHUNK_NUMEL
     """fp32 elements per chunk in which disk-tier state crosses host staging (a multiple of
@@ -92,7 +92,7 @@ class EngineOptions:
     base_format: str = "fp32"
     """How a frozen base (--finetune lora/qlora) is held, moved and read: fp32 (its master),
     bf16 (--finetune lora under bf16: its compute copy alone), or nf4 (--finetune qlora:
-    each base layer decodes its weight on the device per matmul); tierlm.models.frozen."""
+    each base layer decodes its weight on the device per matmul); tierlm.runtime.frozen."""
     readahead: ReadAhead | None = None
     """Read disk-tier segments' master and slots into host staging during the backward, so the
     update finds them in RAM (tierlm.runtime.readahead; the planner sets it); None: off."""

@@ -11,7 +11,7 @@ from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import Tier
 from tierlm.models.adapters import ModelAdapter
-from tierlm.models.frozen import FrozenBase
+from tierlm.runtime.frozen import FrozenBase
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.options import EngineOptions
@@ -34,7 +34,7 @@ class StepParts:
         segs = self.adapter.segments
         # weights whose state is off the device are held, moved and computed from in the
         # precision they compute in (tierlm.precision.streaming); a LoRA base in its bf16
-        # compute copy or NF4 bytes alone, on every tier (tierlm.models.frozen)
+        # compute copy or NF4 bytes alone, on every tier (tierlm.runtime.frozen)
         self.frozen_copy = options.base_format != "fp32"
         self.compute_copies = (FrozenBase(model, options.base_format) if self.frozen_copy
                                else ComputeCopies(model))

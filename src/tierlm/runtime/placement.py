@@ -70,7 +70,7 @@ def _account(
     `copy_bytes`: per segment, its compute copy off the device (None: the fp32 master serves);
     `slot_bytes`: per segment, its optimizer's state (None: none); `frozen`: the weights are
     never updated (a LoRA run's base: no gradient, no slots, no update); `base_copy`: a frozen
-    base held in its copy where it has one (bf16 or NF4, tierlm.models.frozen), no master."""
+    base held in its copy where it has one (bf16 or NF4, tierlm.runtime.frozen), no master."""
     copies = copy_bytes or [None] * len(numels)
     slots = slot_bytes or [0] * len(numels)
     held = {Tier.DEVICE: activation_bytes, Tier.HOST: 0, Tier.DISK: 0}

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tierlm.config import OptimConfig, PrecisionConfig
+from tierlm.finetune.lora import lora_targets
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import (
     GRAD_B,
@@ -23,10 +24,9 @@ from tierlm.memory.placement import (
 )
 from tierlm.models import build_model
 from tierlm.models.adapters import ModelAdapter, StepContext
-from tierlm.models.lora import lora_targets
-from tierlm.models.nf4 import BLOCK, NF4Format
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision import prepare_precision
+from tierlm.precision.nf4 import BLOCK, NF4Format
 from tierlm.precision.policy import classify, linear_dims
 from tierlm.precision.streaming import ComputeFormat
 
@@ -66,7 +66,7 @@ class ModelShape:
     trained_optim_bytes: int = 0
     lora: Any = None  # its tierlm.config.LoraConfig
     # --finetune qlora, or lora under bf16: per segment, the bytes of its frozen base's own
-    # copy (tierlm.models.frozen: the adapted layers' weights in NF4, or the blocks' linear
+    # copy (tierlm.runtime.frozen: the adapted layers' weights in NF4, or the blocks' linear
     # weights in bf16; the rest fp32), which is all its state and the copy it streams in; None
     # where a segment has none (its base is an fp32 master)
     base_bytes: list[int | None] | None = None
@@ -255,9 +255,9 @@ def _lora_layout(model, lora):
 
 def _base_bytes(model, layouts, lora, base_format: str,
                 precision: str) -> tuple[list[int | None], list[int], list[int]]:
-    """Per segment, the bytes tierlm.models.frozen.FrozenBase holds its base in (None for a
+    """Per segment, the bytes tierlm.runtime.frozen.FrozenBase holds its base in (None for a
     segment it leaves an fp32 master) and the most bytes one matmul decodes a weight into (the
-    largest target's, with the decode's temporaries: tierlm.models.nf4.NF4Linear): NF4 for the
+    largest target's, with the decode's temporaries: tierlm.precision.nf4.NF4Linear): NF4 for the
     targets' weights (a multiple of 64 elements), or bf16 for every linear weight the default
     precision policy computes in bf16 (the blocks'), fp32 for the rest; and the NF4 weights
     each segment holds."""

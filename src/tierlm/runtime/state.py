@@ -199,7 +199,7 @@ def persistent_bytes(
     (`slot_bytes`) and the gradient (on its gradient tier) unless the weights are frozen; for
     state off the device its compute copy (`copy_bytes`; None: the master serves) in host RAM or
     in its file, and a resident segment's device copy. A frozen base held in its own copy
-    (`base_copy`: NF4 or bf16, tierlm.models.frozen) has that copy as all its state."""
+    (`base_copy`: NF4 or bf16, tierlm.runtime.frozen) has that copy as all its state."""
     tier = placement.state_tier
     if base_copy:
         out = [(tier, TensorClass.COMPUTE, copy_bytes)]

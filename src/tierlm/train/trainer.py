@@ -63,6 +63,7 @@ from tierlm.distributed.setup import (
     quiet,
     shard_batches,
 )
+from tierlm.finetune.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
 from tierlm.memory.tiers import Tier
@@ -76,20 +77,15 @@ from tierlm.models import (
 from tierlm.models.export import source_dtype
 from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
-from tierlm.models.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
-from tierlm.monitor.progress import NO_PROGRESS, open_progress
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
-from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
 from tierlm.plan.inputs import (
     cap_gpu_memory,
-    finetune_precision,
     hardware_for,
     plan_auto,
     predict_for_engine,
-    resolve_precision,
     train_shape,
 )
 from tierlm.plan.predictions import (
@@ -103,11 +99,14 @@ from tierlm.plan.predictions import (
 from tierlm.plan.result import Plan
 from tierlm.plan.timeline import predicted_timeline
 from tierlm.precision import prepare_precision, set_tf32
+from tierlm.precision.choice import finetune_precision, resolve_precision
+from tierlm.progress import NO_PROGRESS, open_progress
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
 from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
+from tierlm.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.reference import ReferenceStep
 from tierlm.train.rundir import OffloadDir, open_run_dir
@@ -406,7 +405,7 @@ class Trainer:
             else:
                 self.model = build_model(model_cfg, device="meta" if on_meta else "cpu",
                                          seed=cfg.run.seed)
-        # --finetune lora: peft's adapters on the frozen base (tierlm.models.lora); before the
+        # --finetune lora: peft's adapters on the frozen base (tierlm.finetune.lora); before the
         # precision policy and the stepper, which both see the wrapped modules
         self.finetune, initial_weights = prepare_finetune(
             cfg.train.finetune, self.model, cfg.lora, initial_weights, seed=cfg.run.seed,

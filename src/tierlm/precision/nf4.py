@@ -36,7 +36,7 @@ wraps (`<module>.base_layer.weight`), as QLoRA quantises the frozen linear layer
 biases, embeddings and the head stay fp32. A segment holding any of them gets an `NF4Format`
 (the `compute_format` of runtime/state.py): its state on its tier (device, host RAM or a disk
 file) is these bytes and nothing else (no fp32 master), quantised at load from the fp32 weights
-the streamed loader hands over, one tensor at a time (tierlm.models.frozen); the stream moves
+the streamed loader hands over, one tensor at a time (tierlm.runtime.frozen); the stream moves
 the bytes, and each action decodes the segment's weights on the device right before it runs
 (`NF4Format.flat`): into fp32, or in a bf16 run straight into bf16 (a bf16 compute copy, norms
 fp32, read as a streamed bf16 copy is). bf16(decoded) is what a reference computes from the
@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierlm.memory.layout import FlatLayout
+from tierlm.precision.linear import PrecisionLinear, _mm_fp32_out
+from tierlm.precision.streaming import _typed
 
 BLOCK = 64  # weights per first-level (absmax) scale
 SCALE_BLOCK = 256  # first-level scales per second-level (fp32) step
@@ -267,8 +269,6 @@ class NF4Linear(nn.Module):
     def __init__(self, source: nn.Module) -> None:
         from transformers.pytorch_utils import Conv1D
 
-        from tierlm.precision.linear import PrecisionLinear
-
         super().__init__()
         self.weight = source.weight
         self.register_parameter("bias", source.bias)
@@ -309,8 +309,6 @@ class NF4Linear(nn.Module):
         if self.compute != "bf16":
             return (gout.reshape(-1, gout.shape[-1]).mm(w)
                     .view(*gout.shape[:-1], w.shape[1]).to(x_dtype))
-        from tierlm.precision.linear import _mm_fp32_out
-
         with torch.autocast(gout.device.type, enabled=False):
             g = gout.to(torch.bfloat16)
             if x_dtype == torch.bfloat16:  # as Bf16Linear: rounded to the input's bf16
@@ -407,8 +405,6 @@ class NF4Format:
         """Name -> tensor for one run of the segment on its copy `flat`: fp32 entries as fp32
         views of it; a quantised weight as a stand-in without values (stride 0) and its NF4
         bytes under `name + NF4_BYTES`, the buffer its `NF4Linear` reads."""
-        from tierlm.precision.streaming import _typed
-
         out = {}
         for slot, (_, numel, at, nf4) in zip(self.layout.slots, self.entries, strict=True):
             if nf4:

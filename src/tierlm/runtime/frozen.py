@@ -13,7 +13,7 @@ The copy's format follows `--finetune` and the run's precision (`base_format`):
   each weight in the dtype its layer computes in (the blocks' linear layers bf16, norms fp32),
   read through the same fp32 stand-ins a full-parameter bf16 run's streamed copy is: 2 bytes
   per weight of the blocks' linear layers, on every tier.
-- `nf4` (`--finetune qlora`): tierlm.models.nf4's `NF4Format` (~0.52 bytes per quantised
+- `nf4` (`--finetune qlora`): tierlm.precision.nf4's `NF4Format` (~0.52 bytes per quantised
   weight, the rest fp32). Nothing is decoded per segment: each quantised weight's layer is
   swapped for an `NF4Linear` (`swap_nf4_layers`) that decodes its own weight per matmul, into
   fp32 (an fp32 run) or bf16 (a bf16 run), forward and backward.
@@ -31,9 +31,10 @@ from torch import nn
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.models.nf4 import BLOCK, NF4Format, NF4Linear, quantised_names, swap_nf4_layers
 from tierlm.precision.linear import PrecisionLinear
+from tierlm.precision.nf4 import BLOCK, NF4Format, NF4Linear, quantised_names, swap_nf4_layers
 from tierlm.precision.streaming import ComputeFormat, slot_kinds
+from tierlm.runtime.state import init_state
 
 BASE_FORMATS = ("fp32", "bf16", "nf4")
 
@@ -118,8 +119,6 @@ class FrozenBase:
         RAM holds one tensor in fp32 on the way, never the segment."""
         fmt = st.compute_format
         if fmt is None:
-            from tierlm.runtime.state import init_state
-
             init_state(store, st, fill, optim_device, ranges)
             return
         host = st.tier == Tier.HOST

@@ -18,19 +18,18 @@ it; the Hugging Face export merges it into the base (W + alpha/r * B A), tensor 
 Beside it, `tierlm_adapter.json` says what base it was trained on (`adapter_notes`: under qlora
 the NF4 quantisation and the weights it covered).
 
---finetune qlora is the same adapters on a base whose adapted weights are NF4 (tierlm.models.nf4):
-the tiered runtime quantises them at load and each base layer decodes its own weight per matmul
-(tierlm.models.nf4.NF4Linear); a model in
-RAM (the reference trainer's) gets them replaced by their NF4 round trip here, so both compute
-with the same values. Its adapter loads on that round-tripped base, and its export merges the
-adapters into it.
+--finetune qlora is the same adapters on a base whose adapted weights are NF4
+(tierlm.precision.nf4): the tiered runtime quantises them at load and each base layer decodes its
+own weight per matmul (tierlm.precision.nf4.NF4Linear); a model in RAM (the reference trainer's)
+gets them replaced by their NF4 round trip here, so both compute with the same values. Its
+adapter loads on that round-tripped base, and its export merges the adapters into it.
 
 Under --precision bf16 the precision policy swaps peft's layers as any others (the base layer
 and both adapters of a target become bf16 `PrecisionLinear`s inside peft's `lora.Linear`), so the
 adapters' matmuls run under full training's bf16 policy: bf16 operands, fp32 gradients for the
 adapters' fp32 masters (their AdamW state fp32 too). The frozen base is held as its layers read
 it: bf16 for the blocks' linear layers (NF4 decoded to bf16 under qlora), by the runtime
-(tierlm.models.frozen) and, in RAM, by `store_frozen_as_computed`.
+(tierlm.runtime.frozen) and, in RAM, by `store_frozen_as_computed`.
 """
 
 from __future__ import annotations
@@ -48,7 +47,14 @@ import torch
 from torch import nn
 
 from tierlm.config import ConfigError, LoraConfig
-from tierlm.models.adapters import Segment
+from tierlm.models.adapters import ModelAdapter, Segment
+from tierlm.models.export import SourceTensor, make_temp_dir, publish_dir
+from tierlm.models.hf import hf_model_skeleton
+from tierlm.models.init import preset_skeleton
+from tierlm.models.load import CheckpointWeights
+from tierlm.precision import nf4
+from tierlm.precision.linear import PrecisionLinear
+from tierlm.precision.nf4 import BLOCK, NF4Linear, quantise_in_place, round_trip
 
 ADAPTER = "default"  # peft's adapter name, part of every adapter parameter's name
 BASE_LAYER = ".base_layer."
@@ -57,11 +63,8 @@ PEFT_PREFIX = "base_model.model."  # what peft's saved keys start with
 
 def _linear_types() -> tuple[type, ...]:
     """A linear layer, as built or as the precision policy (tierlm.precision) or a QLoRA
-    runtime (tierlm.models.nf4.NF4Linear) swapped it."""
+    runtime (tierlm.precision.nf4.NF4Linear) swapped it."""
     from transformers.pytorch_utils import Conv1D
-
-    from tierlm.models.nf4 import NF4Linear
-    from tierlm.precision.linear import PrecisionLinear
 
     return (nn.Linear, Conv1D, PrecisionLinear, NF4Linear)
 
@@ -197,20 +200,18 @@ NOTES_FILE = "tierlm_adapter.json"
 def adapter_notes(model: nn.Module, finetune: str) -> dict:
     """What an adapter directory's `tierlm_adapter.json` records beside peft's
     `adapter_config.json`: the base the adapters were trained on. Under qlora the adapted
-    layers' base weights were NF4 (tierlm.models.nf4: blocks of 64 with absmax scales, the
+    layers' base weights were NF4 (tierlm.precision.nf4: blocks of 64 with absmax scales, the
     scales double-quantised to int8 in groups of 256), so the adapters fit that base, and peft
     on the plain base computes something else. A file of its own: peft's loader warns about
     every key its LoraConfig lacks ("upgrade PEFT"), which would be wrong here."""
     quantization = None
     if finetune == "qlora":
-        from tierlm.models import nf4
-
         quantization = {
             "format": "nf4", "block_size": nf4.BLOCK, "double_quant": True,
             "scale_format": "int8", "scale_block_size": nf4.SCALE_BLOCK,
             # the base's names (without peft's base_layer): where the round trip goes
             "weights": sorted(base_name(n) for n in nf4.quantised_names(model)),
-            "load": "replace each listed weight of the base by tierlm.models.nf4.round_trip "
+            "load": "replace each listed weight of the base by tierlm.precision.nf4.round_trip "
                     "of it, then PeftModel.from_pretrained(base, this directory)",
         }
     return {"finetune": finetune, "base_model_quantization": quantization}
@@ -222,8 +223,6 @@ def save_adapter(out_dir: Path, model: nn.Module, lora: LoraConfig,
     """Write the adapters `weights` (keyed by the wrapped model's names) as a peft adapter
     directory, into a temporary sibling renamed into place."""
     from safetensors.torch import save_file
-
-    from tierlm.models.export import make_temp_dir, publish_dir
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -288,8 +287,6 @@ def prepare_finetune(
         raise ConfigError(f"--finetune {method}: not built; use full, lora or qlora")
     adapters = apply_lora(model, lora, seed=seed)
     if method == "qlora" and not any(p.is_meta for p in model.parameters()):
-        from tierlm.models.nf4 import quantise_in_place
-
         quantise_in_place(model)
     return LoraFinetune(model, lora, base_path, method), LoraWeights(initial_weights, adapters)
 
@@ -300,8 +297,6 @@ def store_frozen_as_computed(model: nn.Module) -> int:
     stored in bf16, as the tiered runtime holds its base: the values the layer's cast gives,
     in half the memory. Parameters on the meta device (a skeleton) are left alone. Returns the
     bytes saved."""
-    from tierlm.precision.linear import PrecisionLinear
-
     saved = 0
     for m in model.modules():
         if not isinstance(m, PrecisionLinear) or m.compute.name != "bf16":
@@ -323,17 +318,11 @@ def _base_reader(
     """The unwrapped base a LoRA run trained on, as a skeleton and a reader of its fp32 weights
     by name, one tensor at a time: --model's files, or the preset rebuilt from the checkpoint's
     config.json and the run's --seed, segment by segment (models.init)."""
-    from tierlm.models.adapters import ModelAdapter
-    from tierlm.models.hf import hf_model_skeleton
-    from tierlm.models.load import CheckpointWeights
-
     path = (run_config.get("model") or {}).get("path")
     if path:
         skeleton = hf_model_skeleton(path)
         return skeleton, CheckpointWeights(path, skeleton).read
     from transformers import AutoConfig
-
-    from tierlm.models.init import preset_skeleton
 
     config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
     skeleton, weights = preset_skeleton(config, seed=(run_config.get("run") or {}).get("seed", 0))
@@ -355,9 +344,6 @@ def merged_sources(run_config: Mapping, checkpoint: Path,
     """Export sources (tierlm.models.export.SourceTensor) of the base with the checkpoint's
     `adapters` merged into their targets, each tensor computed when the writer reads it."""
     from transformers.pytorch_utils import Conv1D
-
-    from tierlm.models.export import SourceTensor
-    from tierlm.models.nf4 import BLOCK, round_trip
 
     lora = LoraConfig(**(run_config.get("lora") or {}))
     skeleton, read = _base_reader(run_config, checkpoint)

@@ -1,8 +1,11 @@
-"""Command line: `tierlm train | print-config | export`.
+"""Command line: `tierlm train | plan | print-config | export | report | probe`.
 
 The flags are generated from the config dataclasses (`--optim.lr`, `--data.seq_len`, ...; help text
 from the field docstrings); the seed-compatible flags (`--model-size`, `--lr`, ...) are aliases onto
 the same fields. Precedence: defaults < `--config FILE` < flags.
+
+This module parses and checks the command line without importing torch or transformers, so
+`--help`, print-config and a bad flag answer at once; commands.py runs the command.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tierlm.config import (
     resolve,
     to_dict,
 )
+from tierlm.logs import quiet_library_noise
 
 _ALIAS_FOR = {dotted: flag for flag, dotted in SEED_FLAGS.items()}
 
@@ -146,29 +150,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return resolve(config_file, overrides)
 
 
-def _export(checkpoint: str, out_dir: str, dtype: str) -> Path:
-    from tierlm.checkpoint import (
-        checkpoint_export_dtype,
-        export_hf_from_checkpoint,
-        latest_valid_checkpoint,
-    )
-    from tierlm.monitor.progress import open_progress
-
-    path = Path(checkpoint)
-    if (path / "checkpoints").is_dir():
-        path = latest_valid_checkpoint(path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"export: {path} is not a tierlm checkpoint (no config.json)")
-    # what was read, in which dtype, to where: a run directory names no single checkpoint
-    dtype_name = str(checkpoint_export_dtype(path, dtype)).removeprefix("torch.")
-    print(f"export: checkpoint {path} as {dtype_name} (--export-dtype {dtype}) to {out_dir}")
-    # streamed from the checkpoint's files: the model is never built in RAM
-    out = export_hf_from_checkpoint(path, Path(out_dir), dtype=dtype,
-                                    progress=open_progress(print))
-    print(f"exported checkpoint {path} as {dtype_name} to {out}")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     # Parsing and the config's resolution and checks import neither torch nor transformers
     # (seconds to import): `--help`, print-config and a bad flag answer at once. The modules
@@ -190,57 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return _error(exc)
 
-    from tierlm.logs import quiet_library_noise
-
     quiet_library_noise()  # before transformers imports torchao
-    from tierlm.checkpoint import CheckpointError
-    from tierlm.data import DataError
-    from tierlm.memory import PlacementError
-    from tierlm.models import ModelLoadError
-    from tierlm.precision import Fp8ScaleError
-    from tierlm.train.safety import ReliabilityError
+    # torch and transformers (seconds to import): only once the command line has been checked
+    from tierlm.cli import commands
 
     try:
-        if args.command == "report":
-            from tierlm.monitor.report import report_main
-
-            return report_main(args.runs, args.out)
-        if args.command == "export":
-            _export(args.checkpoint, args.out_dir, getattr(args, "run.export_dtype"))
-            return 0
-        if args.command == "probe":
-            from tierlm.memory.hardware import probe_path
-            from tierlm.paths import cache_dir
-            from tierlm.plan.probe import run_probe
-
-            run_probe(args.dir, probe_path(), compile=args.compile,
-                      compile_size=args.model_size, compile_seq_len=args.seq_len,
-                      cache_dir=cache_dir() / "inductor")
-            return 0
-        assert cfg is not None  # plan or train: resolved above
-        if args.command == "plan":
-            from tierlm.plan.tables import print_plan
-
-            return print_plan(cfg, as_json=args.json,
-                              optimizer_table=not args.no_optimizer_table)
-        from tierlm.runtime.compile import check_compile
-
-        # before torchrun: refused here, not by every rank with a launcher traceback
-        check_compile(cfg, cfg.precision.mode)
-        from tierlm.train.rundir import precheck_run_dir
-
-        precheck_run_dir(cfg)  # before torchrun, and before any model is built
-        from tierlm.distributed.world import launch_if_asked
-
-        launch_if_asked(cfg.distributed.nproc, sys.argv[1:] if argv is None else argv)
-        from tierlm.train import run_training
-
-        run_training(cfg)
-        return 0
-    except (
-        ConfigError, DataError, ModelLoadError, CheckpointError, PlacementError, ReliabilityError,
-        Fp8ScaleError,
-    ) as exc:
+        return commands.COMMANDS[args.command](args, cfg, sys.argv[1:] if argv is None else argv)
+    except commands.USER_ERRORS as exc:
         return _error(exc)
     except KeyboardInterrupt:
         return 130
