@@ -19,11 +19,11 @@ from tierlm.memory.placement import (
     SegmentPlacement,
 )
 from tierlm.memory.tiers import Tier
-from tierlm.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.runtime.grad_sync import NO_SYNC, GradSync
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.sequence_share import WHOLE_SEQUENCE, SequenceShare
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
+from tierlm.trace import NO_TRACER, NoTracer, Tracer
 
 
 @dataclass(kw_only=True)

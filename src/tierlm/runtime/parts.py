@@ -11,9 +11,9 @@ from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import Tier
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime.frozen import FrozenBase
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
+from tierlm.runtime.frozen import FrozenBase
 from tierlm.runtime.options import EngineOptions
 from tierlm.runtime.schedule import boundary_activation_bytes, micro_batches_in_flight
 
