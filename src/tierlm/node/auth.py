@@ -77,6 +77,8 @@ def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
             part = sock.recv(n - len(out))
         except TimeoutError as e:
             raise HandshakeRefused(f"timed out waiting for the {what}") from e
+        except ConnectionResetError as e:  # closed with our greeting unread
+            raise HandshakeRefused(f"closed the connection during the {what}") from e
         except OSError as e:
             raise HandshakeRefused(f"connection failed during the {what}: {e}") from e
         if not part:

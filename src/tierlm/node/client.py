@@ -225,12 +225,25 @@ class NodeClient:
         if self._broken is None:
             try:
                 self._call({"op": "close"})
+                self._wait_closed()
             except NodeError:
                 pass
         self._broken = self._broken or "closed"
         self.t.close()
         if self._sock is not None:
             self._sock.close()
+
+    def _wait_closed(self) -> None:
+        """Wait for the node to close the handshake's connection: it does so once it takes the
+        next trainer, so a trainer that connects after `close()` returns is not refused as
+        busy."""
+        sock = self._sock if self._sock is not None else self.t.sock
+        sock.settimeout(self.timeout_s)
+        try:
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
 
     def __enter__(self) -> NodeClient:
         return self

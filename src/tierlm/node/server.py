@@ -135,8 +135,7 @@ class Session:
         while True:
             header = self.t.recv_header(None)  # the trainer's pace; a dead trainer ends it
             op = header.get("op")
-            if op == "close":
-                self.t.send_msg({"op": "close"})
+            if op == "close":  # answered once the state is freed (`NodeServer._session`)
                 return
             header["_taken"] = False
             try:
@@ -401,6 +400,11 @@ class NodeServer:
             transport = self._transport(conn, peer, accepted)
             session = Session(transport, self.opts, peer)
             session.serve()
+            session = None
+            release_memory()
+            # the answer to "close" says the state is freed; the trainer then waits for this
+            # connection to close, which happens once the node takes the next trainer
+            transport.send_msg({"op": "close"})
             log.info("session %s: closed by the trainer after %.0f s", peer,
                      time.monotonic() - start)
         except LinkError as e:
@@ -410,14 +414,16 @@ class NodeServer:
         except Exception:  # a fault of the node's own: logged, and the node serves on
             log.exception("session %s: failed", peer)
         finally:
-            if transport is not None:
-                transport.close()
-            conn.close()
-            session = transport = None
+            session = None
+            if isinstance(transport, GlooTransport):
+                transport.close()  # its group and store go: the next rendezvous takes the port
             release_memory()
             self.sessions_served += 1
             self._release()
             log.info("ready for the next trainer")
+            if transport is not None:
+                transport.close()
+            conn.close()
 
 
 def _family(host: str) -> socket.AddressFamily:
