@@ -7,9 +7,6 @@ optimizer of the segments it holds (issue T).
 - `transport`: messages over gloo point-to-point or a plain socket;
 - `protocol`: the requests and the segments a session holds.
 
-docs/guides/memory-node.md says how to run one.
+docs/guides/memory-node.md says how to run one. Nothing is imported here: `tierlm --help`
+reaches node.cli's flags without importing torch.
 """
-
-from tierlm.node.protocol import NodeError, SegmentSpec
-
-__all__ = ["NodeError", "SegmentSpec"]
