@@ -2,8 +2,9 @@
 the trainer and the node, over gloo point-to-point (`GlooTransport`) or one plain TCP socket
 (`SocketTransport`, the baseline, and the transport that passes an SSH tunnel).
 
-Both carry the same framing. A message is its header's length (8 bytes, little-endian), the
-header, then each tensor's bytes in order; the header's "tensors" entry lists (dtype, numel) per
+Both carry the same framing. A message is a head of `HEAD_BYTES` (the header's length, 8 bytes
+little-endian, and the header, zero-padded; a longer header's rest follows), then each tensor's
+bytes in order; the header's "tensors" entry lists (dtype, numel) per
 tensor, so a receiver can take the payload into buffers it already holds (`recv_into`), add it
 into one (`recv_add`: a gradient, through a few chunk-sized staging buffers, never a second
 copy of the segment) or drop it (`discard`: a request it refuses). Payloads move in chunks of
@@ -31,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 CHUNK_BYTES = 32 * 2**20
+HEAD_BYTES = 1024  # a message's first piece: its header's length and (most) headers whole
 INFLIGHT = 4
 # a node idle between a trainer's requests waits this long (the trainer may be computing a
 # step, or writing a checkpoint); a trainer that dies closes the connection and ends the wait
@@ -113,10 +115,13 @@ class Transport(ABC):
         header = {**header, "chunk": self.chunk_bytes,
                   "tensors": [[str(t.dtype).removeprefix("torch."), t.numel()] for t in tensors]}
         raw = json.dumps(header).encode()
-        # the length and the header go as two messages: gloo matches a receive to one send of
-        # the same size
-        pieces = [torch.frombuffer(bytearray(struct.pack("<q", len(raw))), dtype=torch.uint8),
-                  torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+        # A fixed-size head (the header's length and its first bytes), then the rest of a long
+        # header: gloo matches a receive to one send of the same size, and each message is a
+        # rendezvous of its own, so a short request or answer is one message.
+        first = struct.pack("<q", len(raw)) + raw[: HEAD_BYTES - 8]
+        pieces = [torch.frombuffer(bytearray(first.ljust(HEAD_BYTES, b"\0")), dtype=torch.uint8)]
+        if len(raw) > HEAD_BYTES - 8:
+            pieces.append(torch.frombuffer(bytearray(raw[HEAD_BYTES - 8 :]), dtype=torch.uint8))
         pieces += [c for t in tensors for c in self._chunks(as_bytes(t), self.chunk_bytes)]
         self._pipeline(lambda k: self._post_send(pieces[k], timeout_s), len(pieces), timeout_s)
         self.bytes_sent += sum(p.numel() for p in pieces)
@@ -124,16 +129,21 @@ class Transport(ABC):
     def recv_header(self, timeout_s: float | None) -> dict:
         """The next message's header; its payload must then be taken (`recv_into`, `recv_add`
         or `discard`) before anything else is received."""
-        size = torch.empty(8, dtype=torch.uint8)
-        self._wait(self._post_recv(size, timeout_s), timeout_s)
-        (n,) = struct.unpack("<q", bytes(size.tolist()))
+        head = torch.empty(HEAD_BYTES, dtype=torch.uint8)
+        self._wait(self._post_recv(head, timeout_s), timeout_s)
+        raw = bytes(head.numpy())
+        (n,) = struct.unpack("<q", raw[:8])
         if not 0 < n < 2**30:
             raise LinkError(f"a message header of {n} bytes: the peer does not speak this "
                             "protocol")
-        raw = torch.empty(n, dtype=torch.uint8)
-        self._wait(self._post_recv(raw, timeout_s), timeout_s)
-        self.bytes_received += 8 + n
-        return json.loads(bytes(raw.numpy()))
+        raw = raw[8 : 8 + n]
+        self.bytes_received += HEAD_BYTES
+        if n > HEAD_BYTES - 8:
+            rest = torch.empty(n - (HEAD_BYTES - 8), dtype=torch.uint8)
+            self._wait(self._post_recv(rest, timeout_s), timeout_s)
+            raw += bytes(rest.numpy())
+            self.bytes_received += rest.numel()
+        return json.loads(raw)
 
     def _chunk_of(self, header: dict) -> int:
         """The sender's chunk size; staging is sized by it, so it may not exceed ours."""
