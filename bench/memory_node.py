@@ -8,8 +8,8 @@ A node runs in a second process on 127.0.0.1 (tierlm.node.server, its default 32
 `put_state` of its master (trainer to node, received straight into the node's buffer) and
 `get_state` of it (node to trainer, into a buffer held here), each timed end to end, request
 and answer included; memcpy is `dst.copy_(src)` of the same bytes here. Medians of --repeats,
-the transports interleaved. Loopback on one machine measures the stacks' cost, not a network:
-on a 2-core machine both processes share the cores.
+memcpy and the transports interleaved within each repeat. Loopback on one machine measures the
+stacks' cost, not a network: on a 2-core machine both processes share the cores.
 
     python bench/memory_node.py --sizes-mib 1 16 256 --repeats 3
 """
@@ -67,15 +67,6 @@ def connect(address: str, transport: str) -> NodeClient:
             time.sleep(0.2)
 
 
-def median_s(fn, repeats: int) -> float:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 256])
@@ -114,25 +105,35 @@ def run(address: str, sizes_mib: list[int], repeats: int) -> list[tuple[int, dic
 
 
 def measure(address: str, nbytes: int, repeats: int) -> dict[str, float]:
-    """GB/s of memcpy, and of each transport up and down, for one segment of `nbytes`."""
+    """GB/s of memcpy, and of each transport up and down, for one segment of `nbytes`: each
+    repeat times all of them in turn (the node serves one trainer at a time, so each repeat
+    opens a session per transport; a warm-up round trip first touches the node's pages)."""
     n = nbytes // 4
     layout = FlatLayout([("w", (n,), True)])
     src = torch.randn(n)
     dst = torch.empty(n)
-    r = {"memcpy": nbytes / median_s(lambda: dst.copy_(src), repeats) / 1e9}
-    for transport in ("socket", "gloo"):  # one session each, in turn (one at a time)
-        c = connect(address, transport)
-        c.configure([SegmentSpec.of("seg", layout)], OptimConfig())
-        c.put_state("seg", {"master": src})  # warm: first touch of the node's pages
-        c.get_state("seg", ["master"], out={"master": dst})
-        up = median_s(lambda c=c: c.put_state("seg", {"master": src}), repeats)
-        down = median_s(lambda c=c: c.get_state("seg", ["master"], out={"master": dst}),
-                        repeats)
-        if not torch.equal(dst, src):
-            raise AssertionError(f"{transport}: the state came back changed")
-        r[f"{transport}_up"], r[f"{transport}_down"] = nbytes / up / 1e9, nbytes / down / 1e9
-        c.close()
-    return r
+    dst.copy_(src)
+    times: dict[str, list[float]] = {}
+
+    def timed(key: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(key, []).append(time.perf_counter() - t0)
+
+    for _ in range(repeats):
+        timed("memcpy", lambda: dst.copy_(src))
+        for transport in ("socket", "gloo"):
+            with connect(address, transport) as c:
+                c.configure([SegmentSpec.of("seg", layout)], OptimConfig())
+                c.put_state("seg", {"master": src})
+                c.get_state("seg", ["master"], out={"master": dst})
+                timed(f"{transport}_up", lambda c=c: c.put_state("seg", {"master": src}))
+                dst.zero_()
+                timed(f"{transport}_down",
+                      lambda c=c: c.get_state("seg", ["master"], out={"master": dst}))
+                if not torch.equal(dst, src):
+                    raise AssertionError(f"{transport}: the state came back changed")
+    return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
 
 
 if __name__ == "__main__":

@@ -228,6 +228,11 @@ def test_state_round_trip_is_bit_exact(node, transport):
             assert set(got) == set(sent[name])
             for copy, t in sent[name].items():
                 assert same_bits(got[copy], t), (name, copy)
+        # a refused request's payload is drained: the session goes on in step
+        with pytest.raises(NodeError, match="unknown segment 'nope'"):
+            c.put_state("nope", {"master": torch.ones(100_000)})
+        with pytest.raises(NodeError, match=r"has no copies \['moment'\]"):
+            c.get_state("head", ["moment"])
         # into the caller's buffers (a checkpoint's staging)
         out = {k: torch.empty_like(v) for k, v in sent["head"].items()}
         got, _ = c.get_state("head", out=out)

@@ -238,6 +238,10 @@ class Session:
         seg = self._seg(header)
         names = list(header.get("copies") or ["master", *seg.state])
         copies = self._copies(seg)
+        unknown = [c for c in names if c not in copies]
+        if unknown:
+            raise SessionError(f"segment {seg.spec.name} has no copies {unknown} (has "
+                               f"{list(copies)})")
         return ({"copies": names, "steps": [step_count(s) for s in seg.steps]},
                 [copies[c] for c in names])
 
