@@ -98,6 +98,9 @@ def main() -> None:
               f"{r['gloo_up'] / r['socket_up']:>15.2f} "
               f"{r['gloo_down'] / r['socket_down']:>15.2f} "
               f"{max(r['socket_up'], r['socket_down']) / r['memcpy']:>14.2f}")
+    rtt = {t: statistics.median(r[f"{t}_rtt"] for _, r in rows) for t in ("socket", "gloo")}
+    print(f"a request without payload, answered (median): socket {rtt['socket']:.2f} ms, "
+          f"gloo {rtt['gloo']:.2f} ms")
 
 
 def run(address: str, sizes_mib: list[int], repeats: int) -> list[tuple[int, dict]]:
@@ -110,6 +113,7 @@ def measure(address: str, nbytes: int, repeats: int) -> dict[str, float]:
     opens a session per transport; a warm-up round trip first touches the node's pages)."""
     n = nbytes // 4
     layout = FlatLayout([("w", (n,), True)])
+    tiny = FlatLayout([("w", (16,), True)])
     src = torch.randn(n)
     dst = torch.empty(n)
     dst.copy_(src)
@@ -124,7 +128,8 @@ def measure(address: str, nbytes: int, repeats: int) -> dict[str, float]:
         timed("memcpy", lambda: dst.copy_(src))
         for transport in ("socket", "gloo"):
             with connect(address, transport) as c:
-                c.configure([SegmentSpec.of("seg", layout)], OptimConfig())
+                c.configure([SegmentSpec.of("seg", layout), SegmentSpec.of("tiny", tiny)],
+                            OptimConfig())
                 c.put_state("seg", {"master": src})
                 c.get_state("seg", ["master"], out={"master": dst})
                 timed(f"{transport}_up", lambda c=c: c.put_state("seg", {"master": src}))
@@ -133,7 +138,12 @@ def measure(address: str, nbytes: int, repeats: int) -> dict[str, float]:
                       lambda c=c: c.get_state("seg", ["master"], out={"master": dst}))
                 if not torch.equal(dst, src):
                     raise AssertionError(f"{transport}: the state came back changed")
-    return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+                for _ in range(10):  # a request without payload: the link's latency
+                    timed(f"{transport}_rtt", lambda c=c: c.zero_grad("tiny"))
+    out = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    for t in ("socket", "gloo"):
+        out[f"{t}_rtt"] = statistics.median(times[f"{t}_rtt"]) * 1e3  # ms
+    return out
 
 
 if __name__ == "__main__":
