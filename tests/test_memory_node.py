@@ -231,6 +231,10 @@ def test_state_round_trip_is_bit_exact(node, transport):
         # a refused request's payload is drained: the session goes on in step
         with pytest.raises(NodeError, match="unknown segment 'nope'"):
             c.put_state("nope", {"master": torch.ones(100_000)})
+        with pytest.raises(NodeError, match="does not match the receiving buffers"):
+            c.put_state("head", {"master": torch.ones(100_000)})
+        with pytest.raises(NodeError, match="is not one tensor like"):
+            c.push_grad("head", torch.ones(7))
         with pytest.raises(NodeError, match=r"has no copies \['moment'\]"):
             c.get_state("head", ["moment"])
         # into the caller's buffers (a checkpoint's staging)

@@ -151,9 +151,18 @@ class Session:
                 reply, tensors = {"error": msg}, ()
             self.t.send_msg({"op": op, **reply}, tensors)
 
-    def _take_into(self, header: dict, dsts) -> None:
+    def _take(self, header: dict, receive) -> None:
+        """Take the request's payload with `receive(header)`; a payload that does not match
+        the buffers is refused before any of it is read, and drained."""
         header["_taken"] = True
-        self.t.recv_into(header, dsts, None)
+        try:
+            receive(header)
+        except ValueError:
+            self.t.discard(header, None)
+            raise
+
+    def _take_into(self, header: dict, dsts) -> None:
+        self._take(header, lambda h: self.t.recv_into(h, dsts, None))
 
     def _seg(self, header: dict) -> HeldSegment:
         if self.optimizer is None:
@@ -247,8 +256,7 @@ class Session:
 
     def _push_grad(self, header: dict):
         seg = self._seg(header)
-        header["_taken"] = True
-        self.t.recv_add(header, seg.grad, None)
+        self._take(header, lambda h: self.t.recv_add(h, seg.grad, None))
         return {}, ()
 
     def _zero_grad(self, header: dict):
