@@ -330,22 +330,33 @@ def test_killed_trainer_frees_the_node_for_the_next(node, transport):
         assert counts == [0.0, 0.0] and not got["master"].any()
 
 
-@pytest.mark.parametrize("transport", ["gloo", "socket"])
-def test_killed_node_raises_an_error_naming_it(tmp_path, transport):
+# a dead peer reads the same on both transports (the connection drops); a stalled one takes each
+# transport's own timeout
+@pytest.mark.parametrize(("transport", "fault"),
+                         [("gloo", "killed"), ("gloo", "stalled"), ("socket", "stalled")])
+def test_a_dead_or_stalled_node_raises_an_error_naming_it(tmp_path, transport, fault):
+    """SIGKILL: the connection drops; SIGSTOP: the node says nothing and the trainer's
+    `timeout_s` ends the wait. Either way the trainer gets a NodeError naming the node, and the
+    session is spent."""
     node = Node(tmp_path)
     try:
-        c = node.connect(transport)
+        c = NodeClient(node.address, TOKEN, transport=transport, timeout_s=3, probe_bytes=4096)
         c.configure(specs(), OptimConfig())
         c.push_grad("head", torch.ones(LAYOUTS["head"].numel))
-        node.proc.send_signal(signal.SIGKILL)
-        node.proc.wait()
-        with pytest.raises(NodeError, match=f"memory node {node.address}: .* failed"):
+        node.proc.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        if fault == "killed":
+            node.proc.wait()
+        with pytest.raises(NodeError, match=f"memory node {node.address}: .* failed") as err:
             c.step("head", lr=1e-3, coef=1.0)
             c.get_compute_copy("head")
+        if fault == "stalled":
+            assert "timed out" in str(err.value).lower(), err.value
         with pytest.raises(NodeError, match=f"memory node {node.address}: the session is lost"):
             c.get_compute_copy("head")
         c.close()
     finally:
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)
         node.stop()
 
 
