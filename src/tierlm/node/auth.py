@@ -163,6 +163,10 @@ def trainer_handshake(sock: socket.socket, token: bytes, timeout_s: float, reque
     try:
         greeting = _recv_exact(sock, len(NODE_GREETING), "node's greeting")
         if greeting != NODE_GREETING:
+            if greeting.startswith(NODE_GREETING.split(b"/")[0] + b"/"):
+                raise HandshakeRefused(f"it speaks another protocol ({greeting.strip()!r}; this "
+                                       f"trainer {NODE_GREETING.strip()!r}): run the same "
+                                       "tierlm version on both machines")
             raise HandshakeRefused("it is not a tierlm memory node (unknown greeting)")
         node_nonce = _recv_exact(sock, NONCE_BYTES, "node's nonce")
         trainer_nonce = secrets.token_bytes(NONCE_BYTES)
