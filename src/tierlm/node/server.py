@@ -9,6 +9,13 @@ session, or the handshake's socket), then its requests in order (tierlm.node.pro
 closes or its connection fails. Then the session's state is dropped and its memory returned to
 the system (`malloc_trim`: glibc keeps freed heap otherwise), and the next trainer is accepted.
 
+Sessions run in the node's own process, not a child per session: measured, a gloo group whose
+trainer was killed raises on its pending receive at once, and a new group forms in the same
+process after it (the tests run several sessions through one node, killed trainers included).
+What a child would add is isolation from gloo itself: gloo aborts the process when a message's
+size differs from the receive posted for it, which only a trainer that passed the handshake and
+then broke the protocol can cause (the greeting carries the protocol version).
+
 The update is the host tier's, step for step (tierlm.runtime.engine's `_update` of a host
 segment): the gradient scaled by the clipping coefficient as an fp32 scalar, the run's flat
 optimizer (tierlm.optim.build) over the whole segment, the compute copy re-encoded from the new
