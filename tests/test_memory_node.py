@@ -112,8 +112,9 @@ class Node:
                 raise AssertionError(f"the node never logged {needle!r}:\n{self.text()}")
             time.sleep(0.05)
 
-    def connect(self, transport: str = "gloo", token: bytes = TOKEN, **kw) -> NodeClient:
-        return NodeClient(self.address, token, transport=transport, timeout_s=30,
+    def connect(self, transport: str = "gloo", token: bytes = TOKEN, timeout_s: float = 30,
+                **kw) -> NodeClient:
+        return NodeClient(self.address, token, transport=transport, timeout_s=timeout_s,
                           probe_bytes=256 * 2**10, **kw)
 
     def stop(self) -> None:
@@ -297,6 +298,44 @@ def test_intruders_are_refused_and_the_session_goes_on(node, tmp_path):
     assert "does not speak the handshake" in log
     assert "closed the connection during the trainer's greeting" in log
     assert "timed out waiting for the trainer's greeting" in log
+
+
+def test_calls_from_two_threads_take_turns(tmp_path):
+    """The engine may push a gradient from its update worker while the training thread fetches
+    a compute copy: each request and its answer stay one exchange. (The socket transport: its
+    calls release the GIL, so without the client's lock the threads' messages interleave.)"""
+    import threading
+
+    node = Node(tmp_path)  # its own: a broken exchange may leave the node waiting
+    with node.connect("socket", timeout_s=10) as c:
+        c.configure(specs(), OptimConfig())
+        master = torch.randn(LAYOUTS["block0"].numel, generator=torch.Generator().manual_seed(3))
+        c.put_state("block0", {"master": master})
+        want = c.get_compute_copy("block0")
+        ones = torch.ones(LAYOUTS["head"].numel)
+        errors = []
+
+        def pushes():
+            try:
+                for _ in range(20):
+                    c.push_grad("head", ones)
+            except Exception as e:  # reported below, not lost in the thread
+                errors.append(e)
+
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # the threads interleave inside the calls
+        try:
+            t = threading.Thread(target=pushes)
+            t.start()
+            copies = [c.get_compute_copy("block0") for _ in range(20)]
+            t.join()
+        finally:
+            sys.setswitchinterval(switch)
+        assert errors == []
+        assert all(same_bits(x, want) for x in copies)
+        got, _ = c.get_state("head", ["grad"])
+        assert torch.equal(got["grad"], torch.full_like(ones, 20.0))
+    node.stop()
 
 
 def test_a_session_that_does_not_fit_is_refused(node):

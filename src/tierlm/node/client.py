@@ -2,7 +2,8 @@
 measure the link, then hand the node segments' state and gradients and take back their
 compute copies.
 
-Requests are answered in order. `step(..., wait=False)` returns once the request is sent, so
+Requests are answered in order, and a client takes one call at a time (calls from several
+threads take turns). `step(..., wait=False)` returns once the request is sent, so
 the node updates while the trainer computes; its answer is read (and an error raised) before
 the next request goes out, which is also what keeps gloo's rendezvous sends from waiting on
 each other (tierlm.node.transport). Every wait on the node is bounded by `timeout_s`: a node
@@ -11,10 +12,12 @@ that dies or stalls raises `NodeError` naming its address, and the session is th
 
 from __future__ import annotations
 
+import functools
 import socket
+import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,6 +35,18 @@ from tierlm.node.transport import (
 )
 
 PROBE_BYTES = 16 * 2**20
+
+
+def _one_at_a_time(method: Callable) -> Callable:
+    """A request and its answer are one exchange on the link: calls from several threads (the
+    engine's update worker beside its training thread) take turns."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kw):
+        with self._lock:
+            return method(self, *args, **kw)
+
+    return locked
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +71,7 @@ class NodeClient:
         self.address, self.timeout_s = address, timeout_s
         host, port = parse_address(address, "--memory-node")
         self._pending: deque[str] = deque()
+        self._lock = threading.RLock()
         self._broken: str | None = None
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -118,6 +134,7 @@ class NodeClient:
             raise NodeError(f"memory node {self.address}: {op}: {header['error']}")
         return header
 
+    @_one_at_a_time
     def wait(self) -> None:
         """Read the answers of the requests sent without waiting (`step(wait=False)`)."""
         while self._pending:
@@ -159,6 +176,7 @@ class NodeClient:
 
     # -- the session ----
 
+    @_one_at_a_time
     def configure(self, segments: Sequence[SegmentSpec], optim: OptimConfig) -> int:
         """Place `segments` on the node, with zeroed state and gradients, updated by the flat
         optimizer `optim` builds (tierlm.optim.build). Returns the bytes the node holds for
@@ -167,6 +185,7 @@ class NodeClient:
                              "optim": asdict(optim)})
         return int(answer["held_bytes"])
 
+    @_one_at_a_time
     def put_state(self, segment: str, tensors: Mapping[str, torch.Tensor],
                   steps: Sequence[float] | None = None) -> None:
         """Set copies of a segment's state: "master", the optimizer's slot names, "grad"; each
@@ -177,6 +196,7 @@ class NodeClient:
                     "steps": None if steps is None else [float(s) for s in steps]},
                    [tensors[c].reshape(-1) for c in names])
 
+    @_one_at_a_time
     def get_state(self, segment: str, copies: Sequence[str] | None = None,
                   out: Mapping[str, torch.Tensor] | None = None,
                   ) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -188,14 +208,17 @@ class NodeClient:
         got = self._take(answer, None if out is None else [out[c] for c in names])
         return dict(zip(names, got, strict=True)), [float(s) for s in answer["steps"]]
 
+    @_one_at_a_time
     def push_grad(self, segment: str, grad: torch.Tensor) -> None:
         """Add a flat fp32 gradient (the segment's numel) into the node's accumulated one."""
         self._call({"op": "push_grad", "segment": segment}, [grad.reshape(-1)])
 
+    @_one_at_a_time
     def zero_grad(self, segment: str) -> None:
         """Drop the accumulated gradient (a step skipped for a non-finite norm)."""
         self._call({"op": "zero_grad", "segment": segment})
 
+    @_one_at_a_time
     def step(self, segment: str, *, lr: float, coef: float, step: int | None = None,
              wait: bool = True) -> None:
         """Apply the optimizer update to the accumulated gradient scaled by `coef` (the
@@ -210,6 +233,7 @@ class NodeClient:
         else:
             self._pending.append("step")
 
+    @_one_at_a_time
     def get_compute_copy(self, segment: str, kinds: Sequence[str] | None = None,
                          out: torch.Tensor | None = None) -> torch.Tensor:
         """The weights the segment computes from, as of the last update: its fp32 master where
@@ -220,6 +244,7 @@ class NodeClient:
                              "kinds": None if kinds is None else list(kinds)})
         return self._take(answer, None if out is None else [out.reshape(-1)])[0]
 
+    @_one_at_a_time
     def close(self) -> None:
         """End the session: the node frees the state and accepts the next trainer."""
         if self._broken is None:

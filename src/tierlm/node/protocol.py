@@ -8,12 +8,12 @@ op's results; a payload rides after its header, tierlm.node.transport):
     probe_down  nbytes                   -> payload nbytes          (link rate, node to trainer)
     configure   segments, optim          -> held_bytes, memory_bytes
     put_state   segment, copies, steps   + one tensor per copy  -> {}
-    get_state   segment                  -> copies, steps       + one tensor per copy
-    push_grad   segment                  + the flat fp32 gradient, added into the node's
+    get_state   segment, copies or None  -> copies, steps       + one tensor per copy
+    push_grad   segment                  + the flat fp32 gradient -> {} (added into the node's)
     zero_grad   segment                  -> {}                     (a skipped step)
     step        segment, lr, coef, step  -> count                  (the optimizer update)
     get_compute_copy  segment, kinds     -> kinds + one tensor     (the weights to compute with)
-    close                                -> {}
+    close                                -> {}                     (once the state is freed)
 """
 
 from __future__ import annotations
