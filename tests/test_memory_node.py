@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -304,38 +305,38 @@ def test_calls_from_two_threads_take_turns(tmp_path):
     """The engine may push a gradient from its update worker while the training thread fetches
     a compute copy: each request and its answer stay one exchange. (The socket transport: its
     calls release the GIL, so without the client's lock the threads' messages interleave.)"""
-    import threading
-
     node = Node(tmp_path)  # its own: a broken exchange may leave the node waiting
-    with node.connect("socket", timeout_s=10) as c:
-        c.configure(specs(), OptimConfig())
-        master = torch.randn(LAYOUTS["block0"].numel, generator=torch.Generator().manual_seed(3))
-        c.put_state("block0", {"master": master})
-        want = c.get_compute_copy("block0")
-        ones = torch.ones(LAYOUTS["head"].numel)
-        errors = []
+    try:
+        with node.connect("socket", timeout_s=10) as c:
+            c.configure(specs(), OptimConfig())
+            gen = torch.Generator().manual_seed(3)
+            c.put_state("block0", {"master": torch.randn(LAYOUTS["block0"].numel, generator=gen)})
+            want = c.get_compute_copy("block0")
+            ones = torch.ones(LAYOUTS["head"].numel)
+            errors = []
 
-        def pushes():
+            def pushes():
+                try:
+                    for _ in range(20):
+                        c.push_grad("head", ones)
+                except Exception as e:  # reported below, not lost in the thread
+                    errors.append(e)
+
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(1e-6)  # the threads interleave inside the calls
             try:
-                for _ in range(20):
-                    c.push_grad("head", ones)
-            except Exception as e:  # reported below, not lost in the thread
-                errors.append(e)
-
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(1e-6)  # the threads interleave inside the calls
-        try:
-            t = threading.Thread(target=pushes)
-            t.start()
-            copies = [c.get_compute_copy("block0") for _ in range(20)]
-            t.join()
-        finally:
-            sys.setswitchinterval(switch)
-        assert errors == []
-        assert all(same_bits(x, want) for x in copies)
-        got, _ = c.get_state("head", ["grad"])
-        assert torch.equal(got["grad"], torch.full_like(ones, 20.0))
-    node.stop()
+                t = threading.Thread(target=pushes)
+                t.start()
+                copies = [c.get_compute_copy("block0") for _ in range(20)]
+                t.join()
+            finally:
+                sys.setswitchinterval(switch)
+            assert errors == []
+            assert all(same_bits(x, want) for x in copies)
+            got, _ = c.get_state("head", ["grad"])
+            assert torch.equal(got["grad"], torch.full_like(ones, 20.0))
+    finally:
+        node.stop()
 
 
 def test_a_session_that_does_not_fit_is_refused(node):
