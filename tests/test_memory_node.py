@@ -86,14 +86,16 @@ def _token_file(tmp_path: Path) -> Path:
 
 
 class Node:
-    def __init__(self, tmp_path: Path, memory_bytes: int = 2**30, cli: bool = False) -> None:
+    def __init__(self, tmp_path: Path, memory_bytes: int = 2**30, cli: bool = False,
+                 flags: tuple[str, ...] = ()) -> None:
         self.port = free_port_pair()
         self.address = f"127.0.0.1:{self.port}"
         self.log = tmp_path / f"node-{self.port}.log"
         token = _token_file(tmp_path)
         if cli:
             args = ["-m", "tierlm", "memory-node", "--listen", self.address, "--memory",
-                    str(memory_bytes), "--token-file", str(token), "--handshake-timeout", "2"]
+                    str(memory_bytes), "--token-file", str(token), "--handshake-timeout", "2",
+                    *flags]
         else:
             args = ["-c", NODE, "127.0.0.1", str(self.port), str(memory_bytes), str(token)]
         with open(self.log, "w") as log:
@@ -397,6 +399,23 @@ def test_a_dead_or_stalled_node_raises_an_error_naming_it(tmp_path, transport, f
     finally:
         if node.proc.poll() is None:
             node.proc.send_signal(signal.SIGCONT)
+        node.stop()
+
+
+def test_a_silent_trainer_is_let_go_after_the_idle_timeout(tmp_path):
+    """`--idle-timeout`: a trainer that says nothing that long (its machine gone without
+    closing the connection looks the same) loses its session, and the node takes the next."""
+    node = Node(tmp_path, cli=True, flags=("--idle-timeout", "1"))
+    try:
+        c = node.connect("gloo")
+        c.configure(specs(), OptimConfig())
+        node.wait_log("ready for the next trainer")  # the node ended the silent session
+        with pytest.raises(NodeError, match=f"memory node {node.address}: .* failed"):
+            c.get_compute_copy("head")
+        c.close()
+        with node.connect("socket") as c2:
+            assert c2.configure(specs(), OptimConfig()) > 0
+    finally:
         node.stop()
 
 

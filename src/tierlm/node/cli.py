@@ -29,6 +29,12 @@ def add_memory_node_parser(sub) -> None:
                    "(not supported yet: giving it is an error)")
     p.add_argument("--handshake-timeout", type=float, default=10.0, metavar="S",
                    help="seconds a connecting client has to complete the handshake")
+    p.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                   help="end a session whose trainer sends nothing for S seconds (default: "
+                   "wait while its connection is up; a killed trainer ends it at once, but a "
+                   "trainer machine that vanishes without closing its connections holds the "
+                   "node until this ends it); keep it above the trainer's longest pause "
+                   "(evaluation, a checkpoint)")
 
 
 def _error(msg: str) -> int:
@@ -52,6 +58,8 @@ def memory_node_main(args: argparse.Namespace) -> int:
         return _error(str(e))
     if memory_bytes <= 0:
         return _error(f"--memory {args.memory}: give the node some memory")
+    if args.idle_timeout is not None and args.idle_timeout <= 0:
+        return _error(f"--idle-timeout {args.idle_timeout}: give a positive number of seconds")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s memory-node: %(message)s")
     from tierlm.node.server import NodeOptions, NodeServer
@@ -59,7 +67,8 @@ def memory_node_main(args: argparse.Namespace) -> int:
     try:
         server = NodeServer(NodeOptions(host=host, port=port, memory_bytes=memory_bytes,
                                         token=token,
-                                        handshake_timeout_s=args.handshake_timeout))
+                                        handshake_timeout_s=args.handshake_timeout,
+                                        idle_timeout_s=args.idle_timeout))
     except OSError as e:
         return _error(f"--listen {args.listen}: cannot listen there: {e.strerror or e}")
     try:

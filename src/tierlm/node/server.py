@@ -68,6 +68,10 @@ class NodeOptions:
     token: bytes
     handshake_timeout_s: float = 10.0
     """How long a connecting client has to complete the handshake."""
+    idle_timeout_s: float | None = None
+    """End a session whose trainer sends nothing for this long (None: wait while the connection
+    stays up; a trainer machine that vanishes without closing its connections, by power loss
+    or a cut cable, then holds the node until this ends it)."""
     rendezvous_timeout_s: float = 60.0
     """How long an accepted trainer has to form the gloo group."""
     chunk_bytes: int = CHUNK_BYTES
@@ -140,7 +144,8 @@ class Session:
             "get_compute_copy": self._get_compute_copy,
         }
         while True:
-            header = self.t.recv_header(None)  # the trainer's pace; a dead trainer ends it
+            # the trainer's pace; a killed trainer's connection drops and ends the wait
+            header = self.t.recv_header(self.opts.idle_timeout_s)
             op = header.get("op")
             if op == "close":  # answered once the state is freed (`NodeServer._session`)
                 return
