@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "whose block is timed (default: small on a CPU, 1b on a GPU)")
     probe.add_argument("--seq-len", type=int, default=None, help="with --compile segments: "
                        "tokens per row (default: 256 on a CPU, 2048 on a GPU)")
+    from tierlm.node.cli import add_memory_node_parser  # its flags and logic live in node/
+
+    add_memory_node_parser(sub)
     return parser
 
 
@@ -156,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     # that run a command, and the errors they raise, are imported after.
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "memory-node":
+        from tierlm.node.cli import memory_node_main
+
+        return memory_node_main(args)
     cfg = None
     try:
         if args.command in _CONFIG_COMMANDS:
