@@ -11,9 +11,9 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 from tierlm.activations import (
     PolicyFactory,
     RunScope,

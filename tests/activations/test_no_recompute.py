@@ -10,8 +10,8 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 
+from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 from tierlm.config import ActivationConfig
 from tierlm.runtime import EngineOptions, build_engine
 

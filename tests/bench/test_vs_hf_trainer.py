@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers.trainer")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "vs_hf_trainer.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "vs_hf_trainer.py"
 
 
 def load_bench():

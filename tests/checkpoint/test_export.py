@@ -236,7 +236,7 @@ def test_export_killed_between_shards_publishes_nothing(tmp_path):
             "from tierlm.checkpoint import export_hf_from_checkpoint as e; "
             f"e(Path(sys.argv[1]), Path(sys.argv[2]), max_shard_bytes={SHARD_BYTES})")
     env = {**os.environ, "TIERLM_CRASH_AT": "export-shard:2",
-           "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+           "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
     proc = subprocess.run([sys.executable, "-c", code, str(ckpt), str(tmp_path / "hf")],
                           env=env, capture_output=True, timeout=900)  # a hang guard
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]

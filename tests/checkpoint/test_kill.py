@@ -27,7 +27,7 @@ import torch
 
 from tierlm.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MAX_STEPS = 30
 # against a hang only, not a duration: a run takes seconds, several times that on a loaded machine
 HANG_GUARD_S = 900

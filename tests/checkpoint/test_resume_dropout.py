@@ -13,8 +13,15 @@ import time
 
 import pytest
 import torch
-from test_kill import ROOT, _final_state, _log_of, _resumed_at, _trained_past, _wait
 
+from tests.checkpoint.test_kill import (
+    ROOT,
+    _final_state,
+    _log_of,
+    _resumed_at,
+    _trained_past,
+    _wait,
+)
 from tierlm.config import from_dict
 from tierlm.data import train_bpe_tokenizer
 from tierlm.models import build_model

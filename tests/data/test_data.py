@@ -3,9 +3,9 @@ import sys
 
 import pytest
 import torch
-from comparisons import comparison_module
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from tests.comparisons import comparison_module
 from tierlm.data import (
     EOS_TOKEN,
     HELD_OUT_PLAYS,
@@ -729,8 +729,7 @@ def test_large_jsonl_streams_with_bounded_rss(tmp_path):
 def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_path):
     import copy
 
-    from runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
-
+    from tests.runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
     from tierlm.runtime import EngineOptions, build_engine
     from tierlm.train.reference import ReferenceStep
 
@@ -772,8 +771,7 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
 
 
 def test_all_trained_labels_reproduce_plain_batches_exactly():
-    from runtime_helpers import OPTIM, VOCAB, tiny_model
-
+    from tests.runtime_helpers import OPTIM, VOCAB, tiny_model
     from tierlm.train.reference import ReferenceStep
 
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -788,8 +786,7 @@ def test_all_trained_labels_reproduce_plain_batches_exactly():
 def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
     import copy
 
-    from runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
-
+    from tests.runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
     from tierlm.runtime import EngineOptions, build_engine
     from tierlm.train.reference import ReferenceStep
 

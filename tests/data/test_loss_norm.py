@@ -17,9 +17,9 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, VOCAB, tiny_model
-from test_distributed import run_ranks
 
+from tests.distributed.test_distributed import run_ranks
+from tests.runtime_helpers import OPTIM, VOCAB, tiny_model
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.data_parallel import DataParallelStep
 from tierlm.distributed.sync import DelayedSync, DenseSync
@@ -217,7 +217,7 @@ def test_context_parallel_micro_batches_equal_one_batch():
         for name, got in run.items():
             got_w = {k: torch.from_numpy(v) for k, v in got["weights"].items()}
             # the ring sums attention blocks in another order: fp32 rounding, as in
-            # tests/test_context_parallel.py
+            # tests/distributed/test_context_parallel.py
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (r, name)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (r, name)
             for k, v in weights.items():

@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, tiny_model
-from test_distributed import run_ranks
 
+from tests.distributed.test_distributed import run_ranks
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.config import ActivationConfig, ConfigError, from_dict
 from tierlm.distributed.comm import Comm, all_reduce_send_bytes
 from tierlm.distributed.context import (
@@ -43,7 +43,8 @@ from tierlm.train.reference import ReferenceStep
 MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads
 STEPS, M, T = 2, 2, 32
 LR = 1e-2
-OPTIM = dataclasses.replace(OPTIM, eps=1e-3)  # see tests/test_distributed.py: rounding, not Adam
+# see tests/distributed/test_distributed.py: rounding, not Adam
+OPTIM = dataclasses.replace(OPTIM, eps=1e-3)
 CPU = torch.device("cpu")
 
 

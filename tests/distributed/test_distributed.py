@@ -18,8 +18,8 @@ import traceback
 import numpy as np
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, tiny_model
 
+from tests.runtime_helpers import OPTIM, assert_close_run, batches, tiny_model
 from tierlm.config import ConfigError
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.data_parallel import DataParallelStep

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, tiny_model
 
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.memory.arena import (
     ArenaFullError,
     FreeList,

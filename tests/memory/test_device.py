@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, tiny_model
 
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.config import ActivationConfig
 from tierlm.memory.device import SimDevice, sim_profile
 from tierlm.memory.hardware import PROFILES
@@ -102,8 +102,8 @@ _BATCHES = batches(STEPS, M, B, T)
 def _budget(policy: str) -> int | None:
     if policy != "tiered":
         return None
-    # embed, head and the last block resident, the rest streamed (tests/test_runtime.py's rule)
-    from test_runtime import tiered_budget
+    # embed, head and the last block resident, the rest streamed (runtime/test_engine.py's rule)
+    from tests.runtime.test_engine import tiered_budget
 
     return tiered_budget(_BASE, M, "microbatch-outer")
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, VOCAB, batches
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
+from tests.runtime_helpers import OPTIM, VOCAB, batches
 from tierlm.models import ModelLoadError, hf_model_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.testing import tiny_hf_configs

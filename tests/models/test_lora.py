@@ -6,7 +6,8 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import (
+
+from tests.runtime_helpers import (
     OPTIM,
     batches,
     bf16_autocast,
@@ -15,7 +16,6 @@ from runtime_helpers import (
     steps_match_the_plan,
     tiny_model,
 )
-
 from tierlm.config import (
     ActivationConfig,
     ConfigError,
@@ -119,7 +119,8 @@ def test_wrapping_raises_no_deprecation_warning_from_peft():
 
 
 def test_unbuilt_combinations_are_refused():
-    check_supported(from_dict({"train": {"finetune": "qlora"}}))  # built: tests/test_qlora.py
+    # built: tests/models/test_qlora.py
+    check_supported(from_dict({"train": {"finetune": "qlora"}}))
     for method in ("lora", "qlora"):
         with pytest.raises(NotSupportedYet, match=rf"--finetune {method} with --nproc"):
             check_supported(from_dict({"train": {"finetune": method},

@@ -7,8 +7,9 @@ import copy
 
 import pytest
 import torch
-from comparisons import comparison_module
-from runtime_helpers import (
+
+from tests.comparisons import comparison_module
+from tests.runtime_helpers import (
     OPTIM,
     batches,
     bf16_autocast,
@@ -17,7 +18,6 @@ from runtime_helpers import (
     steps_match_the_plan,
     tiny_model,
 )
-
 from tierlm.config import LoraConfig, from_dict
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.lora import apply_lora

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
-from runtime_helpers import OPTIM, batches, tiny_model
 
+from tests.monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.monitor.alerts import (
     Alerts,
     DiskSlow,

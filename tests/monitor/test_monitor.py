@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
+from tests.monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from tierlm.cli import main
 from tierlm.config import ConfigError
 from tierlm.memory.tiers import Link, Tier

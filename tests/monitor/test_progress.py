@@ -11,8 +11,8 @@ import json
 
 import pytest
 import torch
-from monitor_helpers import tiny_corpus, tiny_run_cfg
 
+from tests.monitor_helpers import tiny_corpus, tiny_run_cfg
 from tierlm.cli import main
 from tierlm.config import PrecisionConfig, from_dict
 from tierlm.monitor.metrics import read_metrics
@@ -190,8 +190,7 @@ def test_streamed_load_and_lora_show_their_progress_and_trained_params(tmp_path)
 
 
 def test_fp8_without_fp8_units_says_it_is_emulated():
-    from runtime_helpers import tiny_model
-
+    from tests.runtime_helpers import tiny_model
     from tierlm.precision import prepare_precision
 
     lines: list[str] = []
@@ -202,8 +201,7 @@ def test_fp8_without_fp8_units_says_it_is_emulated():
 
 
 def test_report_leaves_out_an_empty_fetch_panel_and_plots_peak_rss(tmp_path):
-    from test_report import lines_by_gid, synthetic_run
-
+    from tests.monitor.test_report import lines_by_gid, synthetic_run
     from tierlm.monitor.plots import build_figures
     from tierlm.monitor.report import load_run
 

@@ -7,8 +7,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 import yaml
-from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
+from tests.monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from tierlm.cli import main
 from tierlm.memory.tiers import Link, Tier
 from tierlm.monitor.plots import build_figures

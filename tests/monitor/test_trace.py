@@ -5,8 +5,8 @@ import json
 from collections import Counter, defaultdict
 
 import pytest
-from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
+from tests.monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from tierlm.cli import main
 from tierlm.config import ConfigError, validate
 from tierlm.memory.disk import DiskTier

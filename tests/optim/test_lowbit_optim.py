@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from comparisons import comparison_module
 
+from tests.comparisons import comparison_module
 from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
 from tierlm.optim import native as kernels
@@ -418,8 +418,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
     weights and state."""
     import copy
 
-    from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
-
+    from tests.runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
     from tierlm.runtime import EngineOptions, build_engine
     from tierlm.train.reference import ReferenceStep
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
 
+from tests.runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
 from tierlm.checkpoint import SafetensorsFile, write_safetensors
 from tierlm.config import NotSupportedYet, OptimConfig
 from tierlm.distributed.delayed import Delayed
@@ -42,7 +42,7 @@ CONFIGS = {
     "Lion": OptimConfig(name="Lion", lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.99),
     "Adafactor": OptimConfig(name="Adafactor", lr=1e-2, weight_decay=0.1),
 }
-# the low-bit optimizers' runtime-vs-reference tests are in test_lowbit_optim.py; resume here
+# the low-bit optimizers' runtime-vs-reference tests are in optim/test_lowbit_optim.py; resume here
 RESUMED = {
     **CONFIGS,
     "AdamW8bit": OptimConfig(name="AdamW8bit", lr=1e-2, weight_decay=0.1),

@@ -5,8 +5,8 @@ import re
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, tiny_model
 
+from tests.runtime_helpers import OPTIM, tiny_model
 from tierlm.cli import main
 from tierlm.memory.hardware import PROFILES, GiB
 from tierlm.memory.placement import SegmentPlacement

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model
 
+from tests.runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model
 from tierlm.memory.device import SimDevice
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from runtime_helpers import OPTIM, VOCAB, batches, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.runtime_helpers import OPTIM, VOCAB, batches, tiny_model
 from tierlm.config import ConfigError, PrecisionConfig, from_dict
 from tierlm.precision import Fp8ScaleError, PrecisionLinear, classify, prepare_precision
 from tierlm.precision.formats import E4M3, E5M2, cast_counting, to_fp8_grid

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, tiny_model
 
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.config import PrecisionConfig
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, TensorClass, Tier

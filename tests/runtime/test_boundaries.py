@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_cases, tiny_model
 
+from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_cases, tiny_model
 from tierlm.config import ActivationConfig
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import ModelAdapter

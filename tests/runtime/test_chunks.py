@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 from transformers import AutoModelForCausalLM
 
+from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 from tierlm.memory import Tier
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement, chunk_ranges, staging_numel

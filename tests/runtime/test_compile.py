@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import batches, tiny_model
 
+from tests.runtime_helpers import batches, tiny_model
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig, PrecisionConfig, from_dict
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.precision import prepare_precision
@@ -205,8 +205,7 @@ def test_lora_and_qlora_compiled_match_eager(compiler, base_format, precision, t
     (measured: losses 8e-8 relative, adapters 7e-7 of their norm, bf16 bitwise). fp32 LoRA also
     on the reference trainer (everything resident, the model's own forward). The LoRA graphs
     are shared by lora and qlora; the steps after the first compile nothing."""
-    from runtime_helpers import bf16_autocast, bf16_model
-
+    from tests.runtime_helpers import bf16_autocast, bf16_model
     from tierlm.config import LoraConfig
     from tierlm.models.lora import apply_lora
 
@@ -299,7 +298,7 @@ def _data_parallel_runs(world, compiler, tmp: str) -> dict:
 def test_data_parallel_compiled_matches_eager(compiler, tmp_path):
     """--nproc 2 over gloo with --compile segments: each rank's compiled run equals its eager
     run within 1e-5 (losses and weights), and the ranks hold the same weights."""
-    from test_distributed import run_ranks
+    from tests.distributed.test_distributed import run_ranks
 
     # compile here first, on one thread as each rank runs (inductor's CPU kernels are keyed by
     # the thread count): the forked ranks then read the kernels from the cache instead of both

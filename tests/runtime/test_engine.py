@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from runtime_helpers import (
+
+from tests.runtime_helpers import (
     OPTIM,
     InfGrad,
     assert_close_run,
@@ -16,7 +17,6 @@ from runtime_helpers import (
     reference_cases,
     tiny_model,
 )
-
 from tierlm.memory import PlacementError, Tier
 from tierlm.memory.placement import COMPUTE_B, SegmentPlacement
 from tierlm.memory.tiers import Link

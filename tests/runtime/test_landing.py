@@ -9,7 +9,8 @@ import threading
 
 import pytest
 import torch
-from runtime_helpers import (
+
+from tests.runtime_helpers import (
     OPTIM,
     InfGrad,
     assert_close_run,
@@ -17,7 +18,6 @@ from runtime_helpers import (
     reference_run,
     tiny_model,
 )
-
 from tierlm.memory import Tier
 from tierlm.memory.device import HostDevice
 from tierlm.memory.hardware import PROFILES

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import batches, tiny_model
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tests.runtime_helpers import batches, tiny_model
 from tierlm.activations.chunked_loss import chunked_cross_entropy
 from tierlm.config import OptimConfig
 from tierlm.memory.layout import FlatLayout
@@ -182,7 +182,7 @@ def test_norms_cross_to_the_device_as_one_vector():
 
 # -- the source (AST) ----
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "tierlm"
+SRC = Path(__file__).resolve().parents[2] / "src" / "tierlm"
 SCANNED = ("runtime", "memory", "precision", "activations", "optim", "plan")
 # the one place that talks to streams and events and makes the step's waits (issue R, item 1)
 DEVICE_INTERFACE = {"memory/device.py"}

@@ -11,8 +11,8 @@ import contextlib
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model, tiny_model
 
+from tests.runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model, tiny_model
 from tierlm.config import LoraConfig
 from tierlm.memory.placement import SegmentPlacement, update_staging_bytes
 from tierlm.memory.tiers import Tier

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 
 import tierlm.activations
 import tierlm.runtime.placement
 import tierlm.runtime.plan
+from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
 from tierlm.runtime import Engine, EngineOptions, plan_step

@@ -5,8 +5,8 @@ import copy
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, tiny_model
 
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
 from tierlm.runtime import Action, EngineOptions, build_engine, walk

@@ -10,7 +10,7 @@ from tierlm.cli import main
 
 # (policy, flags that cannot be met, the flag the error must name); the tiny preset's model state
 # is a few MiB, 64KiB holds none of it
-# (auto plans within all three: tests/test_planner_fit.py)
+# (auto plans within all three: tests/plan/test_planner_fit.py)
 CASES = [
     ("disk", ["--disk-budget", "64KiB"], "--disk-budget"),
     # tiered: neither the device nor host RAM holds the state, so it spills to a disk tier

@@ -1,6 +1,6 @@
 """Reliability (issue G): crash-consistent checkpoints, resume, disk space, host memory,
-numerical faults and untrusted files. The SIGKILL test is tests/test_kill.py; the fuzz tests
-are tests/test_fuzz.py."""
+numerical faults and untrusted files. The SIGKILL test is tests/checkpoint/test_kill.py; the fuzz
+tests are tests/test_fuzz.py."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import OPTIM, batches, tiny_model
 from safetensors.torch import load_file, save_file
 
+from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -58,7 +58,7 @@ from tierlm.train.safety import (
     check_token_stream,
 )
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SMALL_TEXT: Path
 
 

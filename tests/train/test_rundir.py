@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 
+from tests.monitor_helpers import quiet, tiny_corpus, tiny_run_cfg
 from tierlm.checkpoint import list_checkpoints
 from tierlm.cli import main
 from tierlm.config import ConfigError
 from tierlm.monitor.metrics import read_metrics
 
-SRC = Path(__file__).parent.parent / "src"
+SRC = Path(__file__).parents[2] / "src"
 
 
 def _argv(corpus: Path, out: Path, *extra: str, steps: int = 2) -> list[str]:

@@ -245,7 +245,7 @@ def test_train_large_model_entry_point_forwards_flags():
     import subprocess
     import sys
 
-    root = Path(__file__).parent.parent
+    root = Path(__file__).parents[2]
     proc = subprocess.run(
         [sys.executable, str(root / "train_large_model.py"), "--backend", "fsdp",
          "--grad-checkpointing", "full"],
