@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
+from tests.runtime_helpers import (
+    OPTIM,
+    assert_close_run,
+    batches,
+    new_engine,
+    reference_run,
+    tiny_model,
+)
 from tierlm.activations import (
     PolicyFactory,
     RunScope,
@@ -253,13 +260,8 @@ def make_engine(model, tmp_path, policy, *, placement="none", order="microbatch-
     from tierlm.config import ActivationConfig
 
     acts = ActivationConfig(policy=policy, **kw)
-    return build_engine(
-        model, OPTIM,
-        EngineOptions(policy=placement, microbatch_order=order, grad_clip=0.05, micro_batches=2,
-                      batch_size=B, seq_len=T, offload_dir=str(tmp_path), activations=acts,
-                      device_budget_bytes=budget),
-        device=CPU,
-    )
+    return new_engine(model, tmp_path, policy=placement, microbatch_order=order, grad_clip=0.05,
+                      micro_batches=2, activations=acts, device_budget_bytes=budget)
 
 
 def budget_for(model, tmp_path, policies: list[str], placement: str = "none") -> int:

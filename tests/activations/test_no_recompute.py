@@ -11,7 +11,14 @@ import copy
 import pytest
 import torch
 
-from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
+from tests.runtime_helpers import (
+    OPTIM,
+    assert_close_run,
+    batches,
+    new_engine,
+    reference_run,
+    tiny_model,
+)
 from tierlm.config import ActivationConfig
 from tierlm.runtime import EngineOptions, build_engine
 
@@ -30,13 +37,8 @@ def reference():
 def engine(model, tmp_path, placement, order, *, budget=None, fallback="full",
            activations=True):
     acts = ActivationConfig(policy="none", dynamic_fallback=fallback) if activations else None
-    return build_engine(
-        model, OPTIM,
-        EngineOptions(policy=placement, microbatch_order=order, grad_clip=CLIP, micro_batches=M,
-                      batch_size=2, seq_len=16, offload_dir=str(tmp_path), activations=acts,
-                      device_budget_bytes=budget),
-        device=CPU,
-    )
+    return new_engine(model, tmp_path, policy=placement, microbatch_order=order, grad_clip=CLIP,
+                      micro_batches=M, activations=acts, device_budget_bytes=budget)
 
 
 def count_forwards(eng) -> dict[str, int]:

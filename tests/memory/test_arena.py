@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tests.runtime_helpers import OPTIM, batches, new_engine, tiny_model
 from tierlm.memory.arena import (
     ArenaFullError,
     FreeList,
@@ -25,7 +25,6 @@ from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.plan.describe import describe
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import usable_budgets
-from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.train.preflight import check_pinned_memory
 from tierlm.train.safety import HostMemoryError
@@ -222,11 +221,9 @@ PLACEMENTS = {
 
 def _engine(model, tmp_path, spec, order, m, boundary, chunk=CHUNK):
     n = len(ModelShape.from_config(copy.deepcopy(model.config)).names)
-    return build_engine(model, OPTIM, EngineOptions(
-        policy="auto", placements=[PLACEMENTS[spec]] * n, microbatch_order=order,
-        micro_batches=m, offload_dir=str(tmp_path), batch_size=B, seq_len=T,
-        staging_chunk_numel=chunk, boundary_tier=boundary, keep_resident_activations=False),
-        device=CPU)
+    return new_engine(model, tmp_path, policy="auto", placements=[PLACEMENTS[spec]] * n,
+                      microbatch_order=order, micro_batches=m, staging_chunk_numel=chunk,
+                      boundary_tier=boundary, keep_resident_activations=False)
 
 
 def _count_live_pinned(store: Store) -> list[int]:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
-from tests.runtime_helpers import OPTIM, VOCAB, batches
+from tests.runtime_helpers import OPTIM, VOCAB, batches, new_engine
 from tierlm.models import ModelLoadError, hf_model_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.testing import tiny_hf_configs
@@ -43,9 +43,7 @@ def _save(name: str, path, *, dtype=torch.bfloat16, max_shard_size=None, seed=0)
 def _streamed_engine(path, offload_dir, policy="host"):
     skeleton = hf_model_skeleton(path)
     source = CheckpointWeights(path, skeleton)
-    engine = build_engine(skeleton, OPTIM,
-                          EngineOptions(policy=policy, offload_dir=str(offload_dir)),
-                          device=torch.device("cpu"), initial_weights=source)
+    engine = new_engine(skeleton, offload_dir, policy=policy, initial_weights=source)
     return engine, skeleton, source
 
 

@@ -13,6 +13,7 @@ from tests.runtime_helpers import (
     bf16_autocast,
     bf16_lora_reference,
     bf16_model,
+    new_engine,
     steps_match_the_plan,
     tiny_model,
 )
@@ -64,10 +65,8 @@ def reference():
 
 
 def _engine(model, tmp_path, policy, order, activations=None) -> Engine:
-    opts = EngineOptions(policy=policy, microbatch_order=order, grad_clip=CLIP, micro_batches=M,
-                         batch_size=2, seq_len=16, offload_dir=str(tmp_path / "offload"),
-                         activations=activations)
-    return build_engine(model, OPTIM, opts, device=CPU)
+    return new_engine(model, tmp_path / "offload", policy=policy, microbatch_order=order,
+                      grad_clip=CLIP, micro_batches=M, activations=activations)
 
 
 @pytest.mark.parametrize(("name", "policy", "order", "acts"), [

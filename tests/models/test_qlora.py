@@ -15,6 +15,7 @@ from tests.runtime_helpers import (
     bf16_autocast,
     bf16_lora_reference,
     bf16_model,
+    new_engine,
     steps_match_the_plan,
     tiny_model,
 )
@@ -34,7 +35,7 @@ from tierlm.models.nf4 import (
     quantised_names,
     round_trip,
 )
-from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import Engine
 from tierlm.train.reference import ReferenceStep
 
 CPU = torch.device("cpu")
@@ -122,10 +123,8 @@ def reference():
 
 
 def _engine(model, tmp_path, policy, order="microbatch-outer", **kw) -> Engine:
-    opts = EngineOptions(policy=policy, microbatch_order=order, grad_clip=CLIP, micro_batches=M,
-                         batch_size=2, seq_len=16, offload_dir=str(tmp_path / "offload"),
-                         base_format="nf4", **kw)
-    return build_engine(model, OPTIM, opts, device=CPU)
+    return new_engine(model, tmp_path / "offload", policy=policy, microbatch_order=order,
+                      grad_clip=CLIP, micro_batches=M, base_format="nf4", **kw)
 
 
 @pytest.mark.parametrize(("policy", "order"), [("host", "microbatch-outer"),

@@ -12,7 +12,13 @@ import dataclasses
 import pytest
 import torch
 
-from tests.runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
+from tests.runtime_helpers import (
+    assert_close_run,
+    assert_same_state,
+    batches,
+    new_engine,
+    tiny_model,
+)
 from tierlm.checkpoint import SafetensorsFile, write_safetensors
 from tierlm.config import NotSupportedYet, OptimConfig
 from tierlm.distributed.delayed import Delayed
@@ -27,7 +33,7 @@ from tierlm.optim.lion import Lion
 from tierlm.plan.describe import describe
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import usable_budgets
-from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import Engine
 from tierlm.runtime.shapes import ModelShape
 from tierlm.train.reference import ReferenceStep
 
@@ -52,9 +58,8 @@ RESUMED = {
 
 
 def _engine(model, cfg: OptimConfig, tmp_path, **kw) -> Engine:
-    opts = EngineOptions(offload_dir=str(tmp_path), batch_size=B, seq_len=T, micro_batches=M,
-                         grad_clip=CLIP, staging_chunk_numel=CHUNK, **kw)
-    return build_engine(model, cfg, opts, device=CPU)
+    return new_engine(model, tmp_path, optim=cfg, micro_batches=M, grad_clip=CLIP,
+                      staging_chunk_numel=CHUNK, **kw)
 
 
 def _lrs(cfg: OptimConfig) -> list[float]:

@@ -7,7 +7,14 @@ import copy
 import pytest
 import torch
 
-from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_cases, tiny_model
+from tests.runtime_helpers import (
+    OPTIM,
+    assert_close_run,
+    batches,
+    new_engine,
+    reference_cases,
+    tiny_model,
+)
 from tierlm.config import ActivationConfig
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.models.adapters import ModelAdapter
@@ -24,9 +31,7 @@ def numels(model) -> dict[str, int]:
 
 
 def engine(model, tmp_path, **kw) -> Engine:
-    opts = EngineOptions(offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T,
-                         activations=FULL, **kw)
-    return build_engine(model, OPTIM, opts, device=CPU)
+    return new_engine(model, tmp_path / "offload", activations=FULL, **kw)
 
 
 @pytest.fixture(scope="module")

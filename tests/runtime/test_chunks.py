@@ -9,7 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.runtime_helpers import OPTIM, assert_close_run, batches, reference_run, tiny_model
+from tests.runtime_helpers import (
+    OPTIM,
+    assert_close_run,
+    batches,
+    new_engine,
+    reference_run,
+    tiny_model,
+)
 from tierlm.memory import Tier
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement, chunk_ranges, staging_numel
@@ -17,7 +24,7 @@ from tierlm.memory.tiers import TensorClass
 from tierlm.models.testing import tiny_hf_configs
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import usable_budgets
-from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import Engine
 from tierlm.runtime.shapes import ModelShape, TrainShape
 
 CPU = torch.device("cpu")
@@ -27,8 +34,7 @@ CHUNK = 1024  # elements: splits every segment of the tiny models, and groups in
 
 def _engine(model, tmp_path, *, chunk: int | None = None, **kw) -> Engine:
     extra = {} if chunk is None else {"staging_chunk_numel": chunk}
-    opts = EngineOptions(offload_dir=str(tmp_path), batch_size=B, seq_len=T, **extra, **kw)
-    return build_engine(model, OPTIM, opts, device=CPU)
+    return new_engine(model, tmp_path, **extra, **kw)
 
 
 def _run(model, tmp_path, steps, lrs, **kw):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runtime_helpers import batches, tiny_model
+from tests.runtime_helpers import batches, new_engine, tiny_model
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig, PrecisionConfig, from_dict
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.precision import prepare_precision
@@ -94,11 +94,10 @@ def test_kernels_of_another_torch_or_other_code_go_to_another_folder(change, mon
 
 
 def _engine(model, tmp_path, compiled, policy, acts="none", optim=OPTIM, autocast=None):
-    opts = EngineOptions(policy=policy, offload_dir=str(tmp_path / f"off-{policy}"),
-                         batch_size=B, seq_len=T, grad_clip=1.0, chunk_loss=compiled.chunk_loss,
-                         activations=ActivationConfig(policy=acts),
-                         **({"autocast": autocast} if autocast else {}))
-    return build_engine(model, optim, opts, device=CPU)
+    return new_engine(model, tmp_path / f"off-{policy}", optim=optim, policy=policy,
+                      grad_clip=1.0, chunk_loss=compiled.chunk_loss,
+                      activations=ActivationConfig(policy=acts),
+                      **({"autocast": autocast} if autocast else {}))
 
 
 def _run(stepper, steps, lr=OPTIM.lr):

@@ -21,7 +21,7 @@ from tierlm.memory import PlacementError, Tier
 from tierlm.memory.placement import COMPUTE_B, SegmentPlacement
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import Engine
 from tierlm.runtime.placement import place
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.state import as_tensor
@@ -33,13 +33,6 @@ STEPS, B, T = 5, 2, 16
 
 def segment_numels(model) -> dict[str, int]:
     return {s.name: sum(p.numel() for _, p, _ in s.params) for s in ModelAdapter(model).segments}
-
-
-def make_engine(model, tmp_path, **kw) -> Engine:
-    opts = EngineOptions(
-        offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T, **kw
-    )
-    return build_engine(model, OPTIM, opts, device=CPU)
 
 
 def tiered_budget(model, m: int, order: str) -> int:
@@ -63,12 +56,12 @@ def references():
 @pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
 @pytest.mark.parametrize("policy", ["none", "host", "disk", "tiered"])
 @pytest.mark.parametrize("name", ["llama_tied_gqa", "gpt2"])
-def test_matches_reference(references, name, policy, order, m, clip, tmp_path):
+def test_matches_reference(references, name, policy, order, m, clip, tmp_path, make_engine):
     base, steps, lrs, ref_recs, ref_weights = references[(name, m, clip)]
     model = copy.deepcopy(base)
     budget = tiered_budget(model, m, order) if policy == "tiered" else None
     eng = make_engine(
-        model, tmp_path, policy=policy, microbatch_order=order, grad_clip=clip,
+        model, policy=policy, microbatch_order=order, grad_clip=clip,
         micro_batches=m, device_budget_bytes=budget,
     )
     if policy == "tiered":  # the budget really mixes resident and streamed segments
@@ -86,7 +79,7 @@ def test_matches_reference(references, name, policy, order, m, clip, tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["none", "host", "disk"])
-def test_inf_gradient_skips_the_step_on_both_sides(policy, tmp_path):
+def test_inf_gradient_skips_the_step_on_both_sides(policy, tmp_path, make_engine):
     base = tiny_model("llama_tied_gqa", layers=2)
     steps = batches(4, 2)
     lrs = [OPTIM.lr] * 4
@@ -115,7 +108,7 @@ def test_inf_gradient_skips_the_step_on_both_sides(policy, tmp_path):
     ref = ReferenceStep(ref_model, OPTIM, grad_clip=1.0, device=CPU)
     ref_recs, ref_w = run(ref_model, ref)
     model = copy.deepcopy(base)
-    eng = make_engine(model, tmp_path, policy=policy, micro_batches=2)
+    eng = make_engine(model, policy=policy, micro_batches=2)
     recs, w = run(model, eng)
     assert [r["skipped"] for r in recs] == [False, False, True, False]
     assert [r["skipped"] for r in ref_recs] == [False, False, True, False]
@@ -124,7 +117,7 @@ def test_inf_gradient_skips_the_step_on_both_sides(policy, tmp_path):
     eng.close()
 
 
-def test_device_budget_of_two_blocks_holds(tmp_path):
+def test_device_budget_of_two_blocks_holds(tmp_path, make_engine):
     """Host state, every segment streamed: the device holds two blocks' compute weights (the one
     running and the one prefetched), two blocks' gradients (one accumulating, the one before
     still landing into host RAM), and the boundary activations."""
@@ -136,7 +129,7 @@ def test_device_budget_of_two_blocks_holds(tmp_path):
     n_segs = len(numels)
     activations = (n_segs - 1 + 2) * hidden  # inputs of all segments after embed, + 2 grads
     budget = 2 * block * COMPUTE_B + 2 * block * 4 + activations
-    eng = make_engine(model, tmp_path, policy="host", device_budget_bytes=budget, micro_batches=1)
+    eng = make_engine(model, policy="host", device_budget_bytes=budget, micro_batches=1)
     assert eng.report.device_bytes == budget
     for b in batches(3, 1):
         eng.step(b, OPTIM.lr)
@@ -147,12 +140,12 @@ def test_device_budget_of_two_blocks_holds(tmp_path):
     assert eng.ledger.peak_tier_bytes[Tier.DEVICE] <= budget
     eng.close()
     with pytest.raises(PlacementError, match=r"device needs .* but --device-budget is"):
-        make_engine(tiny_model("llama_untied", layers=4), tmp_path, policy="host",
+        make_engine(tiny_model("llama_untied", layers=4), policy="host",
                     device_budget_bytes=budget - 1)
 
 
 @pytest.mark.parametrize("m", [2, 4])
-def test_layer_outer_moves_weights_once_microbatch_outer_per_microbatch(m, tmp_path):
+def test_layer_outer_moves_weights_once_microbatch_outer_per_microbatch(m, tmp_path, make_engine):
     """Blocks streamed from host, embed and head resident, a cache of two block slots.
 
     layer-outer: the forward loads each of the L blocks once; the backward finds the last two
@@ -167,7 +160,7 @@ def test_layer_outer_moves_weights_once_microbatch_outer_per_microbatch(m, tmp_p
         model = tiny_model("llama_untied", layers=layers)
         block_bytes = segment_numels(model)["block.0"] * 4
         eng = make_engine(
-            model, tmp_path / order, policy="host", resident="embed|head",
+            model, tmp_path / order / "offload", policy="host", resident="embed|head",
             microbatch_order=order, micro_batches=m,
         )
         for b in batches(2, m):
@@ -187,10 +180,10 @@ def test_layer_outer_moves_weights_once_microbatch_outer_per_microbatch(m, tmp_p
     assert moved["microbatch-outer"][1] == m * (layers * block_bytes + head_embed_grad)
 
 
-def test_disk_tier_files_hold_the_state(tmp_path):
+def test_disk_tier_files_hold_the_state(tmp_path, make_engine):
     model = tiny_model("gpt2", layers=2)
     numels = segment_numels(model)
-    eng = make_engine(model, tmp_path, policy="disk")
+    eng = make_engine(model, policy="disk")
     files = sorted(p.relative_to(tmp_path / "offload").as_posix()
                    for p in (tmp_path / "offload").rglob("*.bin"))
     assert files == sorted(f"{s}/{c}.bin" for s in numels
@@ -226,7 +219,7 @@ def test_tiered_spills_to_disk_under_a_host_budget():
 
 
 @pytest.mark.parametrize("policy", ["none", "host", "disk"])
-def test_sampling_logits_stream_the_segments(policy, tmp_path):
+def test_sampling_logits_stream_the_segments(policy, tmp_path, make_engine):
     """The end-of-run sample's forward runs through the runtime (no whole model is built): its
     last-position logits equal the plain model's on the same weights."""
     base = tiny_model("llama_tied_gqa", layers=2)
@@ -234,7 +227,7 @@ def test_sampling_logits_stream_the_segments(policy, tmp_path):
     ids = torch.randint(0, base.config.vocab_size, (1, 12), generator=g)
     with torch.no_grad():
         expected = base.eval()(input_ids=ids).logits[0, -1]
-    eng = make_engine(copy.deepcopy(base).train(), tmp_path, policy=policy)
+    eng = make_engine(copy.deepcopy(base).train(), policy=policy)
     got = eng.next_token_logits(ids)
     assert got.shape == expected.shape and got.dtype == torch.float32
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -247,7 +240,7 @@ def test_sampling_logits_stream_the_segments(policy, tmp_path):
 @pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
 @pytest.mark.parametrize("mode", ["host-grads", "readahead", "both"])
 def test_disk_tier_options_match_reference(references, mode, order, m, clip, writeback,
-                                           tmp_path):
+                                           tmp_path, make_engine):
     """Disk-tier state with its gradient held in host RAM, with the update's master and slots
     read ahead during the backward (a budget covering the embedding and the first block, so
     the later segments update the usual way), and both: the reference's losses and weights,
@@ -262,7 +255,7 @@ def test_disk_tier_options_match_reference(references, mode, order, m, clip, wri
     placements = [SegmentPlacement(False, Tier.DISK, grad_tier)] * len(numels)
     first_two = 12 * sum(list(numels.values())[:2])  # master + both moments
     readahead = None if mode == "host-grads" else ReadAhead(extra_bytes=first_two)
-    eng = make_engine(model, tmp_path, policy="disk", placements=placements,
+    eng = make_engine(model, policy="disk", placements=placements,
                       microbatch_order=order, grad_clip=clip, micro_batches=m,
                       readahead=readahead, writeback=writeback)
     phase, slot_reads = ["sweep"], []
@@ -321,7 +314,7 @@ def _slow_writeback(eng, delay_s: float, fail: str | None = None,
 
 
 @pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
-def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path):
+def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path, make_engine):
     """With the write-back behind the step, a segment's next forward runs while its master and
     slots are still being written (here: every write-back write held until the second step's
     first forward begins; an engine that waited for them would never open the gate), and the
@@ -332,7 +325,7 @@ def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path):
     runs = {}
     ticks = itertools.count()
     for wb in (None, WriteBack(segments=1)):
-        eng = make_engine(copy.deepcopy(base), tmp_path / str(wb), policy="disk",
+        eng = make_engine(copy.deepcopy(base), tmp_path / str(wb) / "offload", policy="disk",
                           microbatch_order=order, micro_batches=2, writeback=wb)
         gate = threading.Event() if wb is not None else None
         ended = _slow_writeback(eng, 0.0, gate=gate, clock=lambda: next(ticks))
@@ -360,8 +353,8 @@ def test_forward_starts_before_its_segments_write_back_ends(order, tmp_path):
         assert torch.equal(v, runs[WriteBack(segments=1)][k]), k
 
 
-def test_a_failed_write_back_raises_in_the_training_thread(tmp_path):
-    eng = make_engine(tiny_model("llama_tied_gqa", layers=2), tmp_path, policy="disk")
+def test_a_failed_write_back_raises_in_the_training_thread(tmp_path, make_engine):
+    eng = make_engine(tiny_model("llama_tied_gqa", layers=2), policy="disk")
     _slow_writeback(eng, 0.0, fail="exp_avg.bin")
     eng.step(batches(1, 1)[0], 1e-3)
     with pytest.raises(OSError, match="injected"):
@@ -369,13 +362,14 @@ def test_a_failed_write_back_raises_in_the_training_thread(tmp_path):
 
 
 @pytest.mark.parametrize("readahead", [None, ReadAhead(extra_bytes=2**30)], ids=["plain", "ahead"])
-def test_state_taken_right_after_a_step_is_written_and_resumes_exactly(readahead, tmp_path):
+def test_state_taken_right_after_a_step_is_written_and_resumes_exactly(readahead, tmp_path,
+                                                                       make_engine):
     """A checkpoint's shards taken right after a step, its write-backs still in flight (all
     segments pending, each write delayed), hold the updated state: equal to a host-state run's,
     and a disk-state run loaded from them continues bit for bit."""
     base = tiny_model("llama_tied_gqa", layers=2)
     steps, m = batches(4, 2), 2
-    straight = make_engine(copy.deepcopy(base), tmp_path / "host", policy="host",
+    straight = make_engine(copy.deepcopy(base), tmp_path / "host" / "offload", policy="host",
                            micro_batches=m)
     half = {}
     for k, b in enumerate(steps):
@@ -386,7 +380,7 @@ def test_state_taken_right_after_a_step_is_written_and_resumes_exactly(readahead
     straight.close()
 
     def disk_engine(path):
-        return make_engine(copy.deepcopy(base), path, policy="disk", micro_batches=m,
+        return make_engine(copy.deepcopy(base), path / "offload", policy="disk", micro_batches=m,
                            readahead=readahead, writeback=WriteBack(segments=8))
 
     first = disk_engine(tmp_path / "first")

@@ -15,6 +15,7 @@ from tests.runtime_helpers import (
     InfGrad,
     assert_close_run,
     batches,
+    new_engine,
     reference_run,
     tiny_model,
 )
@@ -26,7 +27,7 @@ from tierlm.memory.store import Store
 from tierlm.memory.tiers import Link, TensorClass
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import usable_budgets
-from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import Engine
 from tierlm.runtime import byte_replay as planner
 from tierlm.runtime.byte_replay import _simulate
 from tierlm.runtime.landing import LandingRing, add_to_host
@@ -163,11 +164,8 @@ def test_the_step_ring_is_its_largest_landing(m, order, want):
 def _engine(model, tmp_path, spec: str, order: str, m: int, chunk: int | None = CHUNK) -> Engine:
     n_segs = len(ModelShape.from_config(copy.deepcopy(model.config)).names)
     extra = {} if chunk is None else {"staging_chunk_numel": chunk}
-    return build_engine(model, OPTIM, EngineOptions(
-        policy="auto", placements=[PLACEMENTS[spec]] * n_segs, microbatch_order=order,
-        micro_batches=m, offload_dir=str(tmp_path), batch_size=B, seq_len=T, grad_clip=0.05,
-        **extra),
-        device=CPU)
+    return new_engine(model, tmp_path, policy="auto", placements=[PLACEMENTS[spec]] * n_segs,
+                      microbatch_order=order, micro_batches=m, grad_clip=0.05, **extra)
 
 
 @pytest.mark.parametrize("spec", ["host", "disk-host-grads"])

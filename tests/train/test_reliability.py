@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tests.runtime_helpers import OPTIM, batches, new_engine, tiny_model
 from tierlm.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -194,9 +194,7 @@ def test_manifest_may_not_name_files_outside_the_checkpoint(tmp_path):
 
 def _engine(tmp_path, policy="disk", layers=6, seed=0):
     model = tiny_model("llama_untied", layers=layers, seed=seed)
-    opts = EngineOptions(policy=policy, offload_dir=str(tmp_path / "offload"), batch_size=2,
-                         seq_len=16)
-    return model, build_engine(model, OPTIM, opts, device=torch.device("cpu"))
+    return model, new_engine(model, tmp_path / "offload", policy=policy)
 
 
 def _save(run_dir, stepper, model, step, keep=0):
