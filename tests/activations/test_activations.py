@@ -38,7 +38,7 @@ from tierlm.memory import Ledger, PlacementError, Tier
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
-from tierlm.runtime import Engine, EngineOptions, build_engine
+from tierlm.runtime import Engine
 
 CPU = torch.device("cpu")
 B, T = 2, 16
@@ -255,7 +255,7 @@ def runs():
     return out
 
 
-def make_engine(model, tmp_path, policy, *, placement="none", order="microbatch-outer",
+def _engine(model, tmp_path, policy, *, placement="none", order="microbatch-outer",
                 budget=None, **kw):
     from tierlm.config import ActivationConfig
 
@@ -268,7 +268,7 @@ def budget_for(model, tmp_path, policies: list[str], placement: str = "none") ->
     """The device budget at which `dynamic` can just afford `policies`: the model state and
     boundary activations (what an unbudgeted `dynamic` engine places besides its reserve) plus
     the activation peak of `policies` from the engine's own measured costs."""
-    probe = make_engine(copy.deepcopy(model), tmp_path, "dynamic", placement=placement)
+    probe = _engine(copy.deepcopy(model), tmp_path, "dynamic", placement=placement)
     state = probe.report.device_bytes - probe.activation_reserve_bytes
     peak = activation_peak_bytes(
         policies, probe.activation_costs, in_flight=1, head_bytes=probe.activation_head_bytes
@@ -279,7 +279,7 @@ def budget_for(model, tmp_path, policies: list[str], placement: str = "none") ->
 
 def engine_run(runs, name, tmp_path, policy, **kw):
     base, steps, lrs, _, _ = runs[name]
-    eng = make_engine(copy.deepcopy(base), tmp_path, policy, **kw)
+    eng = _engine(copy.deepcopy(base), tmp_path, policy, **kw)
     recs = [eng.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
     w = eng.weights()
     chosen = list(eng.activation_policies)
@@ -343,12 +343,7 @@ def test_offload_moves_the_saved_bytes_to_host_and_back(tmp_path):
     activations, each block's `keep` bytes there and back per micro-batch."""
     layers, m = 3, 2
     model = tiny_model("llama_untied", layers=layers)
-    eng = build_engine(
-        model, OPTIM,
-        EngineOptions(policy="none", micro_batches=m, batch_size=B, seq_len=T,
-                      activations=_acts("offload")),
-        device=CPU,
-    )
+    eng = new_engine(model, policy="none", micro_batches=m, activations=_acts("offload"))
     eng.step(batches(1, m)[0], OPTIM.lr)
     per_step = layers * m * KEEP_BYTES  # embed saves only the token ids (its input)
     assert eng.ledger.moved_bytes[Link.D2H] == per_step
@@ -374,8 +369,7 @@ def test_ledger_counts_activations_per_segment(tmp_path):
     per segment; the device total adds saved tensors to the tier totals."""
     layers = 2
     model = tiny_model("llama_untied", layers=layers)
-    eng = build_engine(model, OPTIM, EngineOptions(policy="none", batch_size=B, seq_len=T,
-                                                   activations=_acts("none")), device=CPU)
+    eng = new_engine(model, policy="none", activations=_acts("none"))
     eng.step(batches(1, 1)[0], OPTIM.lr)
     seg = eng.ledger.segment_activations()
     hidden = B * T * D * F32
@@ -473,12 +467,8 @@ def test_dynamic_rule_keeps_the_last_segments_first():
 
 
 def dynamic_engine(model, budget):
-    return build_engine(
-        model, OPTIM,
-        EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budget,
-                      activations=_acts("dynamic")),
-        device=CPU,
-    )
+    return new_engine(model, policy="none", device_budget_bytes=budget,
+                      activations=_acts("dynamic"))
 
 
 def test_dynamic_recomputes_more_as_the_budget_shrinks_and_stays_inside_it():
@@ -515,12 +505,8 @@ def test_dynamic_recomputes_more_as_the_budget_shrinks_and_stays_inside_it():
     with pytest.raises(PlacementError, match="--device-budget"):
         dynamic_engine(copy.deepcopy(base), state + KEEP_BYTES // 2)
     # asked to, it offloads what does not fit instead of recomputing it
-    eng = build_engine(
-        copy.deepcopy(base), OPTIM,
-        EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budgets[2] + head,
-                      activations=_acts("dynamic", dynamic_fallback="offload")),
-        device=CPU,
-    )
+    eng = new_engine(copy.deepcopy(base), policy="none", device_budget_bytes=budgets[2] + head,
+                     activations=_acts("dynamic", dynamic_fallback="offload"))
     chosen = eng.activation_policies
     assert "offload" in chosen and "full" not in chosen
     assert eng.step(step, OPTIM.lr)["loss"] == ref_loss
@@ -668,12 +654,8 @@ def test_dynamic_parks_the_inputs_it_recomputes_from_on_the_host():
     hidden = B * T * D * F32
 
     def engine(budget, tier):
-        return build_engine(
-            copy.deepcopy(base), OPTIM,
-            EngineOptions(policy="none", batch_size=B, seq_len=T, device_budget_bytes=budget,
-                          activations=_acts("dynamic"), boundary_tier=tier),
-            device=CPU,
-        )
+        return new_engine(copy.deepcopy(base), policy="none", device_budget_bytes=budget,
+                          activations=_acts("dynamic"), boundary_tier=tier)
 
     probe = engine(None, Tier.DEVICE)
     state = probe.report.device_bytes - probe.activation_reserve_bytes

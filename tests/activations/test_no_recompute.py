@@ -20,7 +20,6 @@ from tests.runtime_helpers import (
     tiny_model,
 )
 from tierlm.config import ActivationConfig
-from tierlm.runtime import EngineOptions, build_engine
 
 CPU = torch.device("cpu")
 STEPS, M, CLIP = 2, 2, 0.05
@@ -188,12 +187,10 @@ def test_the_engine_runs_the_planners_choice(reference, tmp_path):
     """The planner's per-segment flags (activations None: planned) become the policies: the
     flagged streamed segments keep and run their forward once, the others recompute."""
     base, steps, ref_recs, ref_w = reference
-    eng = build_engine(
-        copy.deepcopy(base), OPTIM,
-        EngineOptions(policy="host", microbatch_order="layer-outer", grad_clip=CLIP,
-                      micro_batches=M, batch_size=2, seq_len=16, offload_dir=str(tmp_path),
-                      keep_resident_activations=(False, False, True, True, False)),
-        device=CPU,
+    eng = new_engine(
+        copy.deepcopy(base), tmp_path, policy="host", microbatch_order="layer-outer",
+        grad_clip=CLIP, micro_batches=M,
+        keep_resident_activations=(False, False, True, True, False),
     )
     assert eng.activation_policies == ["full", "full", "keep", "keep"]
     recs, per_step = run_counted(eng, steps)

@@ -12,11 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
-from tests.runtime_helpers import OPTIM, VOCAB, batches, new_engine
+from tests.runtime_helpers import VOCAB, batches, new_engine
 from tierlm.models import ModelLoadError, hf_model_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.models.testing import tiny_hf_configs
-from tierlm.runtime import EngineOptions, build_engine
 
 
 def _configs() -> dict:
@@ -149,10 +148,8 @@ def test_disk_run_from_streamed_load_equals_materialised(name, tmp_path):
         if streamed:
             engine, _, _ = _streamed_engine(path, tmp_path / "off-streamed", policy="disk")
         else:
-            engine = build_engine(
-                _from_pretrained(path).train(), OPTIM,
-                EngineOptions(policy="disk", offload_dir=str(tmp_path / "off-ref")),
-                device=torch.device("cpu"))
+            engine = new_engine(_from_pretrained(path).train(), tmp_path / "off-ref",
+                                policy="disk")
         losses = [engine.step(b, 1e-2)["loss"] for b in steps]
         runs.append((losses, engine.weights()))
         engine.close()
@@ -215,12 +212,8 @@ def test_runtime_from_a_preset_initialises_one_segment_at_a_time(tmp_path):
         live.extend(weakref.ref(t) for t in values.values())
         return values
 
-    engine = build_engine(skeleton, OPTIM,
-                          EngineOptions(policy="disk", offload_dir=str(tmp_path / "a")),
-                          device=torch.device("cpu"), initial_weights=counted)
-    ref = build_engine(build_model(config, seed=3), OPTIM,
-                       EngineOptions(policy="disk", offload_dir=str(tmp_path / "b")),
-                       device=torch.device("cpu"))
+    engine = new_engine(skeleton, tmp_path / "a", policy="disk", initial_weights=counted)
+    ref = new_engine(build_model(config, seed=3), tmp_path / "b", policy="disk")
     try:
         assert len(segment_bytes) == len(engine.states)
         assert peak_bytes == max(segment_bytes)  # one segment, never two

@@ -239,10 +239,9 @@ def test_planner_counts_the_bf16_base(tmp_path):
     train = TrainShape(2, 16, M, "bf16")
     predicted = evaluate(shape, train, hw, placements, "microbatch-outer", True,
                          usable_budgets(hw))
-    eng = build_engine(model, OPTIM, EngineOptions(
-        policy="auto", placements=placements, microbatch_order="microbatch-outer",
-        batch_size=2, seq_len=16, micro_batches=M, offload_dir=str(tmp_path),
-        autocast=bf16_autocast, base_format="bf16"), device=CPU)
+    eng = new_engine(model, tmp_path, policy="auto", placements=placements,
+                     microbatch_order="microbatch-outer", micro_batches=M,
+                     autocast=bf16_autocast, base_format="bf16")
     assert [st.device_nbytes() for st in eng.states] == [
         4 * n if b is None else b for n, b in zip(shape.numels, shape.base_bytes, strict=True)]
     steps_match_the_plan(eng, predicted, M)
@@ -372,9 +371,8 @@ def test_planner_counts_the_frozen_base(spec, order, tmp_path):
     hw = PROFILES["cpu"]
     predicted = evaluate(shape, TrainShape(2, 16, M, "fp32"), hw, placements, order, True,
                          usable_budgets(hw))
-    eng = build_engine(model, OPTIM, EngineOptions(
-        policy="auto", placements=placements, microbatch_order=order, batch_size=2, seq_len=16,
-        micro_batches=M, offload_dir=str(tmp_path)), device=CPU)
+    eng = new_engine(model, tmp_path, policy="auto", placements=placements,
+                     microbatch_order=order, micro_batches=M)
     moved = steps_match_the_plan(eng, predicted, M)
     assert "d2h" not in moved  # no gradient of the base leaves the device
     from tierlm.monitor.step_trace import placement_map
