@@ -27,3 +27,18 @@ def _isolated_cache(tmp_path_factory):
         os.environ["TIERLM_CACHE"] = str(cache)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def make_engine(tmp_path):
+    """The engine factory (tests.runtime_helpers.new_engine) with the engine's files under this
+    test's tmp_path/offload unless `offload_dir` says where: make_engine(model, policy="disk",
+    micro_batches=2, ...), any EngineOptions field by name."""
+    # imported here: runtime_helpers loads transformers, which tests that build no engine skip
+    from tests.runtime_helpers import new_engine
+
+    def make(model, offload_dir=None, **options):
+        return new_engine(model, tmp_path / "offload" if offload_dir is None else offload_dir,
+                          **options)
+
+    return make

@@ -35,7 +35,7 @@ def tiny_run_cfg(out: Path, corpus: Path, *, policy: str = "none", **train) -> C
             "train": base,
             # a tiny model streams its state through the disk tier at a rate that really would
             # wear a drive out in months: a huge rating keeps disk_wear out of the other alerts'
-            # tests (tests/test_wear.py tests it)
+            # tests (tests/memory/test_wear.py tests it)
             "memory": {"offload_policy": policy, "disk_endurance_tbw": 1e9},
             "run": {"out": str(out), "device": "cpu", "seed": 3},
         }

@@ -10,9 +10,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tierlm.config import OptimConfig
 from tierlm.models.testing import tiny_hf_configs
+from tierlm.runtime import Engine, EngineOptions, build_engine
 
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 VOCAB = 300
+CPU = torch.device("cpu")
 
 
 def tiny_model(name: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
@@ -35,6 +37,19 @@ def batches(steps: int, m: int, b: int = 2, t: int = 16, seed: int = 1) -> list[
     g = torch.Generator().manual_seed(seed)
     return [[torch.randint(0, VOCAB, (b, t + 1), generator=g) for _ in range(m)]
             for _ in range(steps)]
+
+
+def new_engine(model: torch.nn.Module, offload_dir=None, *, optim: OptimConfig = OPTIM,
+               device=CPU, **options) -> Engine:
+    """The tests' one engine factory: `build_engine` of `model` on the CPU with the reference's
+    optimizer (OPTIM), sized for what `batches` makes (2 x 16 tokens) unless `options` say
+    otherwise. `offload_dir`: where the host and disk tiers' files go (the conftest fixture
+    `make_engine` puts them under the test's tmp_path); `options`: EngineOptions fields by name,
+    and build_engine's `store` and `initial_weights`."""
+    build = {k: options.pop(k) for k in ("store", "initial_weights") if k in options}
+    opts = EngineOptions(offload_dir=None if offload_dir is None else str(offload_dir),
+                         **{"batch_size": 2, "seq_len": 16, **options})
+    return build_engine(model, optim, opts, device=device, **build)
 
 
 def reference_run(model, steps, lrs, clip: float):

@@ -2,17 +2,13 @@
 selective checkpoint must not change the math, and they must lower what the device holds."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
-
-from tierlm.config import ActivationConfig  # noqa: E402
-from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
+from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tierlm.config import ActivationConfig
+from tierlm.runtime import EngineOptions, build_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = torch.device("cuda") if torch.cuda.is_available() else None

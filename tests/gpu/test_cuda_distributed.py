@@ -7,25 +7,21 @@ every collective on a CUDA tensor still goes through NCCL, a one-rank sync must 
 the plain engine takes, and top-k must still keep what it did not send."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
-
-from tierlm.distributed.comm import Comm  # noqa: E402
-from tierlm.distributed.data_parallel import DataParallelStep  # noqa: E402
-from tierlm.distributed.delayed import DelayedSync  # noqa: E402
-from tierlm.distributed.sync import DenseSync  # noqa: E402
-from tierlm.distributed.topk import TopKSync  # noqa: E402
-from tierlm.distributed.world import World  # noqa: E402
-from tierlm.memory.layout import FlatLayout  # noqa: E402
-from tierlm.memory.ledger import Ledger  # noqa: E402
-from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
+from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tierlm.distributed.comm import Comm
+from tierlm.distributed.data_parallel import DataParallelStep
+from tierlm.distributed.delayed import DelayedSync
+from tierlm.distributed.sync import DenseSync
+from tierlm.distributed.topk import TopKSync
+from tierlm.distributed.world import World
+from tierlm.memory.layout import FlatLayout
+from tierlm.memory.ledger import Ledger
+from tierlm.runtime import EngineOptions, build_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEV = torch.device("cuda") if torch.cuda.is_available() else None

@@ -3,17 +3,13 @@
 arena is the ledger's pinned peak, and the step's math is the CPU engine's."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
-
-from tierlm.memory import Tier  # noqa: E402
-from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
+from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tierlm.memory import Tier
+from tierlm.runtime import EngineOptions, build_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

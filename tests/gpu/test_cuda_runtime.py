@@ -2,17 +2,13 @@
 and the background update must not change the math."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
-
-from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
-from tierlm.train.reference import ReferenceStep  # noqa: E402
+from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tierlm.runtime import EngineOptions, build_engine
+from tierlm.train.reference import ReferenceStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -1,0 +1,165 @@
+"""The simulated device (tierlm.memory.device.SimDevice) keeps CUDA's ordering in virtual time,
+and the engine on it computes exactly what it computes on the CPU: a copy lands only when
+waited for, so a missing wait would show as a wrong loss here."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from tests.runtime_helpers import OPTIM, batches, tiny_model
+from tierlm.config import ActivationConfig
+from tierlm.memory.device import SimDevice, sim_profile
+from tierlm.memory.hardware import PROFILES
+from tierlm.memory.simulator import Lane, Rates, Timeline
+from tierlm.memory.tiers import Link
+from tierlm.runtime import EngineOptions, build_engine
+
+CPU = torch.device("cpu")
+B, T, M, STEPS = 2, 16, 2, 3
+
+
+def timeline() -> Timeline:
+    return Timeline(Rates.of(PROFILES["rtx4090"], "bf16"))
+
+
+def test_a_lane_takes_the_earliest_gap_that_fits():
+    lane = Lane("disk")
+    assert lane.book(0.0, 1.0) == 0.0
+    assert lane.book(3.0, 1.0) == 3.0
+    assert lane.book(0.5, 1.0) == 1.0  # the gap [1, 3) holds it
+    assert lane.book(0.5, 2.5) == 4.0  # no gap of 2.5 before the last interval ends
+    assert lane.busy_s == 5.5
+
+
+def test_streams_run_in_order_and_copies_overlap_compute():
+    tl = timeline()
+    rates = tl.rates
+    nbytes = int(rates.h2d_Bps)  # one second on the upload engine
+    up = tl.copy(Link.H2D, nbytes, "up", after=[])
+    tl.compute_op("work", rates.flops)  # one second of compute, not waiting for the copy
+    assert up.t_s == pytest.approx(1.0)
+    assert tl.compute.t_s == pytest.approx(1.0)  # they ran side by side
+    tl.wait(up)
+    tl.compute_op("reads the copy", rates.flops)
+    assert tl.compute.t_s == pytest.approx(2.0)
+    down = tl.copy(Link.D2H, int(rates.d2h_Bps), "down", after=[tl.mark()])  # after compute
+    assert down.t_s == pytest.approx(3.0)
+    tl.wait_host(down.t_s)
+    assert tl.host.t_s == pytest.approx(3.0)
+
+
+def test_a_copy_lands_only_when_waited_for():
+    dev = SimDevice(PROFILES["rtx4090"])
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    event = dev.copy(dst, src, Link.H2D, after=[])
+    assert dst.isnan().all()  # what compute reading it now would see
+    dev.wait(event)
+    assert torch.equal(dst, src)
+    # a copy that waited for another lands after it, with what it wrote
+    mid, out = torch.zeros(4), torch.zeros(4)
+    first = dev.copy(mid, src + 1, Link.D2H)
+    second = dev.copy(out, mid, Link.H2D, after=[first])
+    dev.wait_host(second)
+    assert torch.equal(out, src + 1)
+
+
+def test_bytes_buffers_are_poisoned_as_nan_for_every_float_format():
+    dev = SimDevice(PROFILES["rtx4090"])
+    dst = torch.zeros(8, dtype=torch.uint8)
+    dev.copy(dst, torch.ones(8, dtype=torch.uint8), Link.H2D, after=[])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        assert dst.view(dtype).float().isnan().all()
+
+
+def test_sim_profile_names_the_choices():
+    assert sim_profile("cpu") is None
+    assert sim_profile("sim:rtx4090") is PROFILES["rtx4090"]
+    with pytest.raises(ValueError, match="sim:rtx4090"):
+        sim_profile("sim:nope")
+
+
+def _run(device, policy, order, activations, tmp_path, precision="fp32"):
+    torch.manual_seed(0)
+    model = copy.deepcopy(_BASE)
+    opts = EngineOptions(offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T,
+                         policy=policy, microbatch_order=order, micro_batches=M,
+                         activations=ActivationConfig(policy=activations), grad_clip=1.0,
+                         device_budget_bytes=_budget(policy))
+    eng = build_engine(model, OPTIM, opts, device=device)
+    recs = [eng.step(b, OPTIM.lr) for b in _BATCHES]
+    weights = eng.weights()
+    state = eng.optimizer_state()
+    eng.close()
+    return recs, weights, state
+
+
+_BASE = tiny_model("llama_tied_gqa", layers=3)
+_BATCHES = batches(STEPS, M, B, T)
+
+
+def _budget(policy: str) -> int | None:
+    if policy != "tiered":
+        return None
+    # embed, head and the last block resident, the rest streamed (runtime/test_engine.py's rule)
+    from tests.runtime.test_engine import tiered_budget
+
+    return tiered_budget(_BASE, M, "microbatch-outer")
+
+
+@pytest.mark.parametrize("activations", ["none", "full", "offload"])
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+@pytest.mark.parametrize("policy", ["none", "host", "disk", "tiered"])
+def test_engine_on_the_simulated_device_is_exact(policy, order, activations, tmp_path):
+    ref = _run(CPU, policy, order, activations, tmp_path / "cpu")
+    sim = SimDevice(PROFILES["rtx4090"], "fp32")
+    got = _run(sim, policy, order, activations, tmp_path / "sim")
+    for r, g in zip(ref[0], got[0], strict=True):
+        assert g["loss"] == r["loss"] and g["grad_norm"] == r["grad_norm"]
+        assert math.isfinite(g["loss"])
+    for a, b in ((ref[1], got[1]), (ref[2], got[2])):
+        assert a.keys() == b.keys()
+        unequal = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not unequal, unequal[:3]
+    # the step ran in virtual time: compute and, off the device, copies
+    tl = sim.timeline
+    assert tl.lanes["compute"].busy_s > 0
+    if policy != "none":
+        assert tl.lanes["H2D"].busy_s > 0
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"run.device": "sim:nope", "memory.offload_policy": "host"}, "no hardware profile"),
+    ({"run.device": "sim:rtx4090"}, "--offload-policy auto, host, disk or tiered"),
+    ({"run.device": "tpu"}, "one of auto, cpu, cuda"),
+])
+def test_a_bad_simulated_device_names_the_flag(overrides, message):
+    from tierlm.config import ConfigError, check_supported, resolve
+
+    with pytest.raises(ConfigError, match=message):
+        check_supported(resolve(None, overrides))
+
+
+def test_a_run_on_a_simulated_gpu_reports_its_simulated_step(tmp_path):
+    from tierlm.config import from_dict
+    from tierlm.monitor.metrics import read_metrics
+    from tierlm.train import Trainer
+
+    def cfg(device: str, out: str):
+        return from_dict({
+            "model": {"size": "tiny"}, "data": {"seq_len": 32, "vocab_size": 512},
+            "memory": {"offload_policy": "host"},
+            "train": {"max_steps": 3, "batch_size": 2, "grad_accum_steps": 2, "eval_every": 0,
+                      "eval_batches": 1, "save_final": False, "sample_tokens": 0},
+            "run": {"out": str(tmp_path / out), "device": device, "seed": 3},
+        })
+
+    lines: list[str] = []
+    sim = Trainer(cfg("sim:rtx4090", "sim"), log=lines.append)
+    sim_losses = sim.train().losses
+    cpu = Trainer(cfg("cpu", "cpu"), log=lambda _m: None)
+    assert cpu.train().losses == sim_losses  # the same numbers, bit for bit
+    steps = [r for r in read_metrics(tmp_path / "sim" / "metrics.jsonl") if "sim_step_s" in r]
+    assert len(steps) == 3 and all(r["sim_step_s"] >= r["sim_compute_s"] > 0 for r in steps)
+    assert any(line.startswith("simulated step on sim:rtx4090") for line in lines)

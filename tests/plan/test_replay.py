@@ -1,0 +1,186 @@
+"""One time model: the engine on a simulated GPU (tierlm.memory.device.SimDevice) and the
+planner's replay of the same configuration over byte counts (tierlm.plan.replay, on a
+TimingDevice) put the same operations on the timeline, at the same virtual times."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.runtime_helpers import OPTIM, batches, bf16_autocast, bf16_model
+from tierlm.memory.device import SimDevice
+from tierlm.memory.hardware import PROFILES
+from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.tiers import Tier
+from tierlm.models import build_model, preset_config
+from tierlm.plan.replay import ReplayConfig, simulate_step
+from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.writeback import WriteBack
+
+B, T, M, STEPS = 1, 8, 2, 2
+HW = PROFILES["rtx4090"]
+REL = 1e-9
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(preset: str) -> torch.nn.Module:
+    if preset not in _MODELS:
+        torch.manual_seed(0)
+        _MODELS[preset] = build_model(preset_config(preset))
+    return copy.deepcopy(_MODELS[preset])
+
+
+def _placements(kind: str, n: int) -> list[SegmentPlacement]:
+    """device: everything on the device; host, disk: every segment's state there, streamed;
+    tiered: embed and head resident with host state (reloaded after each update), the last
+    block's whole state on the device, the other blocks streamed from host RAM."""
+    if kind == "device":
+        return [SegmentPlacement(True, Tier.DEVICE)] * n
+    if kind in ("host", "disk"):
+        return [SegmentPlacement(False, Tier[kind.upper()])] * n
+    return ([SegmentPlacement(True, Tier.HOST)] + [SegmentPlacement(False, Tier.HOST)] * (n - 3)
+            + [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST)])
+
+
+def _engine_ops(preset, kind, order, precision, tmp_path, **options):
+    model = _model(preset)
+    extra = {}
+    if precision == "bf16":
+        model = bf16_model(model)
+        extra = {"autocast": bf16_autocast}
+    n = len(model.model.layers) + 2
+    placements = _placements(kind, n)
+    boundary = Tier.HOST if kind == "host" else Tier.DEVICE
+    sim = SimDevice(HW, precision)
+    eng = build_engine(model, OPTIM, EngineOptions(
+        policy="auto", placements=placements, microbatch_order=order,
+        keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=B, seq_len=T,
+        micro_batches=M, boundary_tier=boundary, **extra, **options), device=sim)
+    # the steps start from an empty timeline, as the replay's do (placing the state at
+    # construction wrote the disk tier's files on it)
+    tl = sim.timeline
+    tl.__init__(tl.rates)
+    eng._worker.clock.t_s = 0.0
+    ops = []
+    try:
+        if options.get("readahead") is not None:  # the backward reads update state ahead
+            assert any(eng.readahead_plan(eng.schedule(M)).values())
+        for b in batches(STEPS, M, B, T):
+            eng.step(b, OPTIM.lr)
+            ops.append(sim.step_ops)
+        direct = eng.store.disk.direct if kind == "disk" else True
+        disk_options = {"readahead": eng.opts.readahead, "writeback": eng.opts.writeback}
+    finally:
+        eng.close()
+    return ops, placements, boundary == Tier.HOST, direct, disk_options
+
+
+def _key(op):
+    return op.lane, op.name
+
+
+def _same(a, b) -> bool:
+    scale = max(abs(a.end_s), abs(b.end_s), 1e-30)
+    return _key(a) == _key(b) and abs(a.start_s - b.start_s) <= REL * scale and \
+        abs(a.end_s - b.end_s) <= REL * scale
+
+
+CASES = [(preset, kind, order, precision)
+         for preset in ("tiny", "small") for kind in ("device", "host", "disk", "tiered")
+         for order in ("microbatch-outer", "layer-outer") for precision in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize(("preset", "kind", "order", "precision"), CASES)
+def test_engine_and_replay_share_one_timeline(preset, kind, order, precision, tmp_path):
+    _check(preset, kind, order, precision, tmp_path)
+
+
+@pytest.mark.parametrize(("readahead", "writeback"), [
+    (ReadAhead(extra_bytes=1 << 30), WriteBack(segments=2)), (None, None)])
+def test_the_disk_options_share_it_too(readahead, writeback, tmp_path):
+    """The update's read-ahead during the backward, a deferred write-back of two segments,
+    and the write-back inside the update."""
+    _check("tiny", "disk", "layer-outer", "fp32", tmp_path, readahead=readahead,
+           writeback=writeback)
+
+
+def _check(preset, kind, order, precision, tmp_path, **options):
+    engine, placements, boundary_host, direct, disk = _engine_ops(
+        preset, kind, order, precision, tmp_path, **options)
+    shape = ModelShape.from_config(preset_config(preset), optim=OPTIM)
+    replay = simulate_step(shape, TrainShape(B, T, M, precision), placements, order, False,
+                           boundary_host, ReplayConfig(hw=HW, direct=direct, steps=STEPS),
+                           **disk)
+    for k, (got, want) in enumerate(zip(replay.step_ops, engine, strict=True)):
+        pairs = enumerate(zip(got, want, strict=False))  # the lengths are compared below
+        bad = next((i for i, (a, b) in pairs if not _same(a, b)), None)
+        assert bad is None, (f"step {k}, op {bad}: replay {got[bad]} != engine {want[bad]}")
+        assert [_key(o) for o in got] == [_key(o) for o in want], f"step {k}"
+    computes = [o for o in replay.ops if o.lane == "compute" and o.end_s > o.start_s]
+    assert computes  # the step computed in virtual time
+    assert replay.step_s >= replay.compute_s > 0
+
+
+def test_the_simulated_step_is_the_plan_s():
+    """`tierlm plan`'s plan carries the replay's steady-state step and its lanes; with
+    everything on the device the step is its compute, no copy lane is busy."""
+    from tierlm.plan.search import plan
+
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    p = plan(shape, TrainShape(2, 64, 2, "bf16"), HW)
+    t = p.times_s
+    assert t["simulated_step"] >= t["simulated_compute"] > 0
+    assert all(p.state_tier == Tier.DEVICE for p in p.placements)
+    assert t["simulated_h2d"] == t["simulated_d2h"] == t["simulated_disk"] == 0.0
+    # the host reads the global norm once the compute has run: the step is the compute
+    assert t["simulated_step"] == pytest.approx(t["simulated_compute"], rel=1e-9)
+
+
+def test_a_simulated_step_lasts_until_the_norm_read():
+    """The step's one host read (the global norm) waits for the compute queued before it, as
+    a GPU's does: with every segment on the device the simulated step is its compute, not the
+    zero of a host that never waited."""
+    sim = SimDevice(HW, "fp32")
+    eng = build_engine(_model("tiny"), OPTIM, EngineOptions(
+        policy="none", batch_size=B, seq_len=T, micro_batches=M), device=sim)
+    try:
+        recs = [eng.step(b, OPTIM.lr) for b in batches(STEPS, M, B, T)]
+    finally:
+        eng.close()
+    for r in recs:
+        assert r["sim_compute_s"] > 0
+        assert r["sim_step_s"] == pytest.approx(r["sim_compute_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize(("precision", "host_budget"), [("bf16", None), ("fp32", "6MiB")])
+def test_a_planned_run_on_the_simulated_gpu_takes_the_plan_s_simulated_step(
+        precision, host_budget, tmp_path):
+    """`tierlm train --device sim:rtx4090 --offload-policy auto`: the plan's simulated step
+    (its replay) is the run's steady-state step on the simulated GPU (streamed from host RAM;
+    from disk, with the planner's read-ahead and write-back)."""
+    from tierlm.config import from_dict
+    from tierlm.train import Trainer
+
+    memory = {"offload_policy": "auto", "hardware": "rtx4090", "device_budget": "4MiB",
+              "offload_dir": str(tmp_path / "offload")}
+    if host_budget:
+        memory["host_budget"] = host_budget
+    trainer = Trainer(from_dict({
+        "model": {"size": "tiny"}, "data": {"seq_len": 32, "vocab_size": 512},
+        "memory": memory, "precision": {"mode": precision},
+        "train": {"max_steps": 3, "batch_size": 2, "grad_accum_steps": 2, "eval_every": 0,
+                  "eval_batches": 1, "save_final": False, "sample_tokens": 0},
+        "run": {"out": str(tmp_path / "run"), "device": "sim:rtx4090", "seed": 3},
+    }), log=lambda _m: None)
+    trainer.train()
+    p = trainer.plan
+    assert any(not pl.resident for pl in p.placements)  # it streams
+    if host_budget:
+        assert any(pl.state_tier == Tier.DISK for pl in p.placements)
+    steady = [s["sim_step_s"] for s in trainer._sim_steps[1:]]  # the first fills the cache
+    assert len(steady) == 2
+    for step_s in steady:
+        assert step_s == pytest.approx(p.times_s["simulated_step"], rel=REL)
