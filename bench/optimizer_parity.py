@@ -12,6 +12,8 @@ smaller (its update is a sign, every coordinate moves by lr); Adafactor around t
 1e-2 (its step is relative to each parameter's RMS); GaLore around AdamW's (its update is scaled
 by --optim.galore_scale). Runs use the reference trainer (state on the device): the tiered
 runtime gives the same losses (tests/test_optimizers.py), so this measures the optimizers only.
+
+Results: docs/results/optimizers.md.
 """
 
 from __future__ import annotations
