@@ -6,14 +6,14 @@ AdamW's best, its state bytes per parameter and its step time.
 
     python bench/optimizer_parity.py --steps 600
 
+Results: docs/results/optimizers.md.
+
 Targets (issue K): AdamW8bit within 1% of AdamW, Lion and Adafactor within 5%, GaLore (rank 128)
 within 10%. The learning-rate grids: AdamW and AdamW8bit around the demo's 2e-3; Lion 3-10x
 smaller (its update is a sign, every coordinate moves by lr); Adafactor around torch's default
 1e-2 (its step is relative to each parameter's RMS); GaLore around AdamW's (its update is scaled
 by --optim.galore_scale). Runs use the reference trainer (state on the device): the tiered
 runtime gives the same losses (tests/test_optimizers.py), so this measures the optimizers only.
-
-Results: docs/results/optimizers.md.
 """
 
 from __future__ import annotations
