@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 TEST_THREADS ?= 1
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test lint bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,5 +44,21 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/step_time.py --model-size small
 
+# The docs site (mkdocs-material, mkdocs.yml) into site/. Its own venv holds only the `docs`
+# extra's packages, read from pyproject.toml: building the site needs neither torch nor `install`.
+DOCS_VENV := .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+DOCS_REQS = $(PYTHON) -c "import tomllib; \
+	print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))"
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install -q $$($(DOCS_REQS))
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --site-dir site
+
 clean:
-	rm -rf $(VENV) runs .cache
+	rm -rf $(VENV) $(DOCS_VENV) site runs .cache

@@ -20,6 +20,8 @@ saved + workspace) is checked against each budget.
 With CUDA the same tables come from the GPU, and a `max_memory_allocated` column is added.
 
     python bench/activations.py --model-size 125m --seq-len 1024 --batch-size 1
+
+Results: none recorded yet; a run goes in docs/results/memory-and-rss.md.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ same shape as a Llama checkpoint (`--shape smollm-135m`) and budgets of half its
 (384 MiB device + 640 MiB host: the planner asks for at least 569 MiB of host RAM here).
 
     python bench/allocator.py --rounds 2 --steps 2 --phases
+
+Results: docs/results/allocator.md.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ Both are measured as the rise of the process's peak RSS (VmHWM, reset before the
 RSS right before it. Also printed: the save time and the checkpoint size.
 
     python bench/checkpoint_memory.py --model-size 125m
+
+Results: none recorded yet; a run goes in docs/results/memory-and-rss.md.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ as `--finetune lora` trains them (the host runtime streams the frozen base; unde
 copy).
 
     python bench/compile.py --sizes small 125m --steps 4 --seq-len 256 --batch-size 4
+
+Results: docs/results/compile.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ that many gloo processes forked here). Per rank it measures:
 Ratios are against CP 1 at the same length, measured in the same run.
 
     nice python bench/context_parallel.py --seq 1024,2048,4096,8192 --cp 1,2,4
+
+Results: docs/results/long-context.md.
 """
 
 from __future__ import annotations

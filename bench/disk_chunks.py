@@ -5,6 +5,8 @@ default) and the streamed read of its weights, with the disk throughput each ach
 host staging each holds (the ledger's peak).
 
     python bench/disk_chunks.py --dir /var/tmp/tierlm-chunks --reps 3
+
+Results: docs/results/scale.md.
 """
 
 from __future__ import annotations

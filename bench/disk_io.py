@@ -8,6 +8,8 @@ Usage:
 Each repeat measures, in order: dd write (with fsync) and read, then DiskTier writing a new file
 and overwriting it (each followed by `sync`, as dd's conv=fsync), each followed by a read. The
 page cache is dropped before every read where permitted. The table reports medians.
+
+Results: none recorded yet; a run goes in docs/results/scale.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ O_DIRECT on the same directory in the same run, and the process's peak RSS again
 
 On a CPU-only machine the "device" is this process's RAM too: its ledger bytes are reported
 separately and belong to the fixed overhead, with the Python/torch runtime itself.
+
+Results: none recorded yet; a run goes in docs/results/scale.md.
 """
 
 from __future__ import annotations

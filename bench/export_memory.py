@@ -15,6 +15,8 @@ model's code); `rise` is that peak minus the RSS just before the export (the imp
 the same for every path, is not the export's). Ratios are old over streamed.
 
     python bench/export_memory.py --model-size 125m
+
+Results: docs/results/memory-and-rss.md.
 """
 
 from __future__ import annotations

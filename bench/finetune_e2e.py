@@ -25,6 +25,8 @@ tiered runtime), and exported as a Hugging Face directory (the run's `hf/`). The
     python bench/finetune_e2e.py                 # reuses WORK/pretrain when it is there
     python bench/finetune_e2e.py --fresh         # pretrains again
     python bench/finetune_e2e.py --pretrained DIR  # any local HF directory instead
+
+Results: docs/results/fine-tuning-e2e.md.
 """
 
 from __future__ import annotations

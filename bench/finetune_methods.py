@@ -18,6 +18,8 @@ are printed.
 
     python bench/finetune_methods.py --model runs/demo/hf      # `make train`'s export
     python bench/finetune_methods.py                           # pretrains (or reuses) one
+
+Results: docs/results/lora-qlora.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ On CUDA sm_89+ the fp8 column is `torch._scaled_mm` (the kernel tierlm uses ther
 both torch's `_scaled_mm` and tierlm's emulation are shown (tierlm picks the emulation on the
 CPU: the same numbers without the CPU's slow fp8 conversions). Ratios are against bf16
 measured in the same run.
+
+Results: none recorded yet; the first run starts docs/results/precision.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Two processes (gloo) on this machine; each builds the preset, wraps it in `FSDPS
 reports its peak RSS (ru_maxrss) and its RSS once the shards are in place. Prints a table:
 
     python bench/fsdp_init_memory.py --model-size 350m
+
+Results: none recorded yet; a run goes in docs/results/memory-and-rss.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ tables of the pinned-bytes, streamed-step and fp8 stages from bench/gpu_run.py's
 
 A missing JSON file (its run was skipped, timed out or failed) prints a row that says so; the
 shell script has already written why into the results file.
+
+Results: docs/results/<date>-gpu.md, written by bench/gpu_all.sh (one file per GPU run).
 """
 
 from __future__ import annotations

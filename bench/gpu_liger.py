@@ -15,6 +15,8 @@ the first step's loss and the block's gradient (relative difference).
     python bench/gpu_liger.py --size 1b --seq-len 2048 --batch-size 1 --steps 20
 
 Needs CUDA and `pip install liger-kernel` (Triton); on a CPU it says so and exits with 2.
+
+Results: none recorded yet; a run goes in docs/results/compile.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ torch.cuda.max_memory_allocated, the ledger's bytes and rates per link in the la
 pinned-memory copy measured in the same process before the model is built (the link's
 ceiling), peak RSS, and the planner's prediction for the placement the run uses (the plan
 `--offload-policy auto` chose, or the planner's evaluation of the engine's placement).
+
+Results: the calling script's tables go to $OUT; a run worth keeping goes in
+docs/results/engine-step.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Prints tokens/s, torch.cuda.max_memory_allocated, and the H2D/D2H rates the runt
 next to a plain pinned-memory copy measured in the same run.
 
     python bench/gpu_stream.py --model-size 1b --gpu-cap-gib 8 --steps 4
+
+Results: none recorded yet; a run goes in docs/results/engine-step.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ on gradients of a few sizes, interleaved so machine noise hits them alike, and p
 milliseconds, the ratios to the direct add, and the ring's host staging bytes.
 
     python bench/grad_landing.py --numels 262144 4194304 37748736 --reps 7 [--threads 1]
+
+Results: docs/results/engine-step.md.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ in every row. Prints a table (added = peak - RSS after imports; ratios against t
 
     python bench/load_memory.py --layers 12 --policy disk
     python bench/load_memory.py --policy tiered --device-budget 1GiB --host-budget 1GiB
+
+Results: none recorded yet; a run goes in docs/results/memory-and-rss.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ lane. No training, no memory: seconds.
 
 The rows with fp8 and N > 1 are the planner's alone: training refuses --context-parallel with
 --precision fp8 so far.
+
+Results: docs/results/long-context.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ device peak with the decode added both ways (on CUDA also `max_memory_allocated`
 
     python bench/lora_precision.py                   # ~1 minute on the 2-core dev CPU
     python bench/lora_precision.py --device cuda     # a GPU's bf16
+
+Results: docs/results/lora-qlora.md.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ host budget is found by bisection; the table shows the pair with the smallest su
 smallest device and host budgets alone. The planner only: nothing is allocated.
 
     python bench/min_budgets.py [--shape qwen2.5-1.5b] [--seq-len 128] [--batch-size 1]
+
+Results: docs/results/scale.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ step, and of that step's Adam update m_hat / (sqrt(v_hat) + eps), against fp32 A
 stream; and the 95th percentile of the elementwise relative update error. The update reads the
 step's fp32 moments (as torchao, bitsandbytes and tierlm's AdamW8bit do), advanced from the
 stored ones, so it carries the error the 8-bit history left.
+
+Results: none recorded yet; a run goes in docs/results/optimizers.md.
 """
 
 from __future__ import annotations

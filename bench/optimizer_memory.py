@@ -10,6 +10,8 @@ state leaves less of the model on disk. Per optimizer: its state bytes per param
 the ledger put on each tier, the process's peak RSS over the steps (VmHWM, reset after setup),
 disk bytes read and written in the last step (forward, backward and the update it waits for),
 and that step's time. On a CPU-only machine the "device" is this process's RAM too.
+
+Results: docs/results/optimizers.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ AdamW's best, its state bytes per parameter and its step time.
 
     python bench/optimizer_parity.py --steps 600
 
+Results: docs/results/optimizers.md.
+
 Targets (issue K): AdamW8bit within 1% of AdamW, Lion and Adafactor within 5%, GaLore (rank 128)
 within 10%. The learning-rate grids: AdamW and AdamW8bit around the demo's 2e-3; Lion 3-10x
 smaller (its update is a sign, every coordinate moves by lr); Adafactor around torch's default

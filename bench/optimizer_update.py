@@ -17,6 +17,8 @@ Rows:
   over `--update-every` steps.
 - Lion, Adafactor: the runtime's `FlatLion` and `FlatAdafactor` (C kernels); Adafactor's eager
   fallback (torch.optim.Adafactor's operations) over the whole segment too.
+
+Results: docs/results/optimizers.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ the arena's. Plan only; nothing is allocated.
 
     python bench/pinned_bytes.py --model-size 7b --hardware rtx4090 --host-memory 64GiB \\
         --disk-budget 200GiB --batch-size 4 --seq-len 2048 --grad-accum-steps 8 --precision bf16
+
+Results: docs/results/7b-design-point.md.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ with 128 GiB / 400 GiB) and prints, per case, the predicted step over its comput
   disk-tier segments read once, and written once with their compute copy.
 
     python bench/plan_bounds.py
+
+Results: docs/results/7b-design-point.md.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ top for both systems. Formulas, per parameter count N and largest layer L (param
     ZeRO-Infinity (offload to nvme):            GPU 4L            NVMe 18N, CPU pinned buffers
 
     python bench/planner_vs_deepspeed.py --model-size 7b --hardware rtx4090 --host-memory 64
+
+Results: docs/planner_vs_deepspeed.md (a comparison of formulas, no measurement).
 """
 
 from __future__ import annotations

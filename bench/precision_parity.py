@@ -7,6 +7,8 @@ perplexity of each and its gap to fp32.
 
 Targets (issue D): bf16 within 1% of fp32, fp8 within 1.5% (the goal is 1%). Every run sees the
 same batches in the same order (same seed, same sampler); only the precision differs.
+
+Results: none recorded yet; the first run starts docs/results/precision.md.
 """
 
 from __future__ import annotations

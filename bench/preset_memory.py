@@ -9,6 +9,8 @@ checksum of every segment's master). glibc's mmap threshold is fixed in every pr
 buffers return to the system the same way, as in bench/load_memory.py.
 
     python bench/preset_memory.py --model-size 125m --policy disk
+
+Results: docs/results/memory-and-rss.md.
 """
 
 from __future__ import annotations

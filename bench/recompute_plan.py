@@ -23,7 +23,7 @@ the 6N bound.
 
     python bench/recompute_plan.py
 
-Results: docs/results/2026-12-03-recompute-plan.md.
+Results: docs/results/7b-design-point.md.
 """
 
 from __future__ import annotations

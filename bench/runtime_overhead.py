@@ -15,6 +15,8 @@ steps without waiting for the update behind each (as training runs; the default 
 step's time holds its whole update); `--rows REGEX` runs the rows whose label matches.
 
     python bench/runtime_overhead.py --model-size small --batch-size 8 --seq-len 256 --steps 6
+
+Results: docs/results/engine-step.md.
 """
 
 from __future__ import annotations

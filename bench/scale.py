@@ -16,6 +16,9 @@ disk tier at dd's rates).
 
     python bench/scale.py --shape qwen2.5-1.5b --device-budget 3GiB --host-budget 5GiB \\
         --dir /var/tmp/tierlm-scale
+
+Results: docs/results/scale.md (the 135M shape with and without the old mmap threshold:
+docs/results/allocator.md).
 """
 
 from __future__ import annotations

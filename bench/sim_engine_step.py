@@ -11,6 +11,8 @@ lane's busy time, and the share of each copy lane's busy time that ran under com
 
 The first step fills the stream cache and runs nothing of a previous update: the table is the
 median of the later steps.
+
+Results: docs/results/engine-step.md.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ at least 90% under compute. It runs the planner only (about a minute per case on
 
     python bench/simulated_step.py
 
-Results: docs/results/2026-12-03-simulated-step.md.
+Results: docs/results/7b-design-point.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ Later benchmarks divide by these numbers. Usage:
     python bench/step_time.py --model-size small --batch-size 8 --seq-len 256 --steps 10
 
 Warm-up steps are excluded from the timing; the table reports the median step.
+
+Results: none recorded yet; a run goes in docs/results/engine-step.md.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ apart two equally good runs land, which is the scale a parity target has to be r
     python bench/sync_parity.py --steps 150
     python bench/sync_parity.py --steps 150 --seeds 0,1 --only delayed
     python bench/sync_parity.py --steps 150 --only "sensitive layers dense"
+
+Results: none recorded yet; the first run starts docs/results/multi-gpu.md.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ is warm-up and left out); peak RSS is the subprocess's VmHWM at its end.
 Weight decay defaults to 0: the HF Trainer decays every parameter but biases and norms (the
 tied embedding too), tierlm every matrix but embeddings, so with decay the two would not train
 the same model; `--weight-decay` sets it for both anyway.
+
+Results: docs/results/vs-hf-trainer.md.
 """
 
 from __future__ import annotations
