@@ -12,6 +12,8 @@ memcpy and the transports interleaved within each repeat. Loopback on one machin
 stacks' cost, not a network: on a 2-core machine both processes share the cores.
 
     python bench/memory_node.py --sizes-mib 1 16 256 --repeats 3
+
+Results: docs/results/memory-node.md.
 """
 
 from __future__ import annotations
