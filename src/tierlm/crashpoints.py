@@ -1,4 +1,4 @@
-"""Named crash points for the kill test (tests/test_kill.py); test-only, inert otherwise.
+"""Named crash points for the kill test (tests/checkpoint/test_kill.py); test-only, inert otherwise.
 
 A few places where a crash is most dangerous call `crash_point(name)`: between the files of a
 checkpoint being written (`checkpoint-file`) and right after a disk-tier write was issued, while

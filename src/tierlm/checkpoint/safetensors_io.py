@@ -15,7 +15,7 @@ The header of every file read is parsed and validated by the `safetensors` libra
   buffer, for the streamed export; the library has no such read.
 
 The files themselves are standard safetensors: the library reads what we write and we read
-what it writes (tests/test_reliability.py checks both ways). No pickle is ever unpickled.
+what it writes (tests/train/test_reliability.py checks both ways). No pickle is ever unpickled.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The runtime (the store's copies, the stream cache, gradient landing, activation offload, the
 update worker) asks one `Device` to copy, mark, wait and compute; nothing else in runtime/,
 memory/, precision/, activations/ or optim/ calls a CUDA stream or event API or blocks the host
-during a step (tests/test_no_stray_syncs.py holds that). Three devices answer:
+during a step (tests/runtime/test_no_stray_syncs.py holds that). Three devices answer:
 
 - `HostDevice`: a CPU-only machine. The device is the CPU itself: copies are memcpys done when
   issued, events are None, waits return at once. Compute is timed on the wall clock.

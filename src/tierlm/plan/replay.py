@@ -15,7 +15,7 @@ step's one host read (the global norm), and the update (`Engine._finish_step`, `
 worker, inline on its own host clock, CPU priced at `numel x optimizer cpu_cost` parameters.
 
 `simulate_step` runs two steps on one timeline: the first fills the stream cache and runs its
-update, the second is the steady state. tests/test_replay_timeline.py holds the replay's
+update, the second is the steady state. tests/plan/test_replay.py holds the replay's
 operations equal to the engine's on `SimDevice` for the configurations it names.
 """
 

@@ -21,7 +21,7 @@ stand-ins in fp32 into the segment's flat fp32 gradient, exactly as from an fp32
 Nothing differs from an fp32 copy decoded from the same bytes: autocast (and the bf16 layers)
 round fp32 weights to bf16 the same way, and an fp8 layer would re-quantise the decoded E4M3
 values with the same power-of-two dynamic scale (or twice it, where rounding took the amax down
-to a power of two), which gives the same products bit for bit (tests/test_compute_slots.py).
+to a power of two), which gives the same products bit for bit (tests/precision/test_streaming.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ the same graph serves every block and every stream slot. Inductor computes a fus
 values in fp32; the block compiles with `emulate_precision_casts`, so it rounds to bf16 where an
 explicit cast does in eager, and the bf16 layer's backward leaves autocast (which a compiled
 graph would otherwise apply to its fp32 GEMMs). Llama-family blocks then give eager bf16's
-numbers to fp32 rounding (tests/test_compile.py); elementwise chains eager rounds after every op
+numbers to fp32 rounding (tests/runtime/test_compile.py); elementwise chains eager rounds after every op
 (GPT-2's tanh GELU) keep their fp32 intermediates, a bf16-sized difference.
 
 `--finetune lora` and `qlora` compile the same way: peft's LoRA layers are part of the block the
@@ -28,7 +28,7 @@ graph traces, the frozen base's weights are graph inputs like any others (its bf
 NF4 base decoded by the runtime's load action before the block runs, outside the graph), and
 only the adapters take gradients. Data parallel (`--nproc N` on the tiered runtime) runs the
 same compiled block on every rank: the gradient sync starts after a segment's backward, outside
-the graph. tests/test_compile.py checks both against the eager run.
+the graph. tests/runtime/test_compile.py checks both against the eager run.
 
 What it does not cover, refused in `check_compile` with a message naming --compile off:
 - `--precision fp8`: the fp8 layers' scalers keep amax history and counters as Python state
