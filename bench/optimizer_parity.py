@@ -13,7 +13,8 @@ within 10%. The learning-rate grids: AdamW and AdamW8bit around the demo's 2e-3;
 smaller (its update is a sign, every coordinate moves by lr); Adafactor around torch's default
 1e-2 (its step is relative to each parameter's RMS); GaLore around AdamW's (its update is scaled
 by --optim.galore_scale). Runs use the reference trainer (state on the device): the tiered
-runtime gives the same losses (tests/optim/test_optimizers.py), so this measures the optimizers only.
+runtime gives the same losses (tests/optim/test_optimizers.py), so this measures the
+optimizers only.
 """
 
 from __future__ import annotations

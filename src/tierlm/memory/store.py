@@ -184,7 +184,8 @@ class Store:
         fut = self.dev.io(request, Link.DISK_WRITE, size, name)
         request.add_done_callback(
             lambda f: self.ledger.record_move(Link.DISK_WRITE, size, _busy_s(f, t0)))
-        crash_point("disk-write")  # test-only (tests/checkpoint/test_kill.py): the bytes are in flight
+        # test-only (tests/checkpoint/test_kill.py): the bytes are in flight
+        crash_point("disk-write")
         return fut
 
     def read_file(self, name: str, dst: torch.Tensor, offset_bytes: int = 0) -> Future[None]:

@@ -20,8 +20,8 @@ the same graph serves every block and every stream slot. Inductor computes a fus
 values in fp32; the block compiles with `emulate_precision_casts`, so it rounds to bf16 where an
 explicit cast does in eager, and the bf16 layer's backward leaves autocast (which a compiled
 graph would otherwise apply to its fp32 GEMMs). Llama-family blocks then give eager bf16's
-numbers to fp32 rounding (tests/runtime/test_compile.py); elementwise chains eager rounds after every op
-(GPT-2's tanh GELU) keep their fp32 intermediates, a bf16-sized difference.
+numbers to fp32 rounding (tests/runtime/test_compile.py); elementwise chains eager rounds after
+every op (GPT-2's tanh GELU) keep their fp32 intermediates, a bf16-sized difference.
 
 `--finetune lora` and `qlora` compile the same way: peft's LoRA layers are part of the block the
 graph traces, the frozen base's weights are graph inputs like any others (its bf16 copy, or the
