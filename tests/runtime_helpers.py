@@ -38,8 +38,8 @@ def batches(steps: int, m: int, b: int = 2, t: int = 16, seed: int = 1) -> list[
 
 
 def reference_run(model, steps, lrs, clip: float):
-    """The reference trainer's step (tierlm.train.trainer.ReferenceStep) on the same batches."""
-    from tierlm.train.trainer import ReferenceStep
+    """The reference trainer's step (tierlm.runtime.reference.ReferenceStep) on the same batches."""
+    from tierlm.runtime.reference import ReferenceStep
 
     ref = ReferenceStep(model, OPTIM, grad_clip=clip, device=torch.device("cpu"))
     out = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
@@ -101,7 +101,7 @@ def bf16_lora_reference(base, steps, lrs, clip: float, *, nf4: bool = False):
     bf16), bf16 autocast. Its step records, adapters and frozen weights (as fp32)."""
     from tierlm.models.lora import store_frozen_as_computed
     from tierlm.models.nf4 import quantise_in_place
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     model = copy.deepcopy(base)
     if nf4:

@@ -35,7 +35,7 @@ from tierlm.models.nf4 import (
     round_trip,
 )
 from tierlm.runtime import Engine, EngineOptions, build_engine
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 STEPS, M, CLIP = 4, 2, 0.05

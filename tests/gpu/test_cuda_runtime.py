@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from runtime_helpers import OPTIM, batches, tiny_model  # noqa: E402
 
 from tierlm.runtime import EngineOptions, build_engine  # noqa: E402
-from tierlm.train.reference import ReferenceStep  # noqa: E402
+from tierlm.runtime.reference import ReferenceStep  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

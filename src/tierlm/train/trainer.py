@@ -105,11 +105,11 @@ from tierlm.plan.timeline import predicted_timeline
 from tierlm.precision import prepare_precision, set_tf32
 from tierlm.runtime import build_engine
 from tierlm.runtime.compile import ChunkLoss, build_compile, check_compile, sum_cross_entropy
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
 from tierlm.train.preflight import Preflight, resolve_offload_dir
-from tierlm.train.reference import ReferenceStep
 from tierlm.train.rundir import OffloadDir, open_run_dir
 from tierlm.train.safety import (
     DeferredInterrupt,
