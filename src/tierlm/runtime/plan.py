@@ -45,7 +45,7 @@ from tierlm.monitor.trace import NO_TRACER, NoTracer, Tracer
 from tierlm.optim import build_flat_optimizer
 from tierlm.precision.streaming import ComputeCopies
 from tierlm.runtime.pinned import step_pinned_bytes
-from tierlm.runtime.placement import place
+from tierlm.runtime.placement import PlacementPolicy, place
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.schedule import (
     boundary_activation_bytes,
@@ -63,8 +63,9 @@ class EngineOptions:
     turns them into a StepPlan; the engine reads only the others, through the plan's
     `options`."""
 
-    policy: str = "none"
-    """none | host | disk | tiered (see runtime/placement.py)."""
+    policy: PlacementPolicy | str = "none"
+    """The placement policy (tierlm.runtime.placement: AllDevice, HostState, DiskState, Tiered,
+    or the planner's tierlm.plan.policy.Auto), or its --offload-policy name."""
     microbatch_order: str = "microbatch-outer"
     """microbatch-outer or layer-outer."""
     resident: str | None = None
