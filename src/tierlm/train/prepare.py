@@ -99,7 +99,7 @@ from tierlm.train.rundir import OffloadDir, open_run_dir
 from tierlm.train.safety import MemoryWatch, check_token_stream, map_large_buffers
 
 
-@dataclass(kw_only=True, eq=False)  # eq=False: a run (and the Trainer over it) is itself alone
+@dataclass(kw_only=True, eq=False)  # by identity, as the Trainer over it always was
 class Run:
     """What `prepare` builds: everything the loop, the saves and the end of the run read."""
 
@@ -137,6 +137,9 @@ class Run:
 
 
 def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
+    """Build the run `cfg` asks for, in order; every check a user can fail comes before the
+    work it would waste (a bad --out before the model is loaded, a plan that does not fit
+    before the first step)."""
     check_supported(cfg)
     memory_watch = MemoryWatch(log)  # first: it measures what the run adds
     check_monitor_deps(cfg)  # a missing optional dependency fails before any work
