@@ -40,7 +40,7 @@ from tierlm.models import build_model, preset_config
 from tierlm.precision import prepare_precision
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.compile import NoCompile, SegmentCompile, compiled_graphs
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 OPTIM = OptimConfig(lr=1e-4, weight_decay=0.1)
 MiB = 2**20

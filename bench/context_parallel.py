@@ -68,7 +68,7 @@ class SavedBytes:
 def _measure(seq: int, cp: int, steps: int, rank: int) -> dict:
     from tierlm.config import OptimConfig
     from tierlm.models import build_model, preset_config
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     torch.manual_seed(0)
     model = build_model(preset_config("small", max_seq_len=seq), seed=0)

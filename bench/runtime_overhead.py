@@ -37,8 +37,8 @@ from tierlm.models import build_model, preset_config
 from tierlm.models.adapters import ModelAdapter
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.readahead import ReadAhead
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.writeback import WriteBack
-from tierlm.train.reference import ReferenceStep
 
 FULL = ActivationConfig(policy="full")
 HOST_GRADS = SegmentPlacement(False, Tier.DISK, Tier.HOST)  # times the segment count

@@ -29,7 +29,7 @@ from tierlm.memory.hardware import PROFILES
 from tierlm.memory.simulator import COMPUTE, Op
 from tierlm.models.presets import build_model, preset_config
 from tierlm.runtime import EngineOptions, build_engine
-from tierlm.train.trainer import compute_autocast
+from tierlm.train.prepare import compute_autocast
 
 
 def overlap_share(ops: list[Op], lane: str) -> float | None:

@@ -81,7 +81,7 @@ def make_checkpoint(args: argparse.Namespace, ckpt: Path) -> dict[str, Any]:
 
     from tierlm.data.corpus import load_corpus
     from tierlm.data.tokenizer import load_or_train_tokenizer
-    from tierlm.train.trainer import cache_dir
+    from tierlm.paths import cache_dir
 
     corpus = load_corpus(args.data, None)
     tok_vocab = min(args.tokenizer_vocab, args.vocab)
@@ -111,7 +111,7 @@ def make_rows(args: argparse.Namespace, ckpt: Path, out: Path) -> None:
     from tierlm.data.corpus import load_corpus
     from tierlm.data.packing import BatchSampler, PackedSequences
     from tierlm.data.tokenizer import encode_documents_cached, load_model_tokenizer
-    from tierlm.train.trainer import cache_dir
+    from tierlm.paths import cache_dir
 
     corpus = load_corpus(args.data, None)
     tok = load_model_tokenizer(str(ckpt))

@@ -53,8 +53,8 @@ def new_engine(model: torch.nn.Module, offload_dir=None, *, optim: OptimConfig =
 
 
 def reference_run(model, steps, lrs, clip: float):
-    """The reference trainer's step (tierlm.train.trainer.ReferenceStep) on the same batches."""
-    from tierlm.train.trainer import ReferenceStep
+    """The reference trainer's step (tierlm.runtime.reference.ReferenceStep) on the same batches."""
+    from tierlm.runtime.reference import ReferenceStep
 
     ref = ReferenceStep(model, OPTIM, grad_clip=clip, device=torch.device("cpu"))
     out = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
@@ -116,7 +116,7 @@ def bf16_lora_reference(base, steps, lrs, clip: float, *, nf4: bool = False):
     bf16), bf16 autocast. Its step records, adapters and frozen weights (as fp32)."""
     from tierlm.finetune.lora import store_frozen_as_computed
     from tierlm.precision.nf4 import quantise_in_place
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     model = copy.deepcopy(base)
     if nf4:

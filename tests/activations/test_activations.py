@@ -585,8 +585,8 @@ def test_flags_route_to_the_runtime_and_check_what_it_supports():
 
 
 def test_trainer_runs_selective_and_dynamic_like_none(tmp_path):
+    from tierlm.runtime.reference import ReferenceStep
     from tierlm.train import Trainer
-    from tierlm.train.reference import ReferenceStep
 
     def train(out, **acts):
         cfg = from_dict({

@@ -731,7 +731,7 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
 
     from tests.runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
     from tierlm.runtime import EngineOptions, build_engine
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     cpu = torch.device("cpu")
     model = tiny_model(name)
@@ -772,7 +772,7 @@ def test_masked_loss_is_hand_computed_cross_entropy_on_both_runtimes(name, tmp_p
 
 def test_all_trained_labels_reproduce_plain_batches_exactly():
     from tests.runtime_helpers import OPTIM, VOCAB, tiny_model
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     losses = []
@@ -788,7 +788,7 @@ def test_packed_documents_see_only_themselves_on_both_runtimes(tmp_path, name):
 
     from tests.runtime_helpers import OPTIM, VOCAB, assert_close_run, tiny_model
     from tierlm.runtime import EngineOptions, build_engine
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     cpu = torch.device("cpu")
     model = tiny_model(name)

@@ -27,7 +27,7 @@ from tierlm.distributed.sync import DenseSync
 from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.runtime import EngineOptions, build_engine
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 MODEL, T = "llama_tied_gqa", 16

@@ -37,8 +37,8 @@ from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
 from tierlm.plan.timing import grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.shapes import ModelShape, TrainShape
-from tierlm.train.reference import ReferenceStep
 
 MODEL, LAYERS = "llama_tied_gqa", 2  # 4 query heads, 2 K/V heads
 STEPS, M, T = 2, 2, 32

@@ -139,7 +139,7 @@ def _train(world: World, sync, policy: str = "none", steps: int = STEPS, tmp=Non
 
 
 def reference_run(model, steps, lrs, clip: float):
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     ref = ReferenceStep(model, OPTIM, grad_clip=clip, device=torch.device("cpu"))
     out = [ref.step(b, lr) for b, lr in zip(steps, lrs, strict=True)]
@@ -247,7 +247,7 @@ def _masked_runs(world: World) -> dict:
 
 
 def test_masked_batches_two_ranks_equal_one_process():
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     steps = [_masked(s) for s in _global_batches(2)]
     ref = ReferenceStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"))
@@ -692,7 +692,7 @@ def test_sync_strategies_need_several_processes():
 
 def _stepper_classes():
     from tierlm.distributed.fsdp import FSDPStep
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     return [ReferenceStep, Engine, DataParallelStep, FSDPStep]
 
@@ -706,7 +706,7 @@ def test_every_stepper_implements_the_protocol_itself(cls):
 
 
 def test_capabilities_are_declared_not_probed():
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     ref = ReferenceStep(tiny_model(MODEL), OPTIM, grad_clip=1.0, device=torch.device("cpu"))
     assert (ref.engine, ref.ledger, ref.cache, ref.fp8_stats, ref.save_sharded) == (None,) * 5

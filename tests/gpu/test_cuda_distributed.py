@@ -129,7 +129,7 @@ def test_topk_on_cuda_keeps_what_it_did_not_send(world, collective_devices, feed
 def test_fsdp_on_cuda_matches_the_reference_and_resumes(world, cpu_offload, tmp_path):
     from tierlm.checkpoint import TrainState, load_checkpoint, save_sharded_checkpoint
     from tierlm.distributed.fsdp import FSDPStep
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     base = tiny_model(MODEL, layers=3)
     steps = batches(5, 2)

@@ -8,7 +8,7 @@ import torch
 
 from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.runtime import EngineOptions, build_engine
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -163,14 +163,14 @@ def test_disk_run_from_streamed_load_equals_materialised(name, tmp_path):
 def test_cli_train_from_a_checkpoint_on_the_disk_tier_streams_it(tmp_path, capsys, monkeypatch):
     """`tierlm train --model DIR --offload-policy disk` builds a skeleton, streams the weights,
     trains, and its default end of run (export, sample) still works."""
-    import tierlm.train.trainer
+    import tierlm.train.prepare
     from tierlm.cli import main
     from tierlm.data import train_bpe_tokenizer
 
     def materialised(*args, **kwargs):
         raise AssertionError("the tiered runtime must not materialise the checkpoint")
 
-    monkeypatch.setattr(tierlm.train.trainer, "load_hf_model", materialised)
+    monkeypatch.setattr(tierlm.train.prepare, "load_hf_model", materialised)
     text = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i % 7}."
                      for i in range(300))
     path = _save("llama_tied_gqa", tmp_path / "ckpt", max_shard_size="40KB")

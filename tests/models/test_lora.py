@@ -31,7 +31,7 @@ from tierlm.memory.tiers import Tier
 from tierlm.models import build_model
 from tierlm.models.testing import tiny_hf_configs
 from tierlm.runtime import Engine, EngineOptions, build_engine
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 STEPS, M, CLIP = 5, 2, 0.05

@@ -36,7 +36,7 @@ from tierlm.precision.nf4 import (
     round_trip,
 )
 from tierlm.runtime import Engine
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 STEPS, M, CLIP = 4, 2, 0.05

@@ -420,7 +420,7 @@ def test_runtime_matches_reference_trainer(name, tmp_path):
 
     from tests.runtime_helpers import assert_close_run, assert_same_state, batches, tiny_model
     from tierlm.runtime import EngineOptions, build_engine
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     cfg = _config(name)
     clip, m, steps_n = 0.05, 2, 4

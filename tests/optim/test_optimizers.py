@@ -33,8 +33,8 @@ from tierlm.plan.describe import describe
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import usable_budgets
 from tierlm.runtime import Engine
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.shapes import ModelShape
-from tierlm.train.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 B, T, M, STEPS = 2, 16, 2, 5

@@ -18,7 +18,7 @@ from tierlm.precision.formats import E4M3, E5M2, cast_counting, to_fp8_grid
 from tierlm.precision.linear import Bf16Linear, Fp8LayerScalers, Fp8Linear
 from tierlm.precision.matmul import Emulated, ScaledMM, scaled_mm_works
 from tierlm.precision.scaling import DelayedScaling, DynamicScaling, FixedScaling, TensorScaler
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 

@@ -30,7 +30,7 @@ from tierlm.runtime.compile import (
     inductor_cache_dir,
     kernels_key,
 )
-from tierlm.train.reference import ReferenceStep
+from tierlm.runtime.reference import ReferenceStep
 
 CPU = torch.device("cpu")
 B, T, LAYERS, STEPS = 2, 16, 3, 4

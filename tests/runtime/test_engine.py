@@ -102,7 +102,7 @@ def test_inf_gradient_skips_the_step_on_both_sides(policy, tmp_path, make_engine
                     assert not unequal, f"{type(stepper).__name__} changed {unequal[:3]}"
         return recs, stepper.weights()
 
-    from tierlm.train.reference import ReferenceStep
+    from tierlm.runtime.reference import ReferenceStep
 
     ref_model = copy.deepcopy(base)
     ref = ReferenceStep(ref_model, OPTIM, grad_clip=1.0, device=CPU)

@@ -39,6 +39,7 @@ from tierlm.memory import disk as disk_module
 from tierlm.memory.placement import PlacementReport
 from tierlm.monitor.metrics import read_metrics
 from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.state import as_tensor
 from tierlm.train import Trainer
 from tierlm.train import preflight as preflight_module
@@ -49,7 +50,6 @@ from tierlm.train.preflight import (
     read_meminfo,
     resolve_offload_dir,
 )
-from tierlm.train.reference import ReferenceStep
 from tierlm.train.safety import (
     DiskSpaceError,
     HostMemoryError,

@@ -200,12 +200,13 @@ def _regular_file(tmp_path: Path) -> str:
 @pytest.mark.parametrize("where", ["under-a-file", "a-file", "proc"])
 def test_an_unusable_out_is_one_error_line_before_the_model_is_built(where, tmp_path, capsys,
                                                                      monkeypatch):
+    import tierlm.train.prepare as prepare_mod
     import tierlm.train.trainer as trainer_mod
 
     def no_model(*_a, **_k):
         raise AssertionError("the model was built before --out was checked")
 
-    monkeypatch.setattr(trainer_mod, "preset_config", no_model)
+    monkeypatch.setattr(prepare_mod, "preset_config", no_model)
     under_a_file = _regular_file(tmp_path)
     out = {"under-a-file": under_a_file, "a-file": str(Path(under_a_file).parent),
            "proc": "/proc/tierlm-test/run"}[where]

@@ -12,8 +12,8 @@ from tierlm.cli import main
 from tierlm.config import from_dict
 from tierlm.monitor.metrics import read_metrics
 from tierlm.runtime import Engine
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.train import Trainer
-from tierlm.train.reference import ReferenceStep
 from tierlm.train.schedule import lr_at
 
 

@@ -36,8 +36,8 @@ from tierlm.distributed.context import (
 )
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.tiers import Link
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.stepper import Stepper
-from tierlm.train.reference import ReferenceStep
 
 
 class ContextParallelStep(Stepper):

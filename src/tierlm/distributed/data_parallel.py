@@ -59,7 +59,7 @@ class DataParallelStep(Stepper):
         self.comm = comm
 
     @property
-    def ledger(self) -> Ledger:  # network bytes land in it too (setup.build_parallel_stepper)
+    def ledger(self) -> Ledger:  # network bytes land in it too (tierlm.train.prepare.build_stepper)
         return self.engine.ledger
 
     @property

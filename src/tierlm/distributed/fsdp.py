@@ -51,8 +51,8 @@ from tierlm.config import ConfigError, OptimConfig
 from tierlm.data.batch import trained_targets
 from tierlm.distributed.comm import Comm
 from tierlm.distributed.world import World
+from tierlm.runtime.reference import ReferenceStep
 from tierlm.runtime.stepper import Stepper
-from tierlm.train.reference import ReferenceStep
 
 _FULL = StateDictOptions(full_state_dict=True)
 _SHARDED = StateDictOptions()

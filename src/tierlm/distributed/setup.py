@@ -1,20 +1,19 @@
-"""How a run becomes data parallel: joining the world, sharding the batches, building the
-stepper, and keeping the outputs on rank 0. The trainer calls these once at setup."""
+"""How a run becomes data parallel: joining the world, the context-parallel ring, the FSDP step,
+sharding the batches, and keeping the outputs on rank 0. The run's build (tierlm.train.prepare)
+calls these once, in its order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tierlm.config import Config, ConfigError
+from tierlm.config import Config, ConfigError, NotSupportedYet
 from tierlm.distributed.checks import resolved_mode
 from tierlm.distributed.comm import Comm
-from tierlm.distributed.data_parallel import DataParallelStep
-from tierlm.distributed.strategies import sync_config
+from tierlm.distributed.context import ContextLayout, Ring, build_ring, check_ring_model
+from tierlm.distributed.fsdp import FSDPStep
 from tierlm.distributed.world import World
-from tierlm.memory.ledger import Ledger
 
 
 def join_world(cfg: Config) -> World:
@@ -41,72 +40,29 @@ def join_world(cfg: Config) -> World:
     return world
 
 
-def build_parallel_stepper(
-    cfg: Config,
-    world: World,
-    model: torch.nn.Module,
-    device: torch.device,
-    precision: str,
-    build_single: Callable[..., Any],
-) -> Any:
-    """The stepper for this world; `build_single(grad_sync=None)` is the trainer's builder of
-    the single-process stepper (reference or tiered engine).
+def context_ring(cfg: Config, world: World, model: torch.nn.Module,
+                 precision: str) -> tuple[ContextLayout, Ring]:
+    """Context parallel (`--context-parallel` above 1): this rank's place in the dp x cp grid
+    and the ring its CP group's attention runs over, the model checked for ring attention."""
+    check_ring_model(model)
+    if precision == "fp8":  # --precision auto chose it on this hardware
+        raise NotSupportedYet("--context-parallel with --precision fp8",
+                              "use --precision bf16 or fp32")
+    layout = ContextLayout(world.rank, world.size, cfg.distributed.context_parallel)
+    return layout, build_ring(layout)
 
-    The order, written once: FSDP2 owns the whole model when asked for (its reduce-scatter is
-    the gradient sync, dense); otherwise one process gets the single-process stepper; several
-    processes each get the tiered engine (with `--offload-policy none` it keeps everything on
-    the device and reproduces the reference trainer exactly), with the sync strategy as the
-    engine's per-segment gradient hook, wrapped for what spans ranks. Context parallel
-    (checked at config validation: dense sync, not under FSDP) gives every rank a zig-zag share
-    of each row and routes attention through the ring: with the tiered runtime the engine takes
-    its share and scales its loss to it (the data-parallel dense mean then sums the CP group),
-    else the reference step runs under `ContextParallelStep`."""
-    share = None
-    if cfg.distributed.context_parallel > 1:
-        from tierlm.config import uses_tiered_runtime
-        from tierlm.distributed.context import (
-            ContextLayout,
-            ZigzagShare,
-            build_ring,
-            check_ring_model,
-            use_ring_attention,
-        )
 
-        check_ring_model(model)
-        if precision == "fp8":  # --precision auto chose it on this hardware
-            from tierlm.config import NotSupportedYet
-
-            raise NotSupportedYet("--context-parallel with --precision fp8",
-                                  "use --precision bf16 or fp32")
-        layout = ContextLayout(world.rank, world.size, cfg.distributed.context_parallel)
-        ring = build_ring(layout)
-        if not uses_tiered_runtime(cfg):
-            from tierlm.distributed.context_step import ContextParallelStep
-
-            return ContextParallelStep(build_single(), layout, ring)
-        use_ring_attention(model)
-        share = ZigzagShare(layout, ring)
-    comm = Comm(world.size, Ledger())
-    if cfg.distributed.backend == "fsdp":
-        from tierlm.distributed.fsdp import FSDPStep
-
-        world.ensure_group()
-
-        return FSDPStep(
-            model, cfg.optim, grad_clip=cfg.optim.grad_clip, device=device, world=world,
-            comm=comm, precision=precision, cpu_offload=cfg.distributed.fsdp_cpu_offload,
-            reduce_dtype=(
-                torch.bfloat16 if cfg.distributed.grad_sync_dtype == "bf16" else torch.float32
-            ),
-        )
-    if not world.distributed:
-        return build_single()
-    strategy = sync_config(cfg.distributed, cfg.train.max_steps).build(comm)
-    engine = build_single(grad_sync=strategy, sequence_share=share)
-    comm.ledger = engine.ledger  # network bytes land in the engine's ledger, with the rest
-    if share is not None:
-        share.ring.ledger = engine.ledger
-    return DataParallelStep(engine, strategy, world, comm)
+def fsdp_step(cfg: Config, world: World, model: torch.nn.Module, device: torch.device,
+              precision: str, comm: Comm) -> FSDPStep:
+    """`--backend fsdp`: FSDP2 owns the whole model; its reduce-scatter is the gradient sync."""
+    world.ensure_group()
+    return FSDPStep(
+        model, cfg.optim, grad_clip=cfg.optim.grad_clip, device=device, world=world,
+        comm=comm, precision=precision, cpu_offload=cfg.distributed.fsdp_cpu_offload,
+        reduce_dtype=(
+            torch.bfloat16 if cfg.distributed.grad_sync_dtype == "bf16" else torch.float32
+        ),
+    )
 
 
 class RankSlice:

@@ -20,6 +20,7 @@ from tierlm.memory.placement import (
 )
 from tierlm.memory.tiers import Tier
 from tierlm.runtime.grad_sync import NO_SYNC, GradSync
+from tierlm.runtime.placement import PlacementPolicy
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.sequence_share import WHOLE_SEQUENCE, SequenceShare
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
@@ -33,8 +34,9 @@ class EngineOptions:
     turns them into a StepPlan; the engine reads only the others, through the plan's
     `options`."""
 
-    policy: str = "none"
-    """none | host | disk | tiered (see runtime/placement.py)."""
+    policy: PlacementPolicy | str = "none"
+    """The placement policy (tierlm.runtime.placement: AllDevice, HostState, DiskState, Tiered,
+    or the planner's tierlm.plan.policy.Auto), or its --offload-policy name."""
     microbatch_order: str = "microbatch-outer"
     """microbatch-outer or layer-outer."""
     resident: str | None = None

@@ -1,13 +1,16 @@
-"""Placement policy and its accounting: the bytes each tier holds under a placement, by the
+"""Placement policies and their accounting: the bytes each tier holds under a placement, by the
 engine's own rules (tierlm.runtime.state.persistent_bytes, the stream cache's window, the
-gradient landings), and `place`, which chooses placements from `--offload-policy` and the
-budgets:
+gradient landings), and `place`, which chooses placements by a typed policy
+(`PLACEMENT_POLICIES`, by `--offload-policy` name) and checks them against the budgets:
 
-- `none`: everything on the device (the reference layout, through the runtime).
-- `host`: state in host RAM; compute weights streamed to the device, except `--resident` ones.
-- `disk`: state in files under `--offload-dir`; weights streamed from there.
-- `tiered`: fill the device (embed, head, then blocks from the last one backwards, as their
-  backward comes soonest), then host RAM, then disk.
+- `AllDevice` (`none`): everything on the device (the reference layout, through the runtime).
+- `HostState` (`host`): state in host RAM; compute weights streamed to the device, except
+  `--resident` ones.
+- `DiskState` (`disk`): state in files under `--offload-dir`; weights streamed from there.
+- `Tiered` (`tiered`): fill the device (embed, head, then blocks from the last one backwards,
+  as their backward comes soonest), then host RAM, then disk.
+- `Planned` (`auto`): placements chosen elsewhere, only accounted and checked; the planner's
+  policy, which carries its plan, is tierlm.plan.policy.Auto (plan/ sits above runtime/).
 
 A placement that cannot fit its budgets is refused before training with the numbers. The
 per-segment record (`SegmentPlacement`) and the chunking constants are mechanism, in
@@ -16,8 +19,12 @@ tierlm.memory.placement.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from tierlm.memory.placement import (
     GRAD_B,
@@ -33,6 +40,10 @@ from tierlm.memory.tiers import Tier
 from tierlm.runtime.cache import window_bytes
 from tierlm.runtime.schedule import grad_landing, transient_grad
 from tierlm.runtime.state import load_bytes, persistent_bytes
+
+# (numels, placements, activation_bytes) -> the bytes per tier (`_account` with the run's sizes)
+Account = Callable[..., PlacementReport]
+Options = TypeVar("Options")  # the engine's options (tierlm.runtime.plan imports this module)
 
 
 def landing_staging_bytes(numels: list[int], placements: list[SegmentPlacement],
@@ -97,11 +108,108 @@ def _account(
     return PlacementReport(placements, held[Tier.DEVICE], held[Tier.HOST], held[Tier.DISK])
 
 
+class PlacementPolicy:
+    """How `place` chooses a placement per segment when none is given: one subclass per
+    `--offload-policy`, found by name in `PLACEMENT_POLICIES` (the planner's `auto` is
+    tierlm.plan.policy.Auto, which carries its plan)."""
+
+    name: ClassVar[str]
+    """The `--offload-policy` value, as the errors name it."""
+    hint: ClassVar[str]
+    """What to change when the placement does not fit its budgets."""
+
+    def choose(self, names: list[str], numels: list[int], pinned: Callable[[str], bool], *,
+               device_budget_bytes: int | None, host_budget_bytes: int | None,
+               activation_bytes: int, account: Account) -> list[SegmentPlacement]:
+        raise NotImplementedError
+
+    def engine_options(self, options: Options) -> Options:
+        """`options` (the engine's, tierlm.runtime.plan.EngineOptions) placing by this policy;
+        a policy that chose more than the placement (the planner's) sets that too."""
+        return dataclasses.replace(options, policy=self)
+
+
+@dataclass(frozen=True)
+class AllDevice(PlacementPolicy):
+    """`none`: everything on the device (the reference layout, through the runtime)."""
+
+    name: ClassVar[str] = "none"
+    hint: ClassVar[str] = "use --offload-policy tiered, host or disk"
+
+    def choose(self, names, numels, pinned, **_) -> list[SegmentPlacement]:
+        return [SegmentPlacement(True, Tier.DEVICE) for _ in names]
+
+
+@dataclass(frozen=True)
+class HostState(PlacementPolicy):
+    """`host`: state in host RAM; compute weights streamed to the device, except `--resident`
+    ones."""
+
+    name: ClassVar[str] = "host"
+    hint: ClassVar[str] = "raise the budget, or use --offload-policy disk or tiered"
+    tier: ClassVar[Tier] = Tier.HOST
+
+    def choose(self, names, numels, pinned, **_) -> list[SegmentPlacement]:
+        return [SegmentPlacement(pinned(n), self.tier) for n in names]
+
+
+@dataclass(frozen=True)
+class DiskState(HostState):
+    """`disk`: state in files under `--offload-dir`; weights streamed from there."""
+
+    name: ClassVar[str] = "disk"
+    hint: ClassVar[str] = "raise the budget, or pin fewer segments with --resident"
+    tier: ClassVar[Tier] = Tier.DISK
+
+
+@dataclass(frozen=True)
+class Tiered(PlacementPolicy):
+    """`tiered`: fill the device (embed, head, then blocks from the last one backwards, as
+    their backward comes soonest), then host RAM, then disk."""
+
+    name: ClassVar[str] = "tiered"
+    hint: ClassVar[str] = "raise --device-budget/--host-budget or give more disk"
+
+    def choose(self, names, numels, pinned, *, device_budget_bytes, host_budget_bytes,
+               activation_bytes, account) -> list[SegmentPlacement]:
+        return _tiered(names, numels, pinned, device_budget_bytes, host_budget_bytes,
+                       activation_bytes, account)
+
+
+@dataclass(frozen=True)
+class Planned(PlacementPolicy):
+    """`auto`: placements chosen elsewhere (the planner's, given to `place` as `placements`),
+    which `place` only accounts and checks; it chooses none itself."""
+
+    name: ClassVar[str] = "auto"
+    hint: ClassVar[str] = "raise the budgets, or see `tierlm plan` for what would fit"
+
+    def choose(self, names, numels, pinned, **_) -> list[SegmentPlacement]:
+        raise PlacementError("--offload-policy auto: the planner's placements are missing "
+                             "(tierlm.plan.policy.Auto gives them)")
+
+
+# --offload-policy name -> its policy
+PLACEMENT_POLICIES: dict[str, PlacementPolicy] = {
+    p.name: p for p in (AllDevice(), HostState(), DiskState(), Tiered(), Planned())
+}
+
+
+def placement_policy(policy: str | PlacementPolicy) -> PlacementPolicy:
+    """The policy `policy` names (`--offload-policy`), or `policy` itself."""
+    if isinstance(policy, PlacementPolicy):
+        return policy
+    try:
+        return PLACEMENT_POLICIES[policy]
+    except KeyError:
+        raise PlacementError(f"--offload-policy {policy}: unknown policy") from None
+
+
 def place(
     names: list[str],
     numels: list[int],
     *,
-    policy: str,
+    policy: str | PlacementPolicy,
     resident: str | None = None,
     device_budget_bytes: int | None = None,
     host_budget_bytes: int | None = None,
@@ -115,7 +223,8 @@ def place(
     frozen: bool = False,
     chunk_numel: int = STAGING_CHUNK_NUMEL,
 ) -> PlacementReport:
-    """Choose a placement per segment and check it against the budgets.
+    """Choose a placement per segment by `policy` (a PlacementPolicy or its name) and check it
+    against the budgets.
 
     `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
     reserved before any weights are placed. `placements`: a placement chosen elsewhere (the
@@ -129,32 +238,21 @@ def place(
     chunk. `_account` says how these become bytes per tier. Every budget given is checked,
     whichever the policy (`disk_budget_bytes`: --disk-budget, what the disk tier may hold).
     """
+    rule = placement_policy(policy)
     account = functools.partial(_account, copy_bytes=copy_bytes, slot_bytes=slot_bytes,
                                 base_copy=base_copy, whole_update=whole_update, frozen=frozen,
                                 chunk_numel=chunk_numel)
-    if placements is not None:
-        report = account(numels, placements, activation_bytes)
-        _check(report, device_budget_bytes, host_budget_bytes, policy, disk_budget_bytes)
-        return report
-    pattern = re.compile(resident) if resident else None
+    if placements is None:
+        pattern = re.compile(resident) if resident else None
 
-    def pinned(name: str) -> bool:
-        return bool(pattern and pattern.fullmatch(name))
+        def pinned(name: str) -> bool:
+            return bool(pattern and pattern.fullmatch(name))
 
-    if policy == "none":
-        placements = [SegmentPlacement(True, Tier.DEVICE) for _ in names]
-    elif policy in ("host", "disk"):
-        tier = Tier.HOST if policy == "host" else Tier.DISK
-        placements = [SegmentPlacement(pinned(n), tier) for n in names]
-    elif policy == "tiered":
-        placements = _tiered(
-            names, numels, pinned, device_budget_bytes, host_budget_bytes, activation_bytes,
-            account,
-        )
-    else:
-        raise PlacementError(f"--offload-policy {policy}: unknown policy")
+        placements = rule.choose(names, numels, pinned, device_budget_bytes=device_budget_bytes,
+                                 host_budget_bytes=host_budget_bytes,
+                                 activation_bytes=activation_bytes, account=account)
     report = account(numels, placements, activation_bytes)
-    _check(report, device_budget_bytes, host_budget_bytes, policy, disk_budget_bytes)
+    _check(report, device_budget_bytes, host_budget_bytes, rule, disk_budget_bytes)
     return report
 
 
@@ -191,8 +289,8 @@ def _tiered(
     return placements
 
 
-def _check(report: PlacementReport, device_budget, host_budget, policy,
-           disk_budget=None) -> None:
+def _check(report: PlacementReport, device_budget, host_budget,
+           policy: PlacementPolicy, disk_budget=None) -> None:
     problems = []
     if device_budget is not None and report.device_bytes > device_budget:
         problems.append(
@@ -209,12 +307,5 @@ def _check(report: PlacementReport, device_budget, host_budget, policy,
             f"{gib(disk_budget)}"
         )
     if problems:
-        hint = {
-            "none": "use --offload-policy tiered, host or disk",
-            "host": "raise the budget, or use --offload-policy disk or tiered",
-            "disk": "raise the budget, or pin fewer segments with --resident",
-            "tiered": "raise --device-budget/--host-budget or give more disk",
-            "auto": "raise the budgets, or see `tierlm plan` for what would fit",
-        }[policy]
-        raise PlacementError(f"placement --offload-policy {policy} does not fit: "
-                             + "; ".join(problems) + f" ({hint})")
+        raise PlacementError(f"placement --offload-policy {policy.name} does not fit: "
+                             + "; ".join(problems) + f" ({policy.hint})")
