@@ -16,7 +16,6 @@ from tierlm.config import (
     PrecisionConfig,
     base_format_of,
     check_precision_flags,
-    check_supported,
     lora_of,
     mode_only_flags,
     parse_bytes,
@@ -27,6 +26,7 @@ from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.placement import PlacementError
 from tierlm.models import preset_config
 from tierlm.models.hf import _check_checkpoint_dir
+from tierlm.plan.checks import check_supported
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.plan.search import plan

@@ -36,7 +36,6 @@ from tierlm.config import (
     ConfigError,
     NotSupportedYet,
     base_format_of,
-    check_supported,
     lora_of,
     parse_bytes,
     to_dict,
@@ -83,6 +82,7 @@ from tierlm.monitor.step_trace import build_step_trace, build_tracer
 from tierlm.monitor.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
+from tierlm.plan.checks import check
 from tierlm.plan.inputs import (
     cap_gpu_memory,
     finetune_precision,
@@ -287,7 +287,7 @@ def _predicted_step(cfg: Config, model_config: Any, precision: str,
 
 class Trainer:
     def __init__(self, cfg: Config, *, log: Callable[[str], None] = print) -> None:
-        check_supported(cfg)
+        check(cfg)  # every check of the config, the features' included: no way in skips one
         self.memory_watch = MemoryWatch(log)  # first: it measures what the run adds
         check_monitor_deps(cfg)  # a missing optional dependency fails before any work
         self.world = join_world(cfg)  # torchrun's processes, or this one alone
