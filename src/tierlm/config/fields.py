@@ -33,17 +33,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
 def leaf_fields() -> list[tuple[str, Any, Any, str]]:
     """(dotted key, type, default, doc) for every leaf field of `Config`."""
     out = []
-    top_hints = _hints(Config)
+    top_hints = type_hints(Config)
     for section in dataclasses.fields(Config):
         cls = top_hints[section.name]
-        hints = _hints(cls)
+        hints = type_hints(cls)
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -15,7 +15,7 @@ import yaml
 
 from tierlm.config.checks import validate
 from tierlm.config.errors import ConfigError
-from tierlm.config.fields import _hints, describe_type
+from tierlm.config.fields import describe_type, type_hints
 from tierlm.config.schema import Config
 
 
@@ -84,10 +84,11 @@ def _nearest(name: str, options: list[str]) -> str:
 
 
 def from_dict(data: dict[str, Any], *, origin: str = "config") -> Config:
-    """Build a Config from a nested mapping, rejecting unknown keys and bad values."""
+    """Build a Config from a nested mapping, rejecting unknown keys and bad values, and run the
+    config's own checks; `tierlm.plan.checks.from_dict` adds each feature's."""
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping of sections, got {type(data).__name__}")
-    top_hints = _hints(Config)
+    top_hints = type_hints(Config)
     sections = {}
     for name, value in data.items():
         if name not in top_hints:
@@ -100,7 +101,7 @@ def from_dict(data: dict[str, Any], *, origin: str = "config") -> Config:
             value = {}
         if not isinstance(value, dict):
             raise ConfigError(f"{origin}: section {name!r} must be a mapping of keys to values")
-        hints = _hints(cls)
+        hints = type_hints(cls)
         kwargs = {}
         for key, raw in value.items():
             if key not in hints:
@@ -145,7 +146,8 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def resolve(config_file: str | None, overrides: dict[str, Any]) -> Config:
-    """Defaults < YAML file < dotted overrides (from flags)."""
+    """Defaults < YAML file < dotted overrides (from flags), with the config's own checks;
+    `tierlm.plan.checks.resolve` adds each feature's."""
     data = load_yaml(config_file) if config_file else {}
     for key, value in overrides.items():
         set_dotted(data, key, value)
