@@ -33,11 +33,12 @@ from tierlm.activations import (
     resolve_policies,
     storages_of,
 )
-from tierlm.config import ConfigError, check_supported, from_dict
+from tierlm.config import ConfigError
 from tierlm.memory import Ledger, PlacementError, Tier
 from tierlm.memory.layout import FlatLayout
 from tierlm.memory.tiers import Link
 from tierlm.models.adapters import ModelAdapter
+from tierlm.plan.checks import check_supported, from_dict
 from tierlm.runtime import Engine
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import torch
 
 from tests.distributed.test_distributed import run_ranks
 from tests.runtime_helpers import OPTIM, batches, tiny_model
-from tierlm.config import ActivationConfig, ConfigError, from_dict
+from tierlm.config import ActivationConfig, ConfigError
 from tierlm.distributed.comm import Comm, all_reduce_send_bytes
 from tierlm.distributed.context import (
     ContextLayout,
@@ -35,6 +35,7 @@ from tierlm.distributed.world import World
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
+from tierlm.plan.checks import from_dict
 from tierlm.plan.timing import grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime import EngineOptions, build_engine
 from tierlm.runtime.reference import ReferenceStep

@@ -655,8 +655,8 @@ def test_topk_ratios_by_pattern_and_warmup():
 
 
 def test_distributed_flags_resolve_to_typed_strategies():
-    from tierlm.config import resolve
     from tierlm.distributed.strategies import sync_config
+    from tierlm.plan.checks import resolve
 
     def strategy(**flags):
         cfg = resolve(None, {f"distributed.{k}": v for k, v in flags.items()})
@@ -679,8 +679,8 @@ def test_distributed_flags_resolve_to_typed_strategies():
 
 
 def test_sync_strategies_need_several_processes():
-    from tierlm.config import resolve
     from tierlm.distributed.setup import join_world
+    from tierlm.plan.checks import resolve
 
     assert join_world(resolve(None, {})).size == 1  # no torchrun: one process, dense is a no-op
     for flags in ({"distributed.sparse_grad_ratio": 0.05}, {"distributed.sync_every": 2}):

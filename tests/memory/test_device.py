@@ -135,7 +135,8 @@ def test_engine_on_the_simulated_device_is_exact(policy, order, activations, tmp
     ({"run.device": "tpu"}, "one of auto, cpu, cuda"),
 ])
 def test_a_bad_simulated_device_names_the_flag(overrides, message):
-    from tierlm.config import ConfigError, check_supported, resolve
+    from tierlm.config import ConfigError
+    from tierlm.plan.checks import check_supported, resolve
 
     with pytest.raises(ConfigError, match=message):
         check_supported(resolve(None, overrides))

@@ -1,12 +1,15 @@
 """The `--activations.overrides` syntax and the policy names it may use.
 
-Torch-free on purpose: `tierlm.config` validates the flag before anything has imported torch
-(`tierlm --help` and a bad flag answer at once); `spec.py` resolves the parsed rules per segment.
+Torch-free on purpose: `tierlm.plan.checks` validates the flag (`check_overrides`) before anything
+has imported torch (`tierlm --help` and a bad flag answer at once); `spec.py` resolves the parsed
+rules per segment.
 """
 
 from __future__ import annotations
 
 import re
+
+from tierlm.config import ActivationConfig, ConfigError
 
 POLICY_NAMES = ("keep", "selective", "full", "offload")
 HEAD = "head"
@@ -37,3 +40,11 @@ def parse_overrides(text: str | None) -> list[tuple[re.Pattern[str], str]]:
             )
         out.append((compiled, policy))
     return out
+
+
+def check_overrides(activations: ActivationConfig) -> None:
+    """The config check of `--activations.overrides`: a ConfigError naming the flag."""
+    try:
+        parse_overrides(activations.overrides)
+    except ValueError as exc:
+        raise ConfigError(f"--activations.overrides: {exc}") from None

@@ -18,16 +18,9 @@ from typing import Any
 
 import yaml
 
-from tierlm.config import (
-    SEED_FLAGS,
-    Config,
-    ConfigError,
-    check_supported,
-    leaf_fields,
-    resolve,
-    to_dict,
-)
+from tierlm.config import SEED_FLAGS, Config, ConfigError, leaf_fields, to_dict
 from tierlm.logs import quiet_library_noise
+from tierlm.plan.checks import check_supported, resolve
 
 _ALIAS_FOR = {dotted: flag for flag, dotted in SEED_FLAGS.items()}
 

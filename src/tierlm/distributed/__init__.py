@@ -1,6 +1,6 @@
 """Data-parallel and sharded training over torch.distributed (ARCHITECTURE.md section 7).
 
-Kept import-light: `tierlm.config` validates the distributed section through
+Kept import-light: `tierlm.plan.checks` validates the distributed section through
 `tierlm.distributed.checks` before anything has imported torch (so `tierlm --help` and a bad
 flag answer at once). The names below are therefore loaded on first use, not when the package
 is imported."""

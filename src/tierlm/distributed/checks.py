@@ -1,5 +1,6 @@
-"""Config checks for the `distributed` section (called from `tierlm.config.validate`): each error
-names the flag to change. Checks that need the world size live in `setup.join_world`."""
+"""Config checks for the `distributed` section (called from `tierlm.plan.checks.validate`, after
+the config's own checks): each error names the flag to change. Checks that need the world size
+live in `setup.join_world`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from tierlm.config import ConfigError, NotSupportedYet
 
 def validate_distributed(cfg: Any) -> None:
     d = cfg.distributed
+    if d.sparse_grad_ratio is not None and not 0 < d.sparse_grad_ratio <= 1:
+        raise ConfigError(f"--sparse-grad-ratio: must be in (0, 1], got {d.sparse_grad_ratio}")
     for flag, value, low in (
         ("--nproc", d.nproc, 1),
         ("--context-parallel", d.context_parallel, 1),

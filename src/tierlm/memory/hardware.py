@@ -16,7 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierlm.config import ConfigError
+from tierlm.config import Config, ConfigError, NotSupportedYet, uses_tiered_runtime
+from tierlm.config.run import PLAIN_DEVICES
 from tierlm.paths import cache_dir
 
 GiB = 2**30
@@ -259,3 +260,23 @@ def resolve(
         host_memory_bytes=host_memory_bytes,
         disk_budget_bytes=disk_budget_bytes,
     )
+
+
+def check_device(cfg: Config) -> None:
+    """The config check of --device: auto, cpu, cuda, or sim:PROFILE, a profile of this table
+    simulated on the tiered runtime in one process (called from `tierlm.plan.checks`)."""
+    device = cfg.run.device
+    if device in PLAIN_DEVICES:
+        return
+    names = ", ".join(f"sim:{p}" for p in PROFILES)
+    if not device.startswith("sim:"):
+        raise ConfigError(f"--device {device}: one of auto, cpu, cuda, or a simulated GPU "
+                          f"({names})")
+    if device[len("sim:"):] not in PROFILES:
+        raise ConfigError(f"--device {device}: no hardware profile of that name; one of {names}")
+    if not uses_tiered_runtime(cfg):
+        raise ConfigError(f"--device {device} simulates the tiered runtime's step: pass "
+                          "--offload-policy auto, host, disk or tiered")
+    if cfg.distributed.nproc > 1 or cfg.distributed.context_parallel > 1:
+        raise NotSupportedYet(f"--device {device} with --nproc or --context-parallel",
+                              "the simulated device runs one process")

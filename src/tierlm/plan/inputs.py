@@ -11,7 +11,6 @@ import torch
 from tierlm.config import (
     Config,
     base_format_of,
-    check_supported,
     lora_of,
     parse_bytes,
 )
@@ -21,6 +20,7 @@ from tierlm.memory.hardware import HardwareProfile, resolve
 from tierlm.memory.placement import PlacementError
 from tierlm.models import preset_config
 from tierlm.models.hf import _check_checkpoint_dir
+from tierlm.plan.checks import check_supported
 from tierlm.plan.evaluate import evaluate
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.plan.search import plan

@@ -26,7 +26,6 @@ from tierlm.config import (
     ConfigError,
     NotSupportedYet,
     base_format_of,
-    check_supported,
     lora_of,
     parse_bytes,
     to_dict,
@@ -72,6 +71,7 @@ from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
+from tierlm.plan.checks import check
 from tierlm.plan.inputs import cap_gpu_memory, hardware_for, predict_for_engine, train_shape
 from tierlm.plan.policy import auto_plan, offload_policy
 from tierlm.plan.predictions import plan_start_lines, predicted_rates
@@ -134,7 +134,7 @@ def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     """Build the run `cfg` asks for, in order; every check a user can fail comes before the
     work it would waste (a bad --out before the model is loaded, a plan that does not fit
     before the first step)."""
-    check_supported(cfg)
+    check(cfg)  # every check of the config, the features' included: no way in skips one
     memory_watch = MemoryWatch(log)  # first: it measures what the run adds
     check_monitor_deps(cfg)  # a missing optional dependency fails before any work
 
