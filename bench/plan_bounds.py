@@ -90,6 +90,14 @@ def least_moved(p: Plan, shape: ModelShape, train: TrainShape) -> dict[str, int]
     }
 
 
+def estimate(p: Plan) -> tuple[float, float]:
+    """The search's closed-form step and its ratio to the compute (this bench's subject; the
+    plan's prediction is the simulated step, bench/simulated_step.py)."""
+    t = p.times_s
+    step = t.get("estimate", t["step"])
+    return step, step / t["compute"]
+
+
 def row(model: str, precision: str, host: int) -> list[str]:
     shape = ModelShape.from_config(preset_config(model, max_seq_len=2048))
     train = TrainShape(batch_size=4, seq_len=2048, micro_batches=8, precision=precision)
@@ -109,13 +117,13 @@ def row(model: str, precision: str, host: int) -> list[str]:
     least = least_moved(now, shape, train)
     return [
         f"{model} {precision} {host} GiB", f"{t['compute']:.1f}",
-        f"{before.step_over_bound:.2f}",
-        f"{inside.step_s:.1f} s = {inside.step_over_bound:.2f}",
-        f"{now.step_s:.1f} s = {now.step_over_bound:.2f}",
+        f"{estimate(before)[1]:.2f}",
+        "{:.1f} s = {:.2f}".format(*estimate(inside)),
+        "{:.1f} s = {:.2f}".format(*estimate(now)),
         f"{now.order}; {sum(pl.host_grad for pl in disk_segs)}/{len(disk_segs)}; "
         f"{ahead / GiB:.1f} GiB; "
         f"{'inside' if now.writeback is None else now.writeback.segments}",
-        f"{free.step_over_bound:.2f}",
+        f"{estimate(free)[1]:.2f}",
         f"{t['disk']:.1f} s = {t['disk'] / t['compute']:.2f}",
         f"{t['update_ready']:.1f} s ({t['cpu_update']:.1f} + "
         f"{t['update_ready'] - t['cpu_update']:.1f}) + {t['writeback']:.1f} behind / "

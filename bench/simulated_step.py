@@ -61,7 +61,7 @@ def row(model: str, precision: str, host: int, disk: int) -> list[str]:
         f"{model} {precision} {host} GiB",
         f"{counts['device']}/{counts['host']}/{counts['disk']}; "
         f"{len(p.resident_names())} resident; {p.order}",
-        f"{t['step']:.1f} s = {p.step_over_bound:.2f}x",
+        f"{t['estimate']:.1f} s = {t['estimate'] / t['compute']:.2f}x",
         f"{sim:.1f} s", f"{bound:.1f} s", f"{sim / bound:.2f}x",
         " / ".join(f"{t[f'simulated_{k}']:.1f}" for k in ("h2d", "d2h", "disk", "cpu_update",
                                                          "cpu_adds")),
@@ -75,7 +75,7 @@ def main() -> None:
     print("rtx4090 profile, 8 x 4 x 2048 tokens per step; the simulated step is the replay's "
           "second of two steps (tierlm.plan.replay)")
     print()
-    head = ["case", "state device/host/disk; resident; order", "formula step (x compute)",
+    head = ["case", "state device/host/disk; resident; order", "the search's estimate (x compute)",
             "simulated step", "compute bound (compute lane busy)", "ratio",
             "lanes busy s: H2D / D2H / disk / CPU update / CPU adds",
             "compute waiting for copies", "under compute: H2D / D2H / disk", "plan took"]

@@ -66,8 +66,14 @@ def test_big_model_plans_fit_their_budgets(size, hw, host_gib, batch, seq, accum
     ) + 4 * state_numel[Tier.DEVICE]
     assert owned == 16 * shape.n_params
     assert p.tokens_per_s > 0 and p.bottleneck
-    if size in ("7b", "13b"):  # issue J's design points in bf16: within 1.15x of the compute
-        assert p.step_over_bound <= 1.15, p.times_s  # (fp8 is bound by its own disk bytes)
+    if size in ("7b", "13b"):  # issue J's design points in bf16 (fp8: bound by its disk bytes)
+        t = p.times_s
+        # the search's closed-form estimate: within 1.15x of the compute, as issue J planned
+        assert t["estimate"] / t["compute"] <= 1.15, t
+        # the prediction, the simulated step: the update's disk work the forward cannot hide
+        # holds it at 1.43x (7b) and 1.40x (13b) of its compute (issue R's bound,
+        # docs/results/2026-12-03-simulated-step.md); held there
+        assert p.step_over_bound <= 1.5, t
 
 
 def test_plan_cli_prints_breakdown_and_flags(capsys):

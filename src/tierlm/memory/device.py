@@ -171,6 +171,12 @@ class Device:
         on the device (empty where `copy` returns done and the store times it)."""
         return {}
 
+    def take_wait_s(self) -> float:
+        """Seconds the compute stream stood still in `wait` since the previous call, timed on
+        the device (0 where a wait cannot stall the device without the host: on this CPU a
+        copy is done when issued, and the engine's host timers count what the host waits)."""
+        return 0.0
+
 
 class HostDevice(Device):
     pass
@@ -187,6 +193,7 @@ class CudaDevice(Device):
                         Link.D2H: torch.cuda.Stream(torch_device)}
         self._regions: list[tuple[Any, Any]] = []
         self._copies: list[tuple[Link, int, Any, Any]] = []  # timed, read at the step's end
+        self._waits: list[tuple[Any, Any]] = []  # compute's device-side waits, timed
 
     def _current(self):
         return torch.cuda.current_stream(self.torch_device)
@@ -221,7 +228,15 @@ class CudaDevice(Device):
 
     def wait(self, event, what=""):
         if event is not None:
-            self._current().wait_event(event)
+            # timed by events on either side: the second passes only once `event` has, so
+            # their interval is the stall (the host never waits for it: take_wait_s)
+            before = torch.cuda.Event(enable_timing=True)
+            after = torch.cuda.Event(enable_timing=True)
+            stream = self._current()
+            before.record(stream)
+            stream.wait_event(event)
+            after.record(stream)
+            self._waits.append((before, after))
 
     def wait_host(self, event, what=""):
         if event is not None:
@@ -274,6 +289,18 @@ class CudaDevice(Device):
                 pending.append((link, nbytes, start, end))
         self._copies = pending
         return out
+
+    def take_wait_s(self) -> float:
+        """The device-side waits that have passed since the previous call (the others are kept
+        for a later call: nothing waits here)."""
+        total, pending = 0.0, []
+        for before, after in self._waits:
+            if after.query():
+                total += before.elapsed_time(after) / 1000  # ms -> s
+            else:
+                pending.append((before, after))
+        self._waits = pending
+        return total
 
 
 class _AllDone:

@@ -10,7 +10,7 @@ from tierlm.memory.placement import (
     gib,
     keeps_graph,
 )
-from tierlm.plan.evaluate import SIMULATED_LANES
+from tierlm.plan.evaluate import SIMULATED_LANES, simulation_gap
 from tierlm.plan.result import SAFETY_MARGIN, Plan
 from tierlm.plan.timing import compiled_block_source, grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -104,14 +104,26 @@ def describe(
     decode = f" incl. NF4 decode {t['decode']:.2f}" if t.get("decode") else ""
     behind = (f", of which the write-back {t['writeback']:.2f} drains behind the step"
               if t["writeback"] else "")
-    lines.append(f"predicted step: {t['step']:.2f} s = sweep max(compute {t['compute']:.2f}"
+    simulated = "estimate" in t  # the prediction is the simulated step (plan.adopt_simulated)
+    if simulated:
+        busy = ", ".join(f"{lane} {t[f'simulated_{key}']:.2f}"
+                         for key, lane in SIMULATED_LANES.items() if t[f"simulated_{key}"])
+        lines.append(f"predicted step: {t['step']:.2f} s, the engine's operations in issue "
+                     f"order on a simulated {hw.name} ({t['step'] / t['simulated_compute']:.2f}x "
+                     f"its compute {t['simulated_compute']:.2f}); lanes busy: {busy}; compute "
+                     f"waiting for copies {t['simulated_transfer_wait']:.2f}")
+    estimate = t["estimate"] if simulated else t["step"]
+    label = "  the search's estimate" if simulated else "predicted step"
+    lines.append(f"{label}: {estimate:.2f} s = sweep max(compute {t['compute']:.2f}"
                  f"{decode}, "
                  f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
                  f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
                  f"{t['update_disk']:.2f}{behind}, runs behind the next step's first forward "
                  f"({t['update_window']:.2f} s); one disk serves sweep and update: "
-                 f"{t['disk']:.2f} s)")
+                 f"{t['disk']:.2f} s)" + (" (a closed form that grows each variant's placement; "
+                                          "the variants that fit are ranked by their simulated "
+                                          "step)" if simulated else ""))
     if cp > 1 or train.nproc > 1:
         kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
         ring = (f"ring K/V {gib(kv)} sent per rank per step = {t['net']:.2f} s, overlapping "
@@ -123,17 +135,19 @@ def describe(
                  if train.nproc > 1 else "")
         lines.append(f"  + net lane {t['net_lane']:.2f} s in the sweep's max, at "
                      f"{hw.net_Bps / 1e9:.1f} GB/s: " + "; ".join(x for x in (ring, grads) if x))
-    if "simulated_step" in t:  # the replay of the engine's operations in virtual time
+    gap = simulation_gap(shape, train, hw)
+    if "simulated_step" in t and not simulated:
         busy = ", ".join(f"{lane} {t[f'simulated_{key}']:.2f}"
                          for key, lane in SIMULATED_LANES.items() if t[f"simulated_{key}"])
-        lines.append(f"simulated step: {t['simulated_step']:.2f} s "
+        lines.append(f"simulated step without {gap}: {t['simulated_step']:.2f} s "
                      f"({t['simulated_step'] / max(t['simulated_compute'], 1e-30):.2f}x its "
-                     f"compute {t['simulated_compute']:.2f}; the formula above: "
-                     f"{t['step']:.2f} s); lanes busy: {busy}; compute waiting for copies "
-                     f"{t['simulated_transfer_wait']:.2f}")
+                     f"compute {t['simulated_compute']:.2f}); lanes busy: {busy}; compute "
+                     f"waiting for copies {t['simulated_transfer_wait']:.2f} (the prediction "
+                     f"above prices {gap}, which the simulator does not yet)")
+    bound = t["simulated_compute"] if simulated else t["compute"]
     lines.append(f"tokens/s: {p.tokens_per_s:,.0f}; bottleneck: {p.bottleneck}; lower bound "
-                 f"{t['compute']:.2f} s (the step's compute at the profile's rate, "
-                 f"{train.tokens_per_step / t['compute']:,.0f} tokens/s): predicted step "
+                 f"{bound:.2f} s (the step's compute at the profile's rate, "
+                 f"{train.tokens_per_step / bound:,.0f} tokens/s): predicted step "
                  f"{p.step_over_bound:.2f}x of it")
     lines.append("moved per step: " + ", ".join(
         f"{k} {gib(v)}" for k, v in p.moved_bytes.items() if v))

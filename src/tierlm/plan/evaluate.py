@@ -17,7 +17,7 @@ from tierlm.memory.placement import (
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.plan.result import Plan, _problems
-from tierlm.plan.timing import _bottleneck, _times, writeback_bytes
+from tierlm.plan.timing import _bottleneck, _times, compiled_block_factor, writeback_bytes
 from tierlm.runtime import schedule
 from tierlm.runtime.byte_replay import _compute_copies, _simulate, readahead_schedule
 from tierlm.runtime.schedule import micro_batches_in_flight
@@ -171,3 +171,36 @@ def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool
     parked = schedule.parked_inputs(["full"] * (len(shape.names) - 1), on_host)
     return micro_batches_in_flight(train.micro_batches, order) * len(parked) * \
         train.batch_size * train.seq_len * shape.hidden_size * 4
+
+
+# what each simulated lane is called when it sets the step
+_LANE_BOTTLENECK = {"compute": "compute", "h2d": "PCIe (H2D/D2H)", "d2h": "PCIe (H2D/D2H)",
+                    "disk": "disk", "cpu_update": "CPU optimizer update",
+                    "cpu_adds": "CPU gradient adds"}
+
+
+def simulation_gap(shape: ModelShape, train: TrainShape, hw: HardwareProfile) -> str | None:
+    """What of the plan's step the simulated timeline does not price yet (None: all of it). The
+    simulator has no network lane (the context-parallel ring, the gradient sync across ranks),
+    no NF4 decode pass and no compiled blocks' measured speedup: for such plans the prediction
+    stays the closed-form estimate (`tierlm.plan.timing`), which prices them."""
+    if train.nproc > 1 or train.context_parallel > 1:
+        return "the network between ranks"
+    if shape.base_nf4_numels:
+        return "the NF4 decode"
+    if compiled_block_factor(train, hw) != 1.0:
+        return "the compiled blocks' measured speedup"
+    return None
+
+
+def adopt_simulated(p: Plan, train: TrainShape) -> None:
+    """Make `p`'s prediction its simulated step (`simulated_times` already in `p.times_s`): the
+    step, tokens/s, the bottleneck (the busiest lane) and the bound it is compared with (the
+    simulated compute). The closed-form estimate the search grew the placement by is kept as
+    `times_s["estimate"]`."""
+    t = p.times_s
+    t["estimate"] = t["step"]
+    t["step"] = t["simulated_step"]
+    p.tokens_per_s = train.tokens_per_step / t["step"]
+    busy = {key: t[f"simulated_{key}"] for key in _LANE_BOTTLENECK}
+    p.bottleneck = _LANE_BOTTLENECK[max(busy, key=busy.get)]  # type: ignore[arg-type]

@@ -76,8 +76,10 @@ class Plan:
 
     @property
     def step_over_bound(self) -> float:
-        """The predicted step over its lower bound, the compute alone: 1.0 is compute-bound."""
-        return self.times_s["step"] / self.times_s["compute"]
+        """The predicted step over its lower bound, the compute alone: 1.0 is compute-bound
+        (a simulated step: over the simulated compute)."""
+        t = self.times_s
+        return t["step"] / t["simulated_compute" if "estimate" in t else "compute"]
 
     def resident_names(self) -> list[str]:
         return [n for n, p in zip(self.names, self.placements, strict=True) if p.resident]

@@ -19,7 +19,14 @@ from tierlm.memory.placement import (
 )
 from tierlm.memory.tiers import Tier
 from tierlm.plan.advice import _what_would_fit
-from tierlm.plan.evaluate import _evaluate, _replay, parked_bytes, simulated_times
+from tierlm.plan.evaluate import (
+    _evaluate,
+    _replay,
+    adopt_simulated,
+    parked_bytes,
+    simulated_times,
+    simulation_gap,
+)
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.runtime.byte_replay import activation_workspace_bytes
 from tierlm.runtime.readahead import ReadAhead
@@ -66,6 +73,8 @@ def plan(
                                                   host_budget)
     if "simulated_step" not in p.times_s:
         p.times_s.update(simulated_times(shape, train, hw, p))
+    if simulation_gap(shape, train, hw) is None:
+        adopt_simulated(p, train)
     return p
 
 

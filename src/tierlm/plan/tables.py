@@ -109,8 +109,7 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
     # --finetune lora/qlora: the optimizer holds state for the adapters only
     n = shape.trained_numel if shape.frozen else sum(shape.numels)
     rows = ["", "each optimizer (--opt) in this plan:",
-            "  optimizer     state     B/param  state on disk   disk r+w/step  tokens/s  "
-            "simulated  fits"]
+            "  optimizer     state     B/param  state on disk   disk r+w/step  tokens/s  fits"]
     for name in OPTIMIZERS:
         if name == cfg.optim.name:
             s, p = shape, chosen
@@ -121,11 +120,8 @@ def optimizer_table_text(cfg: Config, model_config: Any, hw: HardwareProfile, pr
         on_disk = p.disk_bytes
         moved = p.moved_bytes.get("disk_read", 0) + p.moved_bytes.get("disk_write", 0)
         fits = "yes" if p.fits else "no: " + "; ".join(p.problems)
-        # the formula's tokens/s and the simulated step's (the plan was chosen by the latter)
-        sim = p.times_s.get("simulated_step")
-        simulated = f"{p.tokens_per_s * p.step_s / sim:>9,.0f}" if sim else f"{'-':>9}"
         rows.append(f"  {name:<12}{gib(state):>10}{state / n:>9.2f}  {gib(on_disk):>13}  "
-                    f"{gib(moved):>13}  {p.tokens_per_s:>8,.0f}  {simulated}  {fits}")
+                    f"{gib(moved):>13}  {p.tokens_per_s:>8,.0f}  {fits}")
     return "\n".join(rows)
 
 

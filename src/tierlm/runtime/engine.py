@@ -325,7 +325,9 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             "sweep_s": sweep_s,  # forward + backward, including waits for weights
             "compute_s": self.clock.take(),  # forward, backward, on-device updates; no waits
             "update_wait_s": self.update_wait_s,  # part of sweep_s spent on the last update
-            "transfer_wait_s": self.transfer_wait_s,  # part of sweep_s spent waiting for weights
+            # part of sweep_s spent waiting for weights: the host's waits, and on a GPU the
+            # compute stream's (timed on the device: the host never blocks on those)
+            "transfer_wait_s": self.transfer_wait_s + self.dev.take_wait_s(),
             "step_time_s": time.perf_counter() - t0,
             **self.dev.end_step(begun),  # a simulated device's step in virtual time
         }
