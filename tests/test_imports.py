@@ -13,19 +13,7 @@ MAX_FUNCTION_IMPORTS = 20
 # into each feature's package; the ordered build replaces distributed/setup.py; the engine's
 # split cuts runtime/pinned.py's). Delete each entry with its import: one that no longer matches
 # fails this test.
-PENDING = {
-    ("tierlm/config.py", "tierlm.activations.overrides"),
-    ("tierlm/config.py", "tierlm.distributed.checks"),
-    ("tierlm/config.py", "tierlm.memory.hardware"),
-    ("tierlm/distributed/setup.py", "tierlm.config"),
-    ("tierlm/distributed/setup.py", "tierlm.distributed.context"),
-    ("tierlm/distributed/setup.py", "tierlm.distributed.context_step"),
-    ("tierlm/distributed/setup.py", "tierlm.distributed.fsdp"),
-    ("tierlm/runtime/pinned.py", "tierlm.memory.arena"),
-    ("tierlm/runtime/pinned.py", "tierlm.runtime.byte_replay"),
-    ("tierlm/runtime/pinned.py", "tierlm.runtime.shapes"),
-    ("tierlm/train/trainer.py", "tierlm.runtime"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 
 def function_imports() -> list[tuple[str, str, int, list[str]]]:

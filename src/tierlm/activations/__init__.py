@@ -1,7 +1,7 @@
 """Activation memory: per-segment checkpoint / offload policies and their byte accounting
 (ARCHITECTURE.md section 6).
 
-The names below load on first use, not when the package is imported: `tierlm.config` checks
+The names below load on first use, not when the package is imported: `tierlm.plan.checks` checks
 `--activations.overrides` through the torch-free `tierlm.activations.overrides` before anything
 has imported torch (so `tierlm --help` and a bad flag answer at once)."""
 

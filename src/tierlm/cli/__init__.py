@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "memory-node":
-        from tierlm.node.cli import memory_node_main
+        from tierlm.node.cli import memory_node_main  # as its parser above: node/ owns it
 
         return memory_node_main(args)
     cfg = None

@@ -45,7 +45,7 @@ def lora_of(cfg: Config) -> LoraConfig | None:
 
 
 def base_format_of(cfg: Config, precision: str) -> str:
-    """How the frozen base is held and streamed (tierlm.models.frozen), given the resolved
+    """How the frozen base is held and streamed (tierlm.runtime.frozen), given the resolved
     compute `precision`: nf4 under --finetune qlora (decoded to what the layers compute in),
     its bf16 compute copy under --finetune lora in bf16, else fp32."""
     if cfg.train.finetune == "qlora":

@@ -53,7 +53,7 @@ class TrainConfig:
     """What training updates: full (every parameter), lora (low-rank adapters on the layers
     --lora.targets names, the base frozen; the run writes RUN_DIR/adapter in peft's format and
     its checkpoints hold the adapters only), qlora (lora on a base whose adapted layers' weights
-    are stored, streamed and read as NF4 with double-quantised scales: tierlm.models.nf4)
+    are stored, streamed and read as NF4 with double-quantised scales: tierlm.precision.nf4)
     (--finetune)."""
     max_steps: int = 100
     """Optimizer steps to run (--max-steps)."""

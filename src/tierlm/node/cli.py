@@ -6,6 +6,9 @@ import argparse
 import logging
 import sys
 
+from tierlm.config import ConfigError, parse_bytes
+from tierlm.node.auth import load_token
+
 
 def add_memory_node_parser(sub) -> None:
     p = sub.add_parser(
@@ -43,8 +46,7 @@ def _error(msg: str) -> int:
 
 
 def memory_node_main(args: argparse.Namespace) -> int:
-    from tierlm.config import ConfigError, parse_bytes
-    from tierlm.node.auth import load_token
+    # the protocol and the server import torch (seconds): only for this command, not --help
     from tierlm.node.protocol import parse_address
 
     if args.offload_dir is not None:
@@ -62,7 +64,7 @@ def memory_node_main(args: argparse.Namespace) -> int:
         return _error(f"--idle-timeout {args.idle_timeout}: give a positive number of seconds")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s memory-node: %(message)s")
-    from tierlm.node.server import NodeOptions, NodeServer
+    from tierlm.node.server import NodeOptions, NodeServer  # torch, as above
 
     try:
         server = NodeServer(NodeOptions(host=host, port=port, memory_bytes=memory_bytes,
