@@ -211,6 +211,18 @@ _SIZES = {"size", "numel", "dim", "element_size", "nbytes"}
 # not flag; `test_the_step_reads_through_the_device_once` holds that it stays one
 GLOBAL_NORM_READ: dict = {}
 ALLOWED = {
+    ("runtime/frozen.py", "FrozenBase.init_state", ".synchronize"):
+        "a LoRA base's device copy put in place at setup, before the first step",
+    ("runtime/frozen.py", "FrozenBase.init_state", "torch.cuda.current_stream"):
+        "the same setup copy's stream",
+    # the reference trainer is the plain PyTorch loop the tiered engine is compared with (a
+    # user's loop reads its loss and norm each step): not the tiered step this test guards
+    ("runtime/reference.py", "ReferenceStep.step", "non_blocking"):
+        "the reference loop's batch copy",
+    ("runtime/reference.py", "ReferenceStep.step", ".item"):
+        "the reference loop's loss and clipped norm",
+    ("runtime/reference.py", "ReferenceStep.eval_loss", ".item"):
+        "evaluation in the reference loop, outside a step",
     ("memory/arena.py", "_Block.reclaim", ".synchronize"):
         "the pinned arena out of free ranges waits for the oldest freed one's copies: a stall "
         "the plan's arena size avoids, not a sync of every step",
