@@ -70,6 +70,8 @@ LIGHT = [
       "--activations.overrides", "block.0=full"], 0, "block.0=full"),
     (["train", "--max-steps", "x"], 2, "train.max_steps: got 'x'"),
     (["train", "--offload-policy", "bogus"], 2, "memory.offload_policy: got 'bogus'"),
+    # a bad value names the flag the user typed, beside the config key
+    (["train", "--microbatch-order", "x"], 2, "--microbatch-order / memory.microbatch_order: got"),
     (["train", "--device-budget", "1GiB"], 2, "add --offload-policy auto"),
     (["train", "--nproc", "0"], 2, "--nproc: must be >= 1"),
     (["train", "--sparse-grad-ratio-overrides", "x"], 2, "--sparse-grad-ratio-overrides: 'x'"),

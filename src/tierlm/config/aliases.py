@@ -58,3 +58,13 @@ SEED_FLAGS: dict[str, str] = {
     "--disk-endurance-tbw": "memory.disk_endurance_tbw",
     "--export-dtype": "run.export_dtype",
 }
+
+_FLAG_FOR = {dotted: flag for flag, dotted in SEED_FLAGS.items()}
+
+
+def flag_label(key: str) -> str:
+    """How an error names config key `key`: with the short flag a user types where one exists
+    (`--offload-policy / memory.offload_policy`), so it reads right on the command line and in a
+    YAML file."""
+    flag = _FLAG_FOR.get(key)
+    return f"{flag} / {key}" if flag else key

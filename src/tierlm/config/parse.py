@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tierlm.config.aliases import flag_label
 from tierlm.config.checks import validate
 from tierlm.config.errors import ConfigError
 from tierlm.config.fields import describe_type, type_hints
@@ -22,7 +23,7 @@ from tierlm.config.schema import Config
 def coerce(key: str, value: Any, tp: Any) -> Any:
     """Convert a YAML or command-line value to the field's type, or raise naming the key."""
     origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}: got {value!r}, expected {describe_type(tp)}")
+    bad = ConfigError(f"{flag_label(key)}: got {value!r}, expected {describe_type(tp)}")
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
