@@ -2,8 +2,10 @@
 
 Pinned are the host buffers PCIe copies read or write: the copy a streamed host-tier segment
 crosses from (`runtime.state.pinned_class`), disk loads' staging, a gradient file pass's chunks,
-the landing ring and parked boundary inputs. How many of them a step holds at once is a matter
-of the step's order (a load in flight while a gradient lands and inputs wait on the host), which
+the landing ring, parked boundary inputs and the saved tensors the offload activation policy
+keeps on the host (their sizes measured once, tierlm.activations.dynamic.probe_offload_bytes).
+How many of them a step holds at once is a matter of the step's order (a load in flight while a
+gradient lands and inputs wait on the host), which
 the planner's replay (tierlm.runtime.byte_replay._simulate) already walks with the engine's own walk
 and rules. So the arena is sized by that replay, run on a shape made from the engine's own
 parts (its flat layouts, its compute copies' exact bytes, its parked inputs): one byte model for
@@ -16,6 +18,8 @@ the step's region what the step's buffers reach.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tierlm.memory.arena import ArenaReplay, PinnedBytes
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.runtime.byte_replay import _simulate
@@ -27,12 +31,15 @@ from tierlm.runtime.shapes import ModelShape, TrainShape
 def step_pinned_bytes(
     parts: StepParts, placements: list[SegmentPlacement], options: EngineOptions, *,
     micro_batches: int, batch_size: int, seq_len: int, parked: frozenset[int] | None = None,
+    offloaded: Sequence[Sequence[int]] = (),
 ) -> PinnedBytes:
     """The pinned bytes (arena footprints) of the engine built from `parts` under `placements`
     and `options`, for a step of `micro_batches` x `batch_size` x `seq_len` tokens: persistent,
     and the step's peak beside them. `parked`: the segments whose boundary input waits on the
     host (Engine.parked_inputs; None: every segment but the first when boundaries go to the
-    host, the most any activation policy parks)."""
+    host, the most any activation policy parks). `offloaded`: per segment but the head, the host
+    buffers (bytes, in order) the offload policy cuts from the arena for each micro-batch (()
+    where the segment does not offload; tierlm.activations.dynamic.probe_offload_bytes)."""
     segs = parts.adapter.segments
     layouts = parts.layouts
     optimizer = parts.optimizer
@@ -65,6 +72,6 @@ def step_pinned_bytes(
               keep_resident=options.keep_resident_activations,
               boundary_host=parts.host_boundaries, chunk_numel=options.staging_chunk_numel,
               readahead=options.readahead, parked=parked if parked is not None else frozenset(),
-              arena=arena)
+              arena=arena, offloaded=offloaded)
     return arena.pinned_bytes()
 

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tierlm.activations import dynamic_reserve_bytes, probe_costs, resolve_policies
+from tierlm.activations import (
+    dynamic_reserve_bytes,
+    probe_costs,
+    probe_offload_bytes,
+    resolve_policies,
+)
 from tierlm.activations.dynamic import SegmentCosts
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.memory.device import Device
@@ -45,6 +50,9 @@ class StepPlan:
     """Measured activation bytes per segment (dynamic only), for monitoring and re-choosing."""
     activation_reserve_bytes: int = 0
     """Device bytes the placement reserved for the activation policy (dynamic's minimum)."""
+    offload_bytes: tuple[tuple[int, ...], ...] = ()
+    """Per segment but the head, the host buffers (bytes, in order) `offload` takes from the
+    pinned arena for one micro-batch (measured; () where a segment does not offload)."""
 
     @property
     def placements(self) -> list[SegmentPlacement]:
@@ -138,13 +146,24 @@ def plan_step(
         # full-parameter segments only, so their kept graphs are not measured)
         boundary_bytes=boundary_bytes, planned=planned or parts.frozen_base,
     )
+    # the host buffers offloaded saved tensors take, measured as dynamic's costs are (a LoRA
+    # base's segments are not probed: the engine measures them in its first step and grows its
+    # arena after it, Engine._learn_offload_sizes)
+    offloaded = [p == "offload" for p in policies]
+    offload_bytes = probe_offload_bytes(
+        segs[:-1], parts.layouts[:-1], initial_weights, parts.adapter.context, offloaded,
+        device=device.torch_device if isinstance(device, Device) else device,
+        batch_size=options.batch_size, seq_len=options.seq_len,
+        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+        autocast=options.autocast,
+    ) if any(offloaded) and not parts.frozen_base else ()
     # the host RAM the step pins (tierlm.runtime.pinned), which the engine's arena will hold
     report = dataclasses.replace(report, pinned=step_pinned_bytes(
         parts, report.placements, options, micro_batches=options.micro_batches,
         batch_size=options.batch_size, seq_len=options.seq_len,
-        parked=parked_inputs(policies, parts.host_boundaries)))
+        parked=parked_inputs(policies, parts.host_boundaries), offloaded=offload_bytes))
     options.check_placement(report)
     return StepPlan(options=options, report=report, activation_policies=tuple(policies),
                     park_recomputed=dynamic, activation_costs=costs,
-                    activation_reserve_bytes=reserve)
+                    activation_reserve_bytes=reserve, offload_bytes=offload_bytes)
 
