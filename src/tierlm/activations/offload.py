@@ -6,9 +6,10 @@ host buffer (`HostPool`). In an engine the buffers are cut from the run's pinned
 the forward and given back after the backward, so the arena, allocated once per run, is what
 lives across steps; the plan's replay (tierlm.runtime.byte_replay) cuts the same sizes in the
 same order, measured before the first step by running each offloaded segment once
-(`offloaded_sizes`). Under CUDA the copies run on the copy streams: the device-to-host copy starts when the tensor
-is produced and overlaps the rest of the forward; the engine asks for the host-to-device copy one
-segment ahead of the backward, so it overlaps the backward of the segment before. On a CPU-only
+(`offloaded_sizes`). Under CUDA the copies run on the copy streams: the device-to-host copy
+starts when the tensor is produced and overlaps the rest of the forward; the engine asks for the
+host-to-device copy one segment ahead of the backward, so it overlaps the backward of the
+segment before. On a CPU-only
 machine the "device" is the CPU and the copies are plain memcpys, still counted as D2H/H2D so the
 ledger shows what a GPU run would move.
 """
