@@ -1,14 +1,21 @@
 """The offload policy's host buffers are pinned memory as counted (issue R, item 4): cut from the
 run's pinned arena (tierlm.memory.arena), counted by the ledger as pinned host activations, and
 in the arena's size as the plan's replay counts them (tierlm.runtime.pinned, with the sizes the
-plan measured: tierlm.activations.dynamic.probe_offload_bytes)."""
+plan measured: tierlm.runtime.pinned.offload_sizes)."""
 
 import copy
 
 import pytest
 import torch
 
-from tests.runtime_helpers import OPTIM, batches, new_engine, tiny_model
+from tests.runtime_helpers import (
+    OPTIM,
+    batches,
+    bf16_autocast,
+    bf16_model,
+    new_engine,
+    tiny_model,
+)
 from tierlm.activations.offload import Copier
 from tierlm.config import ActivationConfig
 from tierlm.memory.arena import footprint_bytes
@@ -28,11 +35,11 @@ PLACEMENTS = {
 }
 
 
-def _engine(model, tmp_path, spec, order, m, acts):
+def _engine(model, tmp_path, spec, order, m, acts, **kw):
     n = len(ModelShape.from_config(copy.deepcopy(model.config)).names)
     return new_engine(model, tmp_path, policy="auto", placements=[PLACEMENTS[spec]] * n,
                       microbatch_order=order, micro_batches=m, staging_chunk_numel=CHUNK,
-                      keep_resident_activations=False, activations=acts)
+                      keep_resident_activations=False, activations=acts, **kw)
 
 
 class _Spy:
@@ -85,9 +92,24 @@ def test_offloaded_activations_are_cut_from_the_arena_the_plan_sized(spec, order
     """Every host buffer the offload copies into is the arena's; the ledger counts them as
     pinned activations; the arena the plan sized before the step holds the ledger's pinned
     peak within one 4 KiB unit per buffer held at that peak, and a second step fits it."""
-    model = tiny_model("llama_untied", layers=2)
+    _check_offload_arena(tiny_model("llama_untied", layers=2), spec, order, acts, tmp_path,
+                         monkeypatch)
+
+
+@pytest.mark.parametrize("spec", ["host", "tiered"])
+def test_bf16_streamed_segments_offload_what_their_compute_copy_saves(spec, tmp_path,
+                                                                     monkeypatch):
+    """bf16: a streamed segment computes from its bf16 compute copy, whose weights the graph
+    saves as views (no autocast casts): the plan's probe runs the same format, so the arena
+    is exact from the first step."""
+    _check_offload_arena(bf16_model(tiny_model("llama_untied", layers=2)), spec,
+                         "microbatch-outer", ActivationConfig(policy="offload"), tmp_path,
+                         monkeypatch, autocast=bf16_autocast)
+
+
+def _check_offload_arena(model, spec, order, acts, tmp_path, monkeypatch, **kw):
     m = 2
-    eng = _engine(model, tmp_path, spec, order, m, acts)
+    eng = _engine(model, tmp_path, spec, order, m, acts, **kw)
     spy = _Spy(eng, monkeypatch)
     spy.live = len(eng.states) if spec == "host" else 0  # the masters, pinned at init
     arena, led = eng.store.arena, eng.ledger

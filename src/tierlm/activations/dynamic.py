@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from tierlm.activations.offload import offloaded_sizes
 from tierlm.activations.policies import Keep, RunScope, Selective
 from tierlm.activations.rerun import recording_paused
 from tierlm.activations.saved import storages_of
@@ -135,8 +134,8 @@ def probe_costs(
     """Measure `SegmentCosts` for `embed` and one block by running `Keep` and `Selective` on the
     device with the step's shape; every block has the first one's costs. `segments` excludes
     the head; `weights` gives a segment's initial weights (runtime.state.InitialWeights)."""
-    ids, h, ctx = _probe_inputs(context, device=device, batch_size=batch_size, seq_len=seq_len,
-                                hidden_size=hidden_size, vocab_size=vocab_size)
+    ids, h, ctx = probe_inputs(context, device=device, batch_size=batch_size, seq_len=seq_len,
+                               hidden_size=hidden_size, vocab_size=vocab_size)
     with recording_paused():  # random inputs: fp8 layers cast them without moving their scales
         measured = [_measure(segments[i], layouts[i], weights(segments[i]),
                              ids if i == 0 else h, ctx, device, autocast)
@@ -144,49 +143,12 @@ def probe_costs(
     return measured[:1] + measured[1:] * (len(segments) - 1)
 
 
-def _probe_inputs(context, *, device, batch_size, seq_len, hidden_size, vocab_size):
+def probe_inputs(context, *, device, batch_size, seq_len, hidden_size, vocab_size):
     """Token ids, a hidden state and their context with the step's shape (seeded)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g).to(device)
     h = torch.randn(batch_size, seq_len, hidden_size, generator=g).to(device)
     return ids, h, context(ids, h)
-
-
-def probe_offload_bytes(
-    segments: list,
-    layouts: list[FlatLayout],
-    weights: Callable[[Any], Mapping[str, torch.Tensor]],
-    context: Callable[[torch.Tensor, torch.Tensor], object],
-    offloaded: list[bool],
-    *,
-    device: torch.device,
-    batch_size: int,
-    seq_len: int,
-    hidden_size: int,
-    vocab_size: int,
-    autocast: Callable,
-) -> tuple[tuple[int, ...], ...]:
-    """Per segment (the head excluded), the host buffers (bytes, in order) the `offload` policy
-    takes for one micro-batch, measured by running `embed` and one block forward with the
-    step's shape as `probe_costs` does (every block takes the first one's); () for the
-    segments not `offloaded`. The sizes the pinned arena is sized with (tierlm.runtime.pinned)."""
-    ids, h, ctx = _probe_inputs(context, device=device, batch_size=batch_size, seq_len=seq_len,
-                                hidden_size=hidden_size, vocab_size=vocab_size)
-    measured: dict[int, tuple[int, ...]] = {}
-    with recording_paused():
-        for s, off in enumerate(offloaded):
-            i = min(s, 1)  # embed, or the first block for every block
-            if off and i not in measured:
-                seg, layout = segments[i], layouts[i]
-                flat = layout.pack(weights(seg), torch.empty(layout.numel)).to(device)
-
-                def run(w: torch.Tensor, inp: torch.Tensor, seg=seg, layout=layout):
-                    with autocast():
-                        return seg.forward(layout.views(w), inp, ctx)
-
-                x = ids if i == 0 else h
-                measured[i] = offloaded_sizes(run, flat, x, storages_of(x, ctx))
-    return tuple(measured[min(s, 1)] if off else () for s, off in enumerate(offloaded))
 
 
 def _measure(seg, layout: FlatLayout, weights, x, ctx, device, autocast) -> SegmentCosts:

@@ -340,7 +340,7 @@ def _simulate(
     waits on the host where the engine's activation policies say so (None: those `keep_resident`
     and `boundary_host` give); `offloaded`: per segment, the host buffers (bytes, in order) the
     offload policy takes from the pinned arena for each micro-batch's forward (() where the
-    segment does not offload; tierlm.activations.dynamic.probe_offload_bytes measures them).
+    segment does not offload; tierlm.runtime.pinned.offload_sizes measures them).
 
     The sweep is the engine's own walk (tierlm.runtime.walk) over a counting backend, and the
     rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an action

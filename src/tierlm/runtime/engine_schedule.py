@@ -79,8 +79,9 @@ class EngineSchedule:
         pool = self._make_policy.pool
         if self._offload_shape is not None and pool.observed:
             known = self._offload_sizes.setdefault(self._offload_shape, {})
-            learned = {self.index[name]: sizes for name, sizes in pool.observed.items()}
-            if any(known.get(s) != sizes for s, sizes in learned.items()):
+            learned = {self.index[name]: sizes for name, sizes in pool.observed.items()
+                       if sizes}
+            if any(known.get(s, ()) != sizes for s, sizes in learned.items()):
                 known.update(learned)
                 self._pinned_need = {k: v for k, v in self._pinned_need.items()
                                      if k[1:] != self._offload_shape}

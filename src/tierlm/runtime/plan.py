@@ -16,19 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tierlm.activations import (
-    dynamic_reserve_bytes,
-    probe_costs,
-    probe_offload_bytes,
-    resolve_policies,
-)
+from tierlm.activations import dynamic_reserve_bytes, probe_costs, resolve_policies
 from tierlm.activations.dynamic import SegmentCosts
 from tierlm.config import ActivationConfig, NotSupportedYet, OptimConfig
 from tierlm.memory.device import Device
 from tierlm.memory.placement import PlacementReport, SegmentPlacement, keeps_graph
 from tierlm.runtime.options import EngineOptions
 from tierlm.runtime.parts import StepParts
-from tierlm.runtime.pinned import step_pinned_bytes
+from tierlm.runtime.pinned import offload_sizes, step_pinned_bytes
 from tierlm.runtime.placement import place
 from tierlm.runtime.schedule import parked_inputs
 from tierlm.runtime.state import InitialWeights, module_weights
@@ -150,12 +145,9 @@ def plan_step(
     # base's segments are not probed: the engine measures them in its first step and grows its
     # arena after it, Engine._learn_offload_sizes)
     offloaded = [p == "offload" for p in policies]
-    offload_bytes = probe_offload_bytes(
-        segs[:-1], parts.layouts[:-1], initial_weights, parts.adapter.context, offloaded,
+    offload_bytes = offload_sizes(
+        parts, report.placements, offloaded, initial_weights, options,
         device=device.torch_device if isinstance(device, Device) else device,
-        batch_size=options.batch_size, seq_len=options.seq_len,
-        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
-        autocast=options.autocast,
     ) if any(offloaded) and not parts.frozen_base else ()
     # the host RAM the step pins (tierlm.runtime.pinned), which the engine's arena will hold
     report = dataclasses.replace(report, pinned=step_pinned_bytes(
