@@ -16,6 +16,7 @@ _HOMES = {
     "choose_policies": "dynamic",
     "head_workspace_bytes": "dynamic",
     "probe_costs": "dynamic",
+    "probe_inputs": "dynamic",
     "POLICY_NAMES": "overrides",
     "parse_overrides": "overrides",
     "ActivationPolicy": "policies",
@@ -56,6 +57,7 @@ __all__ = [
     "parse_overrides",
     "pinned_policies",
     "probe_costs",
+    "probe_inputs",
     "resolve_policies",
     "storages_of",
 ]

@@ -134,15 +134,21 @@ def probe_costs(
     """Measure `SegmentCosts` for `embed` and one block by running `Keep` and `Selective` on the
     device with the step's shape; every block has the first one's costs. `segments` excludes
     the head; `weights` gives a segment's initial weights (runtime.state.InitialWeights)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g).to(device)
-    h = torch.randn(batch_size, seq_len, hidden_size, generator=g).to(device)
-    ctx = context(ids, h)
+    ids, h, ctx = probe_inputs(context, device=device, batch_size=batch_size, seq_len=seq_len,
+                               hidden_size=hidden_size, vocab_size=vocab_size)
     with recording_paused():  # random inputs: fp8 layers cast them without moving their scales
         measured = [_measure(segments[i], layouts[i], weights(segments[i]),
                              ids if i == 0 else h, ctx, device, autocast)
                     for i in range(min(2, len(segments)))]
     return measured[:1] + measured[1:] * (len(segments) - 1)
+
+
+def probe_inputs(context, *, device, batch_size, seq_len, hidden_size, vocab_size):
+    """Token ids, a hidden state and their context with the step's shape (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=g).to(device)
+    h = torch.randn(batch_size, seq_len, hidden_size, generator=g).to(device)
+    return ids, h, context(ids, h)
 
 
 def _measure(seg, layout: FlatLayout, weights, x, ctx, device, autocast) -> SegmentCosts:

@@ -1,10 +1,15 @@
 """Saved tensors to host RAM after the forward, back to the device ahead of the backward.
 
 Each activation storage is copied once (several saved views of one buffer share the copy) into a
-host buffer from a pool that lives across steps, so pinned memory is allocated once, not every
-step. Under CUDA the copies run on the copy streams: the device-to-host copy starts when the tensor
-is produced and overlaps the rest of the forward; the engine asks for the host-to-device copy one
-segment ahead of the backward, so it overlaps the backward of the segment before. On a CPU-only
+host buffer (`HostPool`). In an engine the buffers are cut from the run's pinned arena
+(tierlm.memory.arena, through the store: counted by the ledger as pinned host activations) at
+the forward and given back after the backward, so the arena, allocated once per run, is what
+lives across steps; the plan's replay (tierlm.runtime.byte_replay) cuts the same sizes in the
+same order, measured before the first step by running each offloaded segment once
+(`offloaded_sizes`). Under CUDA the copies run on the copy streams: the device-to-host copy
+starts when the tensor is produced and overlaps the rest of the forward; the engine asks for the
+host-to-device copy one segment ahead of the backward, so it overlaps the backward of the
+segment before. On a CPU-only
 machine the "device" is the CPU and the copies are plain memcpys, still counted as D2H/H2D so the
 ledger shows what a GPU run would move.
 """
@@ -15,26 +20,79 @@ from collections import defaultdict
 
 import torch
 
-from tierlm.activations.saved import FrozenWeights, SavedTensorScope
+from tierlm.activations.saved import FrozenWeights, SavedTensorScope, storage_bytes
 from tierlm.memory.device import Device
 from tierlm.memory.disk import aligned_empty
 from tierlm.memory.ledger import Ledger
-from tierlm.memory.tiers import Link
+from tierlm.memory.store import Store
+from tierlm.memory.tiers import Link, TensorClass, Tier
 
 
 class HostPool:
-    """Host byte buffers by size, reused across steps (pinned where CUDA exists; elsewhere
-    mappings of their own, unmapped when the pool lets them go)."""
+    """Host byte buffers for offloaded activations.
 
-    def __init__(self) -> None:
+    With a `store` (an engine's): the buffer a segment's `index`-th offloaded storage takes is
+    cut from the run's pinned arena when its size is the one `expected` for that position (the
+    sizes the arena was sized with, `Engine.pinned_bytes`), so the arena sees exactly the
+    sequence the plan's replay counted; a size the count did not foresee (a segment switched to
+    `offload` later, a step of another row shape, a format the probe did not run) takes a
+    pageable host buffer, counted by the ledger but not pinned (its copies are synchronous on a
+    GPU). What each segment's last run took is kept in `observed`, from which the engine sizes
+    the arena for the next step (Engine._learn_offload_sizes).
+
+    Without one (a policy run on its own): pinned where CUDA exists, elsewhere mappings of their
+    own, reused by size and unmapped when the pool lets them go."""
+
+    def __init__(self, store: Store | None = None) -> None:
+        self.store = store
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.expected: dict[str, tuple[int, ...]] = {}  # segment -> sizes the arena holds
+        self.observed: dict[str, tuple[int, ...]] = {}  # segment -> sizes its last run took
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        free = self._free[nbytes]
-        return free.pop() if free else aligned_empty(nbytes, torch.uint8)
+    def take(self, nbytes: int, segment: str = "", index: int = 0) -> torch.Tensor:
+        if self.store is None:
+            free = self._free[nbytes]
+            return free.pop() if free else aligned_empty(nbytes, torch.uint8)
+        sizes = self.expected.get(segment, ())
+        pinned = index < len(sizes) and sizes[index] == nbytes
+        return self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, nbytes, torch.uint8,
+                                pinned=pinned)
 
     def give(self, buf: torch.Tensor) -> None:
-        self._free[buf.numel()].append(buf)
+        if self.store is None:
+            self._free[buf.numel()].append(buf)
+            return
+        # an arena range comes back once the copies queued so far (its copy back) have finished
+        self.store.free(Tier.HOST, TensorClass.ACTIVATION, buf)
+
+    def observe(self, segment: str, sizes: tuple[int, ...]) -> None:
+        self.observed[segment] = sizes
+
+
+class _SizeScope(SavedTensorScope):
+    """Records the bytes of the host buffer each offloaded storage would take, in order."""
+
+    def __init__(self, weights: torch.Tensor, shared: set[int]) -> None:
+        super().__init__(weights, shared)
+        self.sizes: list[int] = []
+
+    def pack_activation(self, t: torch.Tensor, key: int, first: bool) -> object:
+        if first:
+            self.sizes.append(storage_bytes(t))
+        return t
+
+
+def offloaded_sizes(run, w: torch.Tensor, x: torch.Tensor, shared: set[int]) -> tuple[int, ...]:
+    """The host buffers (bytes, in the order they are taken) the offload policy takes for one
+    forward of `run` on weights `w` and input `x` (`shared`: the storages the step holds
+    anyway): the step's sizes, since they depend only on the segment, its format and the
+    input's shape."""
+    leaf = w.detach().requires_grad_()
+    xin = x.detach().requires_grad_() if x.is_floating_point() else x
+    scope = _SizeScope(leaf, shared)
+    with torch.enable_grad(), scope.hooks():
+        run(leaf, xin)
+    return tuple(scope.sizes)
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -117,12 +175,16 @@ class OffloadScope(SavedTensorScope):
     def pack_activation(self, t: torch.Tensor, key: int, first: bool) -> object:
         if first:
             src = _bytes_view(t)
-            host = self.pool.take(src.numel())
+            host = self.pool.take(src.numel(), self.segment, len(self._all))
             written = self.copier.to_host(host, src)
             self.ledger.record_move(Link.D2H, src.numel())
             self._copies[key] = _HostCopy(host, written)
             self._all.append(self._copies[key])
         return _Offloaded(self._copies[key], t)
+
+    def sizes(self) -> tuple[int, ...]:
+        """The bytes of each host buffer this run took, in order."""
+        return tuple(c.host.numel() for c in self._all)
 
     def bring_back(self) -> None:
         """Start copying every activation back to the device (before the backward needs it)."""

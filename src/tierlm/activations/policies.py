@@ -36,6 +36,7 @@ from tierlm.activations.saved import FrozenWeights, SavedTensorScope, storage_ke
 from tierlm.activations.selective import SelectiveRun
 from tierlm.memory.device import Device, as_device
 from tierlm.memory.ledger import Ledger
+from tierlm.memory.store import Store
 
 SegmentRun = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one segment: (flat weights, boundary input) -> output, under the step's autocast."""
@@ -223,6 +224,7 @@ class Offload(ActivationPolicy):
         with torch.enable_grad(), host.hooks():
             out = run(leaf, xin)
         _release_weights(leaf)
+        self.pool.observe(scope.segment, host.sizes())
         scope.ledger.hold_activation(scope.segment, "offloaded", host.bytes)
         return out.detach(), _Graph(out, leaf, xin, host.bytes, host)
 
@@ -238,12 +240,14 @@ class Offload(ActivationPolicy):
 
 
 class PolicyFactory:
-    """Builds policy objects by name for one engine (shared host pool, copier, RNG replay)."""
+    """Builds policy objects by name for one engine (shared host pool, copier, RNG replay).
+    `store`: the engine's, whose pinned arena the offloaded activations are cut from."""
 
-    def __init__(self, device: torch.device | Device, *, dropout: bool) -> None:
+    def __init__(self, device: torch.device | Device, *, dropout: bool,
+                 store: Store | None = None) -> None:
         dev = as_device(device)
         copier = Copier(dev)
-        pool = HostPool()
+        self.pool = pool = HostPool(store)
         rng = RngReplay(dev.torch_device, dropout)
         self._make: dict[str, Callable[[], ActivationPolicy]] = {
             "keep": Keep,

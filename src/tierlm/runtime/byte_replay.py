@@ -6,7 +6,7 @@ a counting store (`_CountingStore`) and step (`_CountingStep`) stand in for the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -180,7 +180,8 @@ class _CountingStep:
     def __init__(self, shape: ModelShape, placements: list[SegmentPlacement], store,
                  cache, actions: list, hidden: int, chunk_numel: int,
                  on_action: Callable[[int, str, Any], None], ring,
-                 load: Callable[[int], Any] | None = None) -> None:
+                 load: Callable[[int], Any] | None = None,
+                 offloaded: Sequence[Sequence[int]] = ()) -> None:
         self.shape, self.placements, self.store, self.cache = shape, placements, store, cache
         self.ring = ring  # the step's landing ring (tierlm.runtime.landing.LandingRing)
         self.ledger: Ledger = store.ledger
@@ -195,6 +196,10 @@ class _CountingStep:
         self.stale = {s for s, p in enumerate(placements)
                       if p.resident and p.state_tier != Tier.DEVICE and not shape.frozen}
         self.load = load  # the replay's loader of a segment's weights (start_load's bytes)
+        # per segment, the host buffers the offload policy cuts from the pinned arena for one
+        # micro-batch's forward and gives back after its backward (tierlm.activations.offload)
+        self.offloaded = offloaded
+        self.offload_held: dict[tuple[int, int], list[_Bytes]] = {}  # (micro-batch, segment)
 
     def begin(self, k: int, a: Any) -> None:
         self.on_action(k, "run", a)
@@ -219,8 +224,14 @@ class _CountingStep:
                                                 torch.uint8))
         self.ledger.record_move(Link.DISK_READ, nbytes)
 
-    def forward(self, a: Any, w: None, xs: list) -> list[_Bytes]:
-        return [self.act] * len(xs)
+    def forward(self, a: Any, w: None, xs: list) -> Iterator[_Bytes]:
+        sizes = self.offloaded[a.seg] if a.seg < len(self.offloaded) else ()
+        for i in a.mbs:  # each output before the next micro-batch runs, as the engine's
+            if sizes:
+                self.offload_held[(i, a.seg)] = [
+                    self.store.alloc(Tier.HOST, TensorClass.ACTIVATION, n, torch.uint8,
+                                     pinned=True) for n in sizes]
+            yield self.act
 
     def head(self, k: int, a: Any, i: int, w: None, x: _Bytes, grad: _Bytes,
              tied: _Bytes | None) -> _Bytes:
@@ -228,6 +239,8 @@ class _CountingStep:
 
     def backward(self, a: Any, i: int, w: None, x: _Bytes | None, gout: _Bytes,
                  grad: _Bytes) -> _Bytes:
+        for t in self.offload_held.pop((i, a.seg), ()):  # after the backward that read them
+            self.store.free(Tier.HOST, TensorClass.ACTIVATION, t)
         return self.act
 
     def hold(self, t: _Bytes, boundary: int | None) -> None:
@@ -312,6 +325,7 @@ def _simulate(
     readahead: ReadAhead | None = None,
     parked: frozenset[int] | None = None,
     arena: ArenaReplay | None = None,
+    offloaded: Sequence[Sequence[int]] = (),
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
     activation workspace outside it, and the host staging held by a concurrent update. Its
@@ -324,7 +338,9 @@ def _simulate(
     `readahead`: the update's read-ahead (tierlm.runtime.readahead), its reads counted at the
     backward actions the engine issues them after; `parked`: the segments whose boundary input
     waits on the host where the engine's activation policies say so (None: those `keep_resident`
-    and `boundary_host` give).
+    and `boundary_host` give); `offloaded`: per segment, the host buffers (bytes, in order) the
+    offload policy takes from the pinned arena for each micro-batch's forward (() where the
+    segment does not offload; tierlm.runtime.pinned.offload_sizes measures them).
 
     The sweep is the engine's own walk (tierlm.runtime.walk) over a counting backend, and the
     rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an action
@@ -398,7 +414,7 @@ def _simulate(
     ring_numel = landing_ring_numel(actions, train.micro_batches, landings, chunk_numel)
     ring = LandingRing(store, ring_numel)  # type: ignore[arg-type]
     step = _CountingStep(shape, placements, store, cache, actions, hidden, chunk_numel,
-                         on_action, ring, Load)
+                         on_action, ring, Load, offloaded)
     tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     rules = StepRules(
         micro_batches=train.micro_batches,

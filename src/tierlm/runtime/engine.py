@@ -137,7 +137,14 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         self.activation_costs = plan.activation_costs  # measured per-segment bytes (dynamic)
         self.activation_head_bytes = parts.head_bytes  # the head's predicted activation peak
         self.chunk_tokens = parts.chunk_tokens  # tokens per cross-entropy chunk at the head
-        self._make_policy = PolicyFactory(self.dev, dropout=self.has_dropout)
+        # offloaded saved tensors are cut from the store's pinned arena
+        self._make_policy = PolicyFactory(self.dev, dropout=self.has_dropout, store=self.store)
+        # (batch size, seq len) -> segment -> the host buffers (bytes, in order) its `offload`
+        # run takes per micro-batch: the plan's probe, then what steps took (_learn_offload_sizes)
+        self._offload_sizes: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {
+            (options.batch_size, options.seq_len): {
+                s: sizes for s, sizes in enumerate(plan.offload_bytes) if sizes}}
+        self._offload_shape: tuple[int, int] | None = None  # the last step's rows
         self.set_activation_policies(list(plan.activation_policies))
         # The host buffers PCIe copies read or write come from one pinned arena, sized before
         # anything is allocated by the rule the plan's pinned bytes come from
@@ -290,6 +297,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             # a step of a larger shape than planned (more micro-batches, longer rows) grows
             # the pinned arena's step region, between steps
             b, t = mbs[0].ids.shape
+            self._learn_offload_sizes(b, t)
             self.store.arena.reserve_transient(self.pinned_bytes(m, b, t).transient_bytes)
             divisor = self.opts.grad_sync.loss_divisor(tokens)
             actions = self.schedule(m)

@@ -60,8 +60,36 @@ class EngineSchedule:
         if key not in self._pinned_need:
             self._pinned_need[key] = self._pinned_rule(
                 micro_batches=m, batch_size=batch_size, seq_len=seq_len,
-                parked=self.parked_inputs)
+                parked=self.parked_inputs, offloaded=self.offloaded_sizes(batch_size, seq_len))
         return self._pinned_need[key]
+
+    def offloaded_sizes(self, batch_size: int, seq_len: int) -> list[tuple[int, ...]]:
+        """Per segment but the head, the host buffers (bytes, in order) its `offload` run takes
+        from the pinned arena per micro-batch of `batch_size` x `seq_len` tokens, as far as
+        known (the plan's probe, or a step of that shape); () for the others."""
+        known = self._offload_sizes.get((batch_size, seq_len), {})
+        return [known.get(s, ()) if name == "offload" else ()
+                for s, name in enumerate(self.activation_policies)]
+
+    def _learn_offload_sizes(self, batch_size: int, seq_len: int) -> None:
+        """Between steps: what the last step's offloaded segments took becomes the sizes their
+        arena ranges are counted with (a segment the probe did not run, a row shape it did not
+        see: their buffers were pageable in that step), so the step region grows before this
+        step where they need more (`reserve_transient`); then the pool expects this step's."""
+        pool = self._make_policy.pool
+        if self._offload_shape is not None and pool.observed:
+            known = self._offload_sizes.setdefault(self._offload_shape, {})
+            learned = {self.index[name]: sizes for name, sizes in pool.observed.items()
+                       if sizes}
+            if any(known.get(s, ()) != sizes for s, sizes in learned.items()):
+                known.update(learned)
+                self._pinned_need = {k: v for k, v in self._pinned_need.items()
+                                     if k[1:] != self._offload_shape}
+        pool.observed.clear()
+        self._offload_shape = (batch_size, seq_len)
+        names = [st.seg.name for st in self.states]
+        pool.expected = {names[s]: sizes for s, sizes in
+                         enumerate(self.offloaded_sizes(batch_size, seq_len)) if sizes}
 
     def landing_ring_numel(self, actions: list[Action], m: int) -> int:
         """Elements of the landing ring a step of `actions` over `m` micro-batches holds

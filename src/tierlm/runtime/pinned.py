@@ -2,8 +2,10 @@
 
 Pinned are the host buffers PCIe copies read or write: the copy a streamed host-tier segment
 crosses from (`runtime.state.pinned_class`), disk loads' staging, a gradient file pass's chunks,
-the landing ring and parked boundary inputs. How many of them a step holds at once is a matter
-of the step's order (a load in flight while a gradient lands and inputs wait on the host), which
+the landing ring, parked boundary inputs and the saved tensors the offload activation policy
+keeps on the host (their sizes measured once, `offload_sizes`).
+How many of them a step holds at once is a matter of the step's order (a load in flight while a
+gradient lands and inputs wait on the host), which
 the planner's replay (tierlm.runtime.byte_replay._simulate) already walks with the engine's own walk
 and rules. So the arena is sized by that replay, run on a shape made from the engine's own
 parts (its flat layouts, its compute copies' exact bytes, its parked inputs): one byte model for
@@ -16,8 +18,19 @@ the step's region what the step's buffers reach.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tierlm.activations.dynamic import probe_inputs
+from tierlm.activations.offload import offloaded_sizes
+from tierlm.activations.rerun import recording_paused
+from tierlm.activations.saved import storages_of
 from tierlm.memory.arena import ArenaReplay, PinnedBytes
 from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.tiers import Tier
+from tierlm.precision.streaming import ComputeCopies, ComputeFormat, slot_kinds
 from tierlm.runtime.byte_replay import _simulate
 from tierlm.runtime.options import EngineOptions
 from tierlm.runtime.parts import StepParts
@@ -27,12 +40,15 @@ from tierlm.runtime.shapes import ModelShape, TrainShape
 def step_pinned_bytes(
     parts: StepParts, placements: list[SegmentPlacement], options: EngineOptions, *,
     micro_batches: int, batch_size: int, seq_len: int, parked: frozenset[int] | None = None,
+    offloaded: Sequence[Sequence[int]] = (),
 ) -> PinnedBytes:
     """The pinned bytes (arena footprints) of the engine built from `parts` under `placements`
     and `options`, for a step of `micro_batches` x `batch_size` x `seq_len` tokens: persistent,
     and the step's peak beside them. `parked`: the segments whose boundary input waits on the
     host (Engine.parked_inputs; None: every segment but the first when boundaries go to the
-    host, the most any activation policy parks)."""
+    host, the most any activation policy parks). `offloaded`: per segment but the head, the host
+    buffers (bytes, in order) the offload policy cuts from the arena for each micro-batch (()
+    where the segment does not offload; `offload_sizes`)."""
     segs = parts.adapter.segments
     layouts = parts.layouts
     optimizer = parts.optimizer
@@ -65,6 +81,55 @@ def step_pinned_bytes(
               keep_resident=options.keep_resident_activations,
               boundary_host=parts.host_boundaries, chunk_numel=options.staging_chunk_numel,
               readahead=options.readahead, parked=parked if parked is not None else frozenset(),
-              arena=arena)
+              arena=arena, offloaded=offloaded)
     return arena.pinned_bytes()
 
+
+
+def offload_sizes(
+    parts: StepParts, placements: list[SegmentPlacement], offloaded: Sequence[bool],
+    weights: Callable[[Any], Mapping[str, torch.Tensor]], options: EngineOptions, *,
+    device: torch.device,
+) -> tuple[tuple[int, ...], ...]:
+    """Per segment but the head, the host buffers (bytes, in order) the `offload` policy takes
+    for one micro-batch of the step's shape: `embed` and one block run forward once on the
+    device on `weights` (runtime.state.InitialWeights), in the format the engine computes them
+    in (a segment whose state is off the device runs from its compute copy, whose weights the
+    graph saves as views, not as autocast's casts); every block takes the first block's sizes
+    in the same format. () for the segments not `offloaded`."""
+    segs = parts.adapter.segments
+    cfg = parts.compute_copies
+    ids, h, ctx = probe_inputs(parts.adapter.context, device=device,
+                               batch_size=options.batch_size, seq_len=options.seq_len,
+                               hidden_size=parts.hidden_size, vocab_size=parts.vocab_size)
+    measured: dict[tuple[int, bool], tuple[int, ...]] = {}
+    out = []
+    with recording_paused():  # random inputs: fp8 layers cast them without moving their scales
+        for s, off in enumerate(offloaded):
+            if not off:
+                out.append(())
+                continue
+            i, layout = min(s, 1), parts.layouts[s]
+            fmt = (ComputeFormat(layout, slot_kinds(cfg.model, layout))
+                   if placements[s].state_tier != Tier.DEVICE and isinstance(cfg, ComputeCopies)
+                   and cfg.copy_nbytes(layout) is not None else None)
+            key = (i, fmt is not None)
+            if key not in measured:
+                seg, layout = segs[i], parts.layouts[i]
+                master = layout.pack(weights(seg), torch.empty(layout.numel))
+                if fmt is None:
+                    flat, views = master.to(device), layout.views
+                else:  # the engine's device copy: the encoded compute copy (Engine._weights)
+                    fmt = ComputeFormat(layout, slot_kinds(cfg.model, layout))
+                    wire = torch.empty(fmt.nbytes, dtype=torch.uint8)
+                    fmt.encode(master, wire)
+                    flat, views = fmt.flat(wire.to(device)), fmt.views
+
+                def run(w: torch.Tensor, x: torch.Tensor, seg=seg, views=views) -> torch.Tensor:
+                    with options.autocast():
+                        return seg.forward(views(w), x, ctx)
+
+                x = ids if i == 0 else h
+                measured[key] = offloaded_sizes(run, flat, x, storages_of(x, ctx))
+            out.append(measured[key])
+    return tuple(out)

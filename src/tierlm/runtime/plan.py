@@ -23,7 +23,7 @@ from tierlm.memory.device import Device
 from tierlm.memory.placement import PlacementReport, SegmentPlacement, keeps_graph
 from tierlm.runtime.options import EngineOptions
 from tierlm.runtime.parts import StepParts
-from tierlm.runtime.pinned import step_pinned_bytes
+from tierlm.runtime.pinned import offload_sizes, step_pinned_bytes
 from tierlm.runtime.placement import place
 from tierlm.runtime.schedule import parked_inputs
 from tierlm.runtime.state import InitialWeights, module_weights
@@ -45,6 +45,9 @@ class StepPlan:
     """Measured activation bytes per segment (dynamic only), for monitoring and re-choosing."""
     activation_reserve_bytes: int = 0
     """Device bytes the placement reserved for the activation policy (dynamic's minimum)."""
+    offload_bytes: tuple[tuple[int, ...], ...] = ()
+    """Per segment but the head, the host buffers (bytes, in order) `offload` takes from the
+    pinned arena for one micro-batch (measured; () where a segment does not offload)."""
 
     @property
     def placements(self) -> list[SegmentPlacement]:
@@ -138,13 +141,21 @@ def plan_step(
         # full-parameter segments only, so their kept graphs are not measured)
         boundary_bytes=boundary_bytes, planned=planned or parts.frozen_base,
     )
+    # the host buffers offloaded saved tensors take, measured as dynamic's costs are (a LoRA
+    # base's segments are not probed: the engine measures them in its first step and grows its
+    # arena after it, Engine._learn_offload_sizes)
+    offloaded = [p == "offload" for p in policies]
+    offload_bytes = offload_sizes(
+        parts, report.placements, offloaded, initial_weights, options,
+        device=device.torch_device if isinstance(device, Device) else device,
+    ) if any(offloaded) and not parts.frozen_base else ()
     # the host RAM the step pins (tierlm.runtime.pinned), which the engine's arena will hold
     report = dataclasses.replace(report, pinned=step_pinned_bytes(
         parts, report.placements, options, micro_batches=options.micro_batches,
         batch_size=options.batch_size, seq_len=options.seq_len,
-        parked=parked_inputs(policies, parts.host_boundaries)))
+        parked=parked_inputs(policies, parts.host_boundaries), offloaded=offload_bytes))
     options.check_placement(report)
     return StepPlan(options=options, report=report, activation_policies=tuple(policies),
                     park_recomputed=dynamic, activation_costs=costs,
-                    activation_reserve_bytes=reserve)
+                    activation_reserve_bytes=reserve, offload_bytes=offload_bytes)
 
