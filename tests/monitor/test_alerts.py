@@ -273,9 +273,12 @@ def test_disk_slow_alert_fires_when_disk_reads_slow_down(corpus, tmp_path, monke
     step = t.stepper.step
 
     def throttled(b, lr):
-        if t.step == 5:  # from step 6 on every read takes 20 ms longer: a disk gone slow
+        # from step 6 on every read takes 80 ms longer: a disk gone slow. (20 ms was too little
+        # on two loaded cores: a tiny run's read can take 5-10 ms there, and the rolling window
+        # at step 9 still holds one fast step, so the fall stayed above the alert's 5x.)
+        if t.step == 5:
             def slow_pread(*args, **kwargs):
-                time.sleep(0.02)
+                time.sleep(0.08)
                 return pread(*args, **kwargs)
 
             monkeypatch.setattr(disk_module, "_pread_at_least", slow_pread)
