@@ -20,7 +20,6 @@ from tierlm.distributed.world import launch_if_asked
 from tierlm.memory import PlacementError
 from tierlm.memory.hardware import probe_path
 from tierlm.models import ModelLoadError
-from tierlm.monitor.report import report_main
 from tierlm.paths import cache_dir
 from tierlm.plan.probe import run_probe
 from tierlm.plan.tables import print_plan
@@ -60,6 +59,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str) -> Path:
 
 
 def _report(args: argparse.Namespace, cfg: Config | None, argv: list[str]) -> int:
+    # matplotlib (tens of MiB of RSS): only `tierlm report` draws; a training run never loads it
+    from tierlm.monitor.report import report_main
+
     return report_main(args.runs, args.out)
 
 
