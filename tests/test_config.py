@@ -136,6 +136,13 @@ EXAMPLE_VALUES = {
     "--disk-endurance-tbw": "1200",
     "--boundary-activations": "host",
     "--export-dtype": "bfloat16",
+    "--memory-node": "10.0.0.2:29600",
+    "--memory-node-token-file": "/etc/tierlm/node.token",
+    "--memory-node-transport": "gloo",
+    "--memory-node-timeout": "30.0",
+    "--remote": "block.[0-9]",
+    "--memory-node-memory": "128GiB",
+    "--net-bandwidth": "25Gbit",
     "--compile": "segments",
     "--finetune": "lora",
 }

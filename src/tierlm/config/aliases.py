@@ -57,6 +57,13 @@ SEED_FLAGS: dict[str, str] = {
     "--disk-budget": "memory.disk_budget",
     "--disk-endurance-tbw": "memory.disk_endurance_tbw",
     "--export-dtype": "run.export_dtype",
+    "--memory-node": "memory.memory_node",
+    "--memory-node-token-file": "memory.memory_node_token_file",
+    "--memory-node-transport": "memory.memory_node_transport",
+    "--memory-node-timeout": "memory.memory_node_timeout",
+    "--remote": "memory.remote",
+    "--memory-node-memory": "memory.memory_node_memory",
+    "--net-bandwidth": "memory.net_bandwidth",
 }
 
 _FLAG_FOR = {dotted: flag for flag, dotted in SEED_FLAGS.items()}

@@ -181,6 +181,14 @@ def _check_trace_step(cfg: Config) -> None:
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them (--device is
     checked against the hardware profiles by `tierlm.memory.hardware.check_device`)."""
+    node_flags = [(flag, value) for flag, value in (
+        ("--memory-node", cfg.memory.memory_node), ("--remote", cfg.memory.remote),
+        ("--memory-node-memory", cfg.memory.memory_node_memory),
+        ("--net-bandwidth", cfg.memory.net_bandwidth)) if value is not None]
+    if node_flags:
+        raise NotSupportedYet(f"{node_flags[0][0]} (a memory node as a tier of the trainer)",
+                              "`tierlm memory-node` runs a node; the trainer's side is being "
+                              "built")
     if cfg.train.finetune in ("lora", "qlora") and (
         cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
     ):

@@ -72,4 +72,27 @@ class MemoryConfig:
     datasheet; 600 is a 1 TB consumer NVMe's). The plan and every run with disk-tier state report
     the share of it a day of training writes, and warn above 1% a day
     (--disk-endurance-tbw)."""
+    memory_node: str | None = None
+    """A memory node's ADDRESS:PORT (its `tierlm memory-node --listen`): another machine's RAM
+    holds the master and optimizer state of the segments placed there, and its cores run their
+    update; empty: no node (--memory-node)."""
+    memory_node_token_file: str | None = None
+    """File with the secret shared with the memory node (its --token-file); readable by its
+    owner only (--memory-node-token-file)."""
+    memory_node_transport: Literal["socket", "gloo"] = "socket"
+    """How tensors cross to the memory node: a TCP socket, or gloo point-to-point over TCP
+    (--memory-node-transport)."""
+    memory_node_timeout: float = 120.0
+    """Seconds the trainer waits for the memory node to answer before it stops with an error
+    naming the node and the last checkpoint (--memory-node-timeout)."""
+    remote: str | None = None
+    """Regex of segment names (embed, block.N, head) whose state lives on the memory node, e.g.
+    'block.[0-9]'; empty: the offload policy decides (--remote)."""
+    memory_node_memory: str | None = None
+    """RAM of the memory node the plan may fill, e.g. 128GiB: with --memory-node, at most what
+    the node offers; without, `tierlm plan` plans a node that is not there yet
+    (--memory-node-memory)."""
+    net_bandwidth: str | None = None
+    """Link rate to the memory node for the plan, e.g. 25Gbit or 3GB/s; empty: measured at the
+    node's handshake, or `tierlm probe --memory-node` (--net-bandwidth)."""
 

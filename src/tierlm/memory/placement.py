@@ -47,8 +47,17 @@ class SegmentPlacement:
     """Where the gradient accumulates between the backward and the update; None: with the
     state. Only disk-tier state may hold its gradient on the host (no gradient byte then
     touches the disk: the update reads master and slots from disk, the gradient from RAM)."""
+    remote: bool = False
+    """Host-tier state whose fp32 master and optimizer slots live on a memory node
+    (tierlm.node, `Tier.REMOTE`): host RAM keeps the landed gradient and the compute copy the
+    stream uploads from (the fp32 weights where the segment has no compute copy), refreshed
+    from the node after each update. Every host-tier path of the step (loads, landing, norms)
+    is the same; the update, the first fill and the checkpoint go over the network."""
 
     def __post_init__(self) -> None:
+        if self.remote and (self.state_tier != Tier.HOST or self.grad_tier is not None):
+            raise ValueError("remote state is host-tier state whose master and slots live on "
+                             "the memory node (state_tier host, gradient with it)")
         if self.grad_tier not in (None, self.state_tier) and not (
                 self.state_tier == Tier.DISK and self.grad_tier == Tier.HOST):
             raise ValueError(f"a segment with {self.state_tier.value}-tier state cannot hold its "
@@ -59,6 +68,11 @@ class SegmentPlacement:
     def gradient_tier(self) -> Tier:
         """The tier the gradient lives on (the state's unless `grad_tier` says otherwise)."""
         return self.grad_tier or self.state_tier
+
+    @property
+    def home(self) -> Tier:
+        """Where the master and optimizer state live: the state's tier, or the memory node."""
+        return Tier.REMOTE if self.remote else self.state_tier
 
     @property
     def host_grad(self) -> bool:
@@ -83,6 +97,9 @@ class PlacementReport:
     # of the host bytes, what the run pins for PCIe copies (its pinned arena, sized by
     # tierlm.runtime.pinned; plan_step fills it in); None: not known yet
     pinned: PinnedBytes | None = None
+    # bytes the memory node holds for the run (tierlm.node: master, slots, its gradient sum and
+    # compute copy per remote segment); 0 without remote segments
+    remote_bytes: int = 0
 
 
 def update_staging_bytes(

@@ -9,6 +9,7 @@ class Tier(StrEnum):
     DEVICE = "device"  # the GPU; on a CPU-only machine the CPU itself, accounted separately
     HOST = "host"  # RAM (pinned where CUDA exists)
     DISK = "disk"  # files under the offload directory
+    REMOTE = "remote"  # a memory node's RAM (tierlm.node): master and optimizer state only
 
 
 class TensorClass(StrEnum):

@@ -84,7 +84,7 @@ def _account(
     base held in its copy where it has one (bf16 or NF4, tierlm.runtime.frozen), no master."""
     copies = copy_bytes or [None] * len(numels)
     slots = slot_bytes or [0] * len(numels)
-    held = {Tier.DEVICE: activation_bytes, Tier.HOST: 0, Tier.DISK: 0}
+    held = {Tier.DEVICE: activation_bytes, Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}
     for n, c, b, p in zip(numels, copies, slots, placements, strict=True):
         for tier, _, nbytes in persistent_bytes(p, n, b, c, frozen=frozen,
                                                 base_copy=base_copy and c is not None):
@@ -105,7 +105,8 @@ def _account(
     held[Tier.HOST] += max((loads[s].staging_bytes for s in on_disk), default=0)
     # and the landings on their way to host RAM or their files (the ring held), alongside both
     held[Tier.HOST] += 0 if frozen else landing_staging_bytes(numels, placements, chunk_numel)
-    return PlacementReport(placements, held[Tier.DEVICE], held[Tier.HOST], held[Tier.DISK])
+    return PlacementReport(placements, held[Tier.DEVICE], held[Tier.HOST], held[Tier.DISK],
+                           remote_bytes=held[Tier.REMOTE])
 
 
 class PlacementPolicy:

@@ -201,6 +201,8 @@ def persistent_bytes(
     in its file, and a resident segment's device copy. A frozen base held in its own copy
     (`base_copy`: NF4 or bf16, tierlm.runtime.frozen) has that copy as all its state."""
     tier = placement.state_tier
+    if placement.remote:
+        return _remote_bytes(placement, numel, slot_bytes, copy_bytes, frozen=frozen)
     if base_copy:
         out = [(tier, TensorClass.COMPUTE, copy_bytes)]
     else:
@@ -216,6 +218,27 @@ def persistent_bytes(
     return out
 
 
+def _remote_bytes(placement: SegmentPlacement, numel: int, slot_bytes: int,
+                  copy_bytes: int | None, *, frozen: bool) -> list[tuple[Tier, TensorClass, int]]:
+    """`persistent_bytes` of a segment whose state lives on a memory node: the node holds the
+    fp32 master, the optimizer's slots, the gradient it sums what is pushed into, and the
+    compute copy it encodes (none where the master serves); host RAM holds the landed gradient
+    and the compute copy the stream uploads from (fp32 weights where there is no copy)."""
+    if frozen:
+        raise ValueError("frozen weights on a memory node are not supported yet")
+    out = [(Tier.REMOTE, TensorClass.MASTER, 4 * numel),
+           (Tier.REMOTE, TensorClass.OPTIM, slot_bytes),
+           (Tier.REMOTE, TensorClass.GRAD, 4 * numel)]
+    if copy_bytes is not None:
+        out.append((Tier.REMOTE, TensorClass.COMPUTE, copy_bytes))
+    out += [(Tier.HOST, TensorClass.GRAD, 4 * numel),
+            (Tier.HOST, TensorClass.COMPUTE, 4 * numel if copy_bytes is None else copy_bytes)]
+    if placement.resident:
+        out.append((Tier.DEVICE, TensorClass.COMPUTE,
+                    4 * numel if copy_bytes is None else copy_bytes))
+    return out
+
+
 def pinned_class(placement: SegmentPlacement, copy_bytes: int | None) -> TensorClass | None:
     """The class of a segment's persistent host buffer that crosses PCIe, pinned for the run
     (tierlm.memory.arena): host-tier state streams (and a resident copy is refreshed) from its
@@ -225,6 +248,8 @@ def pinned_class(placement: SegmentPlacement, copy_bytes: int | None) -> TensorC
     counts by it."""
     if placement.state_tier != Tier.HOST:
         return None
+    if placement.remote:  # its host copy is the compute copy, fp32 or not
+        return TensorClass.COMPUTE
     return TensorClass.MASTER if copy_bytes is None else TensorClass.COMPUTE
 
 
