@@ -141,6 +141,19 @@ class Device:
         the simulated device uses the price."""
         return contextlib.nullcontext()
 
+    def net(self, link: Link, nbytes: int, name: str) -> contextlib.AbstractContextManager[None]:
+        """A transfer of `nbytes` of payload to (`Link.NET_SEND`) or from (`Link.NET_RECV`) the
+        memory node, made by the calling thread inside this context (tierlm.node's client
+        blocks until it is done); priced by the time model on the network lane of that
+        direction; only the simulated device uses the price."""
+        return contextlib.nullcontext()
+
+    def node_work(self, name: str, *, params: float) -> contextlib.AbstractContextManager[None]:
+        """The memory node's optimizer update of `params` parameters (AdamW-equivalent work,
+        as `cpu_work` prices it), which the calling thread waits for inside this context;
+        priced on the node's CPU lane; only the simulated device uses the price."""
+        return contextlib.nullcontext()
+
     def io(self, fut: Future, link: Link, nbytes: int, what: str = "") -> Future:
         """A disk request the store just started (its future); the simulated device books it
         on the drive's lane."""
