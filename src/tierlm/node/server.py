@@ -297,9 +297,9 @@ class Session:
     def _get_compute_copy(self, header: dict):
         seg = self._seg(header)
         kinds = header.get("kinds")
-        if kinds is not None and tuple(kinds) != (
-                seg.compute_format.kinds if seg.compute_format is not None
-                else ("fp32",) * len(seg.layout.slots)):
+        if kinds is not None and list(kinds) != (
+                list(seg.compute_format.kinds) if seg.compute_format is not None
+                else ["fp32"] * len(seg.layout.slots)):
             self._reformat(seg, kinds)
         if seg.compute_format is None:
             return {"kinds": ["fp32"] * len(seg.layout.slots)}, (seg.master,)

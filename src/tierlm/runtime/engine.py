@@ -159,7 +159,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         # per segment: its state, the state the optimizer updates, its frozen weights' copy
         self.states, self.trained, self.frozen = place_segments(
             self.store, parts, self.report.placements, initial_weights, device=device,
-            update_ranges=self._update_ranges)
+            update_ranges=self._update_ranges, node=options.node, optim=optim)
         self.cache = StreamCache(
             self.store,
             lambda s: self.states[s].device_nbytes(),  # asked when a slot is taken

@@ -19,6 +19,7 @@ from tierlm.memory.placement import (
     SegmentPlacement,
 )
 from tierlm.memory.tiers import Tier
+from tierlm.node.client import NodeClient
 from tierlm.runtime.grad_sync import NO_SYNC, GradSync
 from tierlm.runtime.placement import PlacementPolicy
 from tierlm.runtime.readahead import ReadAhead
@@ -41,6 +42,13 @@ class EngineOptions:
     """microbatch-outer or layer-outer."""
     resident: str | None = None
     """Regex of segment names whose compute weights stay on the device."""
+    remote: str | None = None
+    """Regex of segment names whose master and optimizer state live on the memory node
+    (--remote): their placements become remote host-tier state (`place`); needs `node`."""
+    node: NodeClient | None = None
+    """The memory node's connected session (tierlm.node.client), which holds the master and
+    optimizer state of remote segments and runs their updates; None: no node (a remote
+    placement is then refused)."""
     device_budget_bytes: int | None = None
     host_budget_bytes: int | None = None
     disk_budget_bytes: int | None = None

@@ -11,6 +11,12 @@ gradient landings), and `place`, which chooses placements by a typed policy
   as their backward comes soonest), then host RAM, then disk.
 - `Planned` (`auto`): placements chosen elsewhere, only accounted and checked; the planner's
   policy, which carries its plan, is tierlm.plan.policy.Auto (plan/ sits above runtime/).
+- `RemoteState` (`remote`): every segment's state on the memory node (tierlm.node) but the
+  `--resident` ones, which stay on the device.
+
+Under any policy, `--remote REGEX` (`place`'s `remote`) moves the matching segments' state to
+the memory node: remote host-tier state (`SegmentPlacement.remote`), resident where the policy
+made them resident.
 
 A placement that cannot fit its budgets is refused before training with the numbers. The
 per-segment record (`SegmentPlacement`) and the chunking constants are mechanism, in
@@ -190,10 +196,37 @@ class Planned(PlacementPolicy):
                              "(tierlm.plan.policy.Auto gives them)")
 
 
+@dataclass(frozen=True)
+class RemoteState(PlacementPolicy):
+    """`remote`: every segment's master and optimizer state on the memory node (host RAM
+    holds its landed gradient and the compute copy the stream uploads from), but the
+    `--resident` ones, which keep their state on the device."""
+
+    name: ClassVar[str] = "remote"
+    hint: ClassVar[str] = ("give the memory node more --memory, or put fewer segments on it "
+                           "with --offload-policy host/tiered and --remote REGEX")
+
+    def choose(self, names, numels, pinned, **_) -> list[SegmentPlacement]:
+        return [SegmentPlacement(True, Tier.DEVICE) if pinned(n)
+                else SegmentPlacement(False, Tier.HOST, remote=True) for n in names]
+
+
 # --offload-policy name -> its policy
 PLACEMENT_POLICIES: dict[str, PlacementPolicy] = {
-    p.name: p for p in (AllDevice(), HostState(), DiskState(), Tiered(), Planned())
+    p.name: p for p in (AllDevice(), HostState(), DiskState(), Tiered(), Planned(),
+                        RemoteState())
 }
+
+
+def to_remote(placements: list[SegmentPlacement], names: list[str], pattern: str | None
+              ) -> list[SegmentPlacement]:
+    """`placements` with the segments `pattern` matches (--remote, a regex over the whole
+    name) moved to the memory node, resident where they were (a device-tier segment was)."""
+    if not pattern:
+        return placements
+    match = re.compile(pattern)
+    return [SegmentPlacement(p.resident, Tier.HOST, remote=True) if match.fullmatch(n) else p
+            for n, p in zip(names, placements, strict=True)]
 
 
 def placement_policy(policy: str | PlacementPolicy) -> PlacementPolicy:
@@ -223,9 +256,11 @@ def place(
     whole_update: bool = False,
     frozen: bool = False,
     chunk_numel: int = STAGING_CHUNK_NUMEL,
+    remote: str | None = None,
 ) -> PlacementReport:
     """Choose a placement per segment by `policy` (a PlacementPolicy or its name) and check it
-    against the budgets.
+    against the budgets; `remote` (--remote): a regex of segments whose state then moves to
+    the memory node (`to_remote`).
 
     `activation_bytes`: device bytes the step holds in boundary activations and their gradients,
     reserved before any weights are placed. `placements`: a placement chosen elsewhere (the
@@ -252,6 +287,7 @@ def place(
         placements = rule.choose(names, numels, pinned, device_budget_bytes=device_budget_bytes,
                                  host_budget_bytes=host_budget_bytes,
                                  activation_bytes=activation_bytes, account=account)
+        placements = to_remote(placements, names, remote)
     report = account(numels, placements, activation_bytes)
     _check(report, device_budget_bytes, host_budget_bytes, rule, disk_budget_bytes)
     return report

@@ -106,6 +106,7 @@ def plan_step(
         [lay.numel for lay in parts.layouts],
         policy=options.policy,
         resident=options.resident,
+        remote=options.remote,
         device_budget_bytes=options.device_budget_bytes,
         host_budget_bytes=options.host_budget_bytes,
         disk_budget_bytes=options.disk_budget_bytes,

@@ -15,6 +15,7 @@ from tierlm.memory.placement import STAGING_SETS, SegmentPlacement, chunk_ranges
 from tierlm.memory.store import Store
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.models.adapters import Segment
+from tierlm.node.client import NodeClient
 from tierlm.optim.flat import StateSlot, new_step_counter
 from tierlm.precision.streaming import ComputeFormat, WireLoad
 
@@ -188,6 +189,59 @@ def init_state(
     elif st.placement.resident and st.compute_format is None:  # else: ComputeCopies.attach
         st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
         st.device_weights.copy_(st.master)
+
+
+def init_remote_state(store: Store, st: SegmentState, fill: Callable[[torch.Tensor, int], object],
+                      node: NodeClient) -> None:
+    """Place a remote segment (`placement.remote`): its fp32 master goes to the memory node
+    (`put_state`; the node holds zeroed slots and gradient since `configure`), host RAM keeps
+    the landed gradient and the compute copy the stream uploads from, which comes back from the
+    node (`fetch_compute_copy`). Without a compute format the copy is the fp32 weights, kept in
+    `st.master` (TensorClass.COMPUTE: the mirror of the node's master as of its last update),
+    which is what was sent, so nothing is fetched. `st.steps` mirror the node's counters (each
+    update advances both; the node checks the count it is asked for). The initial weights cross
+    once here, as setup: none of it is a step's network bytes."""
+    n = st.numel
+    st.steps = [new_step_counter() for _ in st.layout.groups()]
+    fp32 = st.compute_format is None
+    cls = TensorClass.COMPUTE if fp32 else TensorClass.STAGING
+    master = store.alloc(Tier.HOST, cls, n, pinned=fp32)  # pinned: it streams (pinned_class)
+    fill(master, 0)
+    node.put_state(st.seg.name, {"master": master})
+    if fp32:
+        st.master = master
+    else:
+        store.free(Tier.HOST, TensorClass.STAGING, master)
+        st.wire = store.alloc(Tier.HOST, TensorClass.COMPUTE, st.compute_format.nbytes,
+                              dtype=torch.uint8, pinned=True)
+        fetch_compute_copy(node, st)
+    st.grad = store.zeros(Tier.HOST, TensorClass.GRAD, n)
+    if st.placement.resident and fp32:  # as `init_state` fills a resident host segment's
+        st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, n)
+        st.device_weights.copy_(st.master)
+    elif st.placement.resident:  # as `ComputeCopies.attach` does
+        st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE,
+                                        st.compute_format.nbytes, dtype=torch.uint8)
+        copied = store.to_device(st.device_weights, st.wire, st.seg.name)
+        store.wait(copied)
+        store.wait_host(copied, st.seg.name)
+
+
+def remote_copy(st: SegmentState) -> torch.Tensor:
+    """A remote segment's host compute copy: its compute copy's bytes, or its fp32 weights."""
+    return st.master if st.compute_format is None else st.wire
+
+
+def fetch_compute_copy(node: NodeClient, st: SegmentState, kinds: list[str] | None = None
+                       ) -> None:
+    """Bring a remote segment's compute copy from the node into its host copy (`kinds`: a new
+    per-parameter format the node re-encodes to; None: the one it holds)."""
+    node.get_compute_copy(st.seg.name, kinds=kinds, out=remote_copy(st))
+
+
+def remote_copy_nbytes(st: SegmentState) -> int:
+    """Bytes a remote segment's compute copy takes on the network (c: its copy, or 4n)."""
+    return 4 * st.numel if st.compute_format is None else st.compute_format.nbytes
 
 
 def persistent_bytes(

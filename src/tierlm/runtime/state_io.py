@@ -9,11 +9,13 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from tierlm.memory.tiers import Tier
+from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.optim.flat import step_count
 from tierlm.runtime.state import (
     DiskTensor,
     LookupOnce,
     SegmentState,
+    fetch_compute_copy,
     free_copies,
     read_copies,
     stream_chunks,
@@ -51,12 +53,12 @@ class StateIO:
         self.synchronize()
         out = {}
         for st in self.trainable if states is None else states:
-            bufs = read_copies(self.store, st, copies)
+            bufs = self._read_state(st, copies)
             for copy in copies:
                 for name, view in _parts(st, copy, bufs[copy]).items():
                     key = name if copy == "master" else f"{name}.{copy}"
                     out[key] = view.detach().to("cpu", copy=True)
-            free_copies(self.store, st, bufs)
+            self._free_state(st, bufs)
             if copies != ("master",):
                 out.update({k: v.detach().to("cpu", copy=True)
                             for k, v in self._step_counters(st).items()})
@@ -69,6 +71,9 @@ class StateIO:
         for st in self.trainable:
             if st.tier == Tier.DISK:
                 self._load_disk(st, weights, optim)
+                continue
+            if st.placement.remote:
+                self._load_remote(st, weights, optim)
                 continue
             bufs = read_copies(self.store, st, st.state_copies)
             st.layout.pack(weights, bufs["master"])
@@ -110,6 +115,62 @@ class StateIO:
         if st.device_weights is not None:
             st.device_stale = True
 
+    def _load_remote(self, st: SegmentState, weights: Mapping[str, torch.Tensor],
+                     optim: Mapping[str, torch.Tensor]) -> None:
+        """`load` for a remote segment: master (and, with optimizer state, the slots and step
+        counts) packed in host staging and pushed to the memory node (`put_state`), then its
+        compute copy fetched into the host copy. Without optimizer state the node's slots are
+        kept. A fp32 segment's host copy is its master, packed in place and pushed from there."""
+        node, name = self.opts.node, st.seg.name
+        fp32 = st.compute_format is None
+        master = st.master if fp32 else self.store.alloc(Tier.HOST, TensorClass.STAGING,
+                                                         st.numel)
+        bufs = {"master": master}
+        bufs.update({s.name: self.store.alloc(Tier.HOST, TensorClass.STAGING,
+                                              s.numel(st.layout), s.dtype)
+                     for s in (st.slots if optim else ())})
+        try:
+            st.layout.pack(weights, master)
+            steps = None
+            if optim:
+                for slot in st.slots:
+                    slot.pack(st.layout, _Suffixed(optim, f".{slot.name}"), bufs[slot.name])
+                self._restore_counters(st, optim)
+                steps = [step_count(c) for c in st.steps]
+            node.put_state(name, bufs, steps=steps)
+        finally:
+            self._free_state(st, {c: b for c, b in bufs.items() if b is not st.master})
+        if not fp32:
+            fetch_compute_copy(node, st, self._remote_format(st))
+        if st.device_weights is not None:
+            st.device_stale = True
+
+    def _read_state(self, st: SegmentState, copies: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """`read_copies` of any segment: a remote one's copies come from the memory node
+        (`get_state`) into host staging, its step counts checked against the trainer's."""
+        if not st.placement.remote:
+            return read_copies(self.store, st, copies)
+        bufs = {c: self.store.alloc(Tier.HOST, TensorClass.STAGING, st.slot(c).numel(st.layout),
+                                    st.slot(c).dtype) for c in copies}
+        try:
+            _, counts = self.opts.node.get_state(st.seg.name, copies, out=bufs)
+        except BaseException:
+            self._free_state(st, bufs)
+            raise
+        mine = [step_count(c) for c in st.steps]
+        if counts != mine:
+            self._free_state(st, bufs)
+            raise RuntimeError(f"memory node {self.opts.node.address}: segment {st.seg.name} "
+                               f"has counted {counts} optimizer steps, the trainer {mine}")
+        return bufs
+
+    def _free_state(self, st: SegmentState, bufs: dict[str, torch.Tensor]) -> None:
+        if st.placement.remote:
+            for b in bufs.values():
+                self.store.free(Tier.HOST, TensorClass.STAGING, b)
+        else:
+            free_copies(self.store, st, bufs)
+
     def state_shards(
         self,
     ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
@@ -125,14 +186,14 @@ class StateIO:
                          for name, t in DiskTensor.of(self.store, st, c).items()}
                 yield st.seg.name, weights, {**optim, **self._step_counters(st)}
                 continue
-            bufs = read_copies(self.store, st, st.state_copies)
+            bufs = self._read_state(st, st.state_copies)
             try:
                 optim = {f"{name}.{c}": view for c in slots
                          for name, view in _parts(st, c, bufs[c]).items()}
                 optim.update(self._step_counters(st))
                 yield st.seg.name, st.layout.views(bufs["master"]), optim
             finally:
-                free_copies(self.store, st, bufs)
+                self._free_state(st, bufs)
 
     @staticmethod
     def _restore_counters(st: SegmentState, optim: Mapping[str, torch.Tensor]) -> None:

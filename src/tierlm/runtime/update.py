@@ -12,11 +12,14 @@ from collections.abc import Callable
 
 import torch
 
-from tierlm.memory.tiers import TensorClass, Tier
-from tierlm.optim.flat import advance
+from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.optim.flat import advance, step_count
+from tierlm.precision.streaming import ComputeFormat, slot_kinds
 from tierlm.runtime.state import (
     SegmentState,
+    fetch_compute_copy,
     read_copies,
+    remote_copy_nbytes,
     stream_chunks,
     write_back_copies,
 )
@@ -37,6 +40,9 @@ class Updates:
                                cat="update wait")
 
     def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
+        if st.placement.remote:
+            self._update_remote(st, coef, lr)
+            return
         slots = [s.name for s in st.slots]
 
         # what the simulated device prices a CPU update at (a device one is a compute region)
@@ -64,6 +70,45 @@ class Updates:
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
                 st.grad.zero_()
             advance(st.steps)
+
+    def _update_remote(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
+        """A remote segment's update (docs/architecture.md, the remote step): its landed
+        gradient (`st.grad`, 4n bytes) goes to the memory node, the node runs the host tier's
+        update on it scaled by `coef` (an fp32 value, as the host tier's), and the compute copy
+        comes back into the host copy the stream uploads from (c bytes: its copy, or the fp32
+        weights). The ledger counts the payloads on Link.NET_SEND and Link.NET_RECV; a
+        NodeError (the node died, stalled past --memory-node-timeout, refused) is raised here
+        and re-raised by `_wait_update` in the training thread."""
+        node, name, n = self.opts.node, st.seg.name, st.numel
+        kinds = self._remote_format(st)
+        c = remote_copy_nbytes(st)
+        with self.tracer.span("cpu update", f"update {name}", cat="update", tier="remote"):
+            with self.dev.net(Link.NET_SEND, 4 * n, f"grad {name}"):
+                node.push_grad(name, st.grad)
+            self.ledger.record_move(Link.NET_SEND, 4 * n)
+            with self.dev.node_work(f"update {name}", params=n * self.optimizer.cpu_cost):
+                # the count this update brings the node's counters to, which the node checks
+                node.step(name, lr=lr, coef=float(coef), step=int(step_count(st.steps[0])) + 1)
+            with self.dev.net(Link.NET_RECV, c, f"copy {name}"):
+                fetch_compute_copy(node, st, kinds)
+            self.ledger.record_move(Link.NET_RECV, c)
+            st.grad.zero_()
+            advance(st.steps)
+
+    def _remote_format(self, st: SegmentState) -> list[str] | None:
+        """A remote segment's compute copy in the kinds its layers compute in now (the host
+        tier's `ComputeCopies.refresh` rule: fp8 layers switched to bf16 change its format and
+        its host copy's size); the new kinds the node re-encodes to, or None when unchanged."""
+        if st.compute_format is None:
+            return None
+        kinds = slot_kinds(self.compute_copies.model, st.layout)
+        if kinds == st.compute_format.kinds:
+            return None
+        st.compute_format = ComputeFormat(st.layout, kinds)
+        self.store.free(Tier.HOST, TensorClass.COMPUTE, st.wire)
+        st.wire = self.store.alloc(Tier.HOST, TensorClass.COMPUTE, st.compute_format.nbytes,
+                                   dtype=torch.uint8, pinned=True)
+        return kinds
 
     def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
         """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
