@@ -178,17 +178,55 @@ def _check_trace_step(cfg: Config) -> None:
                           "--monitor.trace_step or use --backend engine")
 
 
+def _check_memory_node(cfg: Config) -> None:
+    """The memory node's flags (tierlm.node; the trainer's side: tierlm.runtime's remote
+    segments): what needs a node, what a node needs, and the combinations not built yet."""
+    mem = cfg.memory
+    wants = ("--remote" if mem.remote is not None else
+             "--offload-policy remote" if mem.offload_policy == "remote" else None)
+    plan_flags = [flag for flag, value in (("--memory-node-memory", mem.memory_node_memory),
+                                           ("--net-bandwidth", mem.net_bandwidth))
+                  if value is not None]
+    if plan_flags:
+        raise NotSupportedYet(f"{plan_flags[0]} (the planner's remote tier)",
+                              "the planner's side of the memory node is being built; "
+                              "--memory-node runs the trainer with one")
+    if mem.memory_node is None:
+        if wants:
+            raise ConfigError(f"{wants} puts model state on a memory node: name it with "
+                              "--memory-node ADDRESS:PORT (and --memory-node-token-file)")
+        return
+    if not mem.memory_node_token_file:
+        raise ConfigError(f"--memory-node {mem.memory_node} needs --memory-node-token-file: the "
+                          "file holding the secret the node was started with (its --token-file)")
+    _positive("memory.memory_node_timeout", mem.memory_node_timeout, "--memory-node-timeout")
+    if mem.remote is not None:
+        try:
+            re.compile(mem.remote)
+        except re.error as exc:
+            raise ConfigError(f"--remote: {mem.remote!r} is not a regex: {exc}") from None
+    if wants is None:
+        raise ConfigError(f"--memory-node {mem.memory_node}: no state goes to it; choose the "
+                          "segments with --remote REGEX, or --offload-policy remote")
+    if mem.offload_policy in ("none", "auto"):
+        raise NotSupportedYet(
+            f"--remote with --offload-policy {mem.offload_policy}",
+            "use --offload-policy host, tiered, disk or remote" + (
+                " (the planner's remote tier is being built)"
+                if mem.offload_policy == "auto" else ""))
+    dist = cfg.distributed
+    if dist.nproc > 1 or dist.backend == "fsdp" or dist.context_parallel > 1:
+        raise NotSupportedYet("a memory node with --nproc > 1, --context-parallel or "
+                              "--backend fsdp", "a node serves one trainer process")
+    if cfg.train.finetune != "full":
+        raise NotSupportedYet(f"a memory node with --finetune {cfg.train.finetune}",
+                              "the node holds trained state; a frozen base stays local")
+
+
 def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them (--device is
     checked against the hardware profiles by `tierlm.memory.hardware.check_device`)."""
-    node_flags = [(flag, value) for flag, value in (
-        ("--memory-node", cfg.memory.memory_node), ("--remote", cfg.memory.remote),
-        ("--memory-node-memory", cfg.memory.memory_node_memory),
-        ("--net-bandwidth", cfg.memory.net_bandwidth)) if value is not None]
-    if node_flags:
-        raise NotSupportedYet(f"{node_flags[0][0]} (a memory node as a tier of the trainer)",
-                              "`tierlm memory-node` runs a node; the trainer's side is being "
-                              "built")
+    _check_memory_node(cfg)
     if cfg.train.finetune in ("lora", "qlora") and (
         cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
     ):

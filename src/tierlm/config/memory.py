@@ -28,11 +28,12 @@ class ActivationConfig:
 
 @dataclass(kw_only=True)
 class MemoryConfig:
-    offload_policy: Literal["none", "auto", "tiered", "host", "disk"] = "none"
+    offload_policy: Literal["none", "auto", "tiered", "host", "disk", "remote"] = "none"
     """Where model state lives: none keeps everything on the device (the plain reference
     trainer); host keeps master weights, gradients and AdamW state in RAM and streams weights to
     the device; disk keeps them in files under offload_dir; tiered fills the device, then RAM,
-    then disk within the budgets (--offload-policy)."""
+    then disk within the budgets; remote keeps every segment's master and optimizer state on
+    the memory node (--memory-node) but the --resident ones (--offload-policy)."""
     microbatch_order: Literal["microbatch-outer", "layer-outer"] = "microbatch-outer"
     """Tiered runtime: microbatch-outer streams all weights for every micro-batch; layer-outer
     runs each segment for all micro-batches while its weights are on the device
@@ -86,8 +87,9 @@ class MemoryConfig:
     """Seconds the trainer waits for the memory node to answer before it stops with an error
     naming the node and the last checkpoint (--memory-node-timeout)."""
     remote: str | None = None
-    """Regex of segment names (embed, block.N, head) whose state lives on the memory node, e.g.
-    'block.[0-9]'; empty: the offload policy decides (--remote)."""
+    """Regex of segment names (embed, block.N, head) whose master and optimizer state live on
+    the memory node, e.g. 'block.[0-9]', beside the offload policy's tiers (host, tiered,
+    disk); empty: the offload policy decides (--remote)."""
     memory_node_memory: str | None = None
     """RAM of the memory node the plan may fill, e.g. 128GiB: with --memory-node, at most what
     the node offers; without, `tierlm plan` plans a node that is not there yet

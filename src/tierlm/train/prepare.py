@@ -62,6 +62,7 @@ from tierlm.finetune.lora import prepare_finetune, store_frozen_as_computed
 from tierlm.memory.cuda_allocator import configure_cuda_allocator
 from tierlm.memory.device import SIM_PREFIX, SimDevice, sim_profile
 from tierlm.memory.ledger import Ledger
+from tierlm.memory.placement import PlacementReport
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, count_params, hf_model_skeleton, load_hf_model, preset_config
 from tierlm.models.export import source_dtype as checkpoint_dtype
@@ -69,6 +70,7 @@ from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
+from tierlm.node.client import NodeClient
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
 from tierlm.plan.checks import check
@@ -88,6 +90,7 @@ from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
 from tierlm.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
+from tierlm.train.node import check_node_capacity, connect_node
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.rundir import OffloadDir, open_run_dir
 from tierlm.train.safety import MemoryWatch, check_token_stream, map_large_buffers
@@ -128,6 +131,7 @@ class Run:
     monitor: Any
     tokens_per_step: int  # all ranks together
     predicted: dict[str, float | None]  # the plan's step time and rates, beside each step's
+    node: NodeClient | None = None  # the memory node's session (--memory-node), closed at the end
 
 
 def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
@@ -219,71 +223,82 @@ def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", precision)
     compiled.apply(model, log)
 
-    # the plan: --offload-policy as a typed policy (auto: the planner's plan for this model as
-    # built, LoRA and precision included)
-    policy = offload_policy(cfg, model.config, precision)
-    # the stepper, and what several processes wrap it in
-    tracer = build_tracer(cfg, device, world.is_main)
-    stepper = build_stepper(cfg, world, model, device, precision, run_dir=run_dir,
-                            preflight=preflight, policy=policy,
-                            initial_weights=initial_weights, tracer=tracer,
-                            chunk_loss=compiled.chunk_loss)
-    plan = auto_plan(policy)
-    if plan is None and stepper.engine is not None:  # what the engine's own placement predicts
-        plan = predict_for_engine(cfg, model.config, stepper.engine, precision)
+    # the memory node (--memory-node): the session opens once the run directory is claimed
+    # and the model built (an unreachable node or a wrong token costs no loading after it),
+    # before the stepper places any state on it; closed on any error from here (the node
+    # frees the session and takes the next trainer), else at the run's end (run_training)
+    node = connect_node(cfg, log)
+    try:
+        # the plan: --offload-policy as a typed policy (auto: the planner's plan for this model as
+        # built, LoRA and precision included)
+        policy = offload_policy(cfg, model.config, precision)
+        # the stepper, and what several processes wrap it in
+        tracer = build_tracer(cfg, device, world.is_main)
+        stepper = build_stepper(cfg, world, model, device, precision, run_dir=run_dir,
+                                preflight=preflight, policy=policy,
+                                initial_weights=initial_weights, tracer=tracer,
+                                chunk_loss=compiled.chunk_loss, node=node)
+        plan = auto_plan(policy)
+        if plan is None and stepper.engine is not None:  # what the engine's own placement predicts
+            plan = predict_for_engine(cfg, model.config, stepper.engine, precision)
 
-    # the observers
-    step_trace = build_step_trace(
-        cfg, tracer, stepper, plan,
-        functools.partial(_predicted_step, cfg, model.config, precision, plan), run_dir, log)
-    fp8.attach(stepper)  # the monitor's fp8 probe reads it
-    memory_watch.trim()  # the model as built went to the runtime
-    # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
-    memory_watch.trim_each_step = stepper.engine is not None and device.type == "cpu"
-    if memory_watch.trim_each_step and cfg.memory.device_budget:
-        # --device-budget on a CPU: the budget is RAM, held by torch's compute buffers too
-        map_large_buffers()
+        # the observers
+        step_trace = build_step_trace(
+            cfg, tracer, stepper, plan,
+            functools.partial(_predicted_step, cfg, model.config, precision, plan), run_dir, log)
+        fp8.attach(stepper)  # the monitor's fp8 probe reads it
+        memory_watch.trim()  # the model as built went to the runtime
+        # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
+        memory_watch.trim_each_step = stepper.engine is not None and device.type == "cpu"
+        if memory_watch.trim_each_step and cfg.memory.device_budget:
+            # --device-budget on a CPU: the budget is RAM, held by torch's compute buffers too
+            map_large_buffers()
 
-    # the training random stream (dropout; peft's lora_dropout) starts from --seed, whatever
-    # the build above drew (a --model checkpoint draws nothing, a preset's segments draw as
-    # the runtime asks); a resume replaces it with the checkpoint's state
-    torch.manual_seed(cfg.run.seed)
-    step = 0
-    if resume_ckpt is not None:
-        step = _resume(resume_ckpt, cfg, world, stepper, sampler, fp8, param_names)
-        log(f"resumed from {resume_ckpt} at step {step}")
-    # after the resume: metrics.jsonl continues from the resumed step
-    metrics = MetricsLog(
-        run_dir / "metrics.jsonl", resume_from_step=step if resume_ckpt is not None else None,
-    ) if world.is_main else NullMetrics()
-    monitor = build_monitor(cfg, stepper, device, run_dir, metrics, log=log, phases=progress
-                            ) if world.is_main else NullMonitor()
-    tokens_per_step = (  # all ranks together
-        cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * row_groups)
-    # the planner times every token; the data decides how many of them have a loss
-    share = trained_share(train_seqs)
-    predicted = predicted_rates(plan, tokens_per_step, share)
-    trained = ("" if n_trained == n_params else
-               f" ({n_trained / 1e6:.2f}M trained by --finetune {cfg.train.finetune}, "
-               f"{n_trained / n_params:.2%})")
-    log(
-        f"model: {model.config.model_type}, {n_params / 1e6:.1f}M params{trained}, "
-        f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
-        f"{cfg.data.seq_len} tokens; device {device}; "
-        f"offload policy {cfg.memory.offload_policy}; run dir {run_dir}"
-    )
-    if plan is not None:
-        for line in plan_start_lines(plan, predicted, share):
-            log(line)
-    return Run(
-        cfg=cfg, log=log, memory_watch=memory_watch, world=world, progress=progress,
-        device=device, precision=precision, run_dir=run_dir, run_lock=run_lock, offload=offload,
-        tokenizer=data.tokenizer, model=model, finetune=finetune, source_dtype=source_dtype,
-        n_params=n_params, n_trained=n_trained, param_names=param_names, row_groups=row_groups,
-        sampler=sampler, eval_set=eval_set, checkpoint_bytes=checkpoint_bytes, fp8=fp8,
-        compiled=compiled, plan=plan, stepper=stepper, step_trace=step_trace, step=step,
-        metrics=metrics, monitor=monitor, tokens_per_step=tokens_per_step, predicted=predicted,
-    )
+        # the training random stream (dropout; peft's lora_dropout) starts from --seed, whatever
+        # the build above drew (a --model checkpoint draws nothing, a preset's segments draw as
+        # the runtime asks); a resume replaces it with the checkpoint's state
+        torch.manual_seed(cfg.run.seed)
+        step = 0
+        if resume_ckpt is not None:
+            step = _resume(resume_ckpt, cfg, world, stepper, sampler, fp8, param_names)
+            log(f"resumed from {resume_ckpt} at step {step}")
+        # after the resume: metrics.jsonl continues from the resumed step
+        metrics = MetricsLog(
+            run_dir / "metrics.jsonl", resume_from_step=step if resume_ckpt is not None else None,
+        ) if world.is_main else NullMetrics()
+        monitor = build_monitor(cfg, stepper, device, run_dir, metrics, log=log, phases=progress
+                                ) if world.is_main else NullMonitor()
+        tokens_per_step = (  # all ranks together
+            cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * row_groups)
+        # the planner times every token; the data decides how many of them have a loss
+        share = trained_share(train_seqs)
+        predicted = predicted_rates(plan, tokens_per_step, share)
+        trained = ("" if n_trained == n_params else
+                   f" ({n_trained / 1e6:.2f}M trained by --finetune {cfg.train.finetune}, "
+                   f"{n_trained / n_params:.2%})")
+        log(
+            f"model: {model.config.model_type}, {n_params / 1e6:.1f}M params{trained}, "
+            f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
+            f"{cfg.data.seq_len} tokens; device {device}; "
+            f"offload policy {cfg.memory.offload_policy}; run dir {run_dir}"
+        )
+        if plan is not None:
+            for line in plan_start_lines(plan, predicted, share):
+                log(line)
+        return Run(
+            cfg=cfg, log=log, memory_watch=memory_watch, world=world, progress=progress,
+            device=device, precision=precision, run_dir=run_dir, run_lock=run_lock, offload=offload,
+            tokenizer=data.tokenizer, model=model, finetune=finetune, source_dtype=source_dtype,
+            n_params=n_params, n_trained=n_trained, param_names=param_names, row_groups=row_groups,
+            sampler=sampler, eval_set=eval_set, checkpoint_bytes=checkpoint_bytes, fp8=fp8,
+            compiled=compiled, plan=plan, stepper=stepper, step_trace=step_trace, step=step,
+            metrics=metrics, monitor=monitor, tokens_per_step=tokens_per_step, predicted=predicted,
+            node=node,
+        )
+    except BaseException:
+        if node is not None:
+            node.close()
+        raise
 
 
 # -- the steps ----
@@ -432,7 +447,7 @@ def build_stepper(
     cfg: Config, world: World, model: torch.nn.Module, device: torch.device, precision: str,
     *, run_dir: Path, preflight: Preflight | None, policy: PlacementPolicy,
     initial_weights: InitialWeights = module_weights, tracer: Tracer | NoTracer = NO_TRACER,
-    chunk_loss: ChunkLoss = sum_cross_entropy,
+    chunk_loss: ChunkLoss = sum_cross_entropy, node: NodeClient | None = None,
 ) -> Stepper:
     """The stepper for this world, the order written once: FSDP2 owns the whole model when
     asked for (its reduce-scatter is the gradient sync, dense); otherwise one process gets the
@@ -446,7 +461,8 @@ def build_stepper(
     under `ContextParallelStep`."""
     single = functools.partial(
         single_stepper, cfg, model, device, run_dir, preflight, precision=precision,
-        policy=policy, initial_weights=initial_weights, tracer=tracer, chunk_loss=chunk_loss)
+        policy=policy, initial_weights=initial_weights, tracer=tracer, chunk_loss=chunk_loss,
+        node=node)
     share = None
     if cfg.distributed.context_parallel > 1:
         layout, ring = context_ring(cfg, world, model, precision)
@@ -483,7 +499,7 @@ def single_stepper(
     preflight: Preflight | None, *, precision: str, policy: PlacementPolicy,
     grad_sync: object | None = None, initial_weights: InitialWeights = module_weights,
     tracer: Tracer | NoTracer = NO_TRACER, sequence_share: object | None = None,
-    chunk_loss: ChunkLoss = sum_cross_entropy,
+    chunk_loss: ChunkLoss = sum_cross_entropy, node: NodeClient | None = None,
 ) -> Stepper:
     """The object that runs one optimizer step in one process: the plain reference step, or the
     tiered runtime when `--offload-policy` is not `none` or the activation policy needs it
@@ -491,7 +507,8 @@ def single_stepper(
     or always when data parallel (`grad_sync`, see tierlm.distributed). Both answer the same
     calls. The engine places by `policy` (the planner's `Auto` sets its other choices too),
     takes its initial weights from `initial_weights` (default: the model's parameters) and
-    computes the head's chunk losses with `chunk_loss` (--compile segments: the compiled one)."""
+    computes the head's chunk losses with `chunk_loss` (--compile segments: the compiled one).
+    `node`: the memory node's session, which holds the --remote segments' state."""
     autocast = compute_autocast(precision, device)
     if not uses_tiered_runtime(cfg) and grad_sync is None:
         if preflight is not None:
@@ -525,7 +542,9 @@ def single_stepper(
         micro_batches=cfg.train.grad_accum_steps,
         activations=cfg.activations,
         autocast=autocast,
-        check_placement=preflight or (lambda report: None),
+        check_placement=functools.partial(_check_placement, preflight, node),
+        remote=mem.remote,
+        node=node,
         base_format=base_format_of(cfg, precision),
         chunk_loss=chunk_loss,
         tracer=tracer,  # the step timeline; armed for --monitor.trace_step
@@ -540,6 +559,15 @@ def single_stepper(
         profile, precision, tf32=cfg.precision.tf32, tracer=tracer)
     return build_engine(model, cfg.optim, options, device=engine_device,
                         initial_weights=initial_weights)
+
+
+def _check_placement(preflight: Preflight | None, node: NodeClient | None,
+                     report: PlacementReport) -> None:
+    """The placement's checks before anything is allocated: disk and host memory
+    (preflight), and the memory node's capacity for its remote segments."""
+    if preflight is not None:
+        preflight(report)
+    check_node_capacity(report, node)
 
 
 def _resume(ckpt: Path, cfg: Config, world: World, stepper: Stepper, sampler: Any, fp8: Any,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tierlm.checkpoint import export_hf_from_checkpoint
+from tierlm.checkpoint import export_hf_from_checkpoint, last_good_checkpoint
 from tierlm.config import Config
 from tierlm.distributed.setup import quiet
+from tierlm.node.protocol import NodeError
+from tierlm.train.node import node_failure
 from tierlm.train.trainer import Trainer, TrainResult
 
 
@@ -14,7 +16,12 @@ def run_training(cfg: Config, *, log: Callable[[str], None] = print) -> TrainRes
     trainer = Trainer(cfg, log=log)
     try:
         return _run(trainer, cfg, log)
+    except NodeError as exc:  # the memory node died, stalled past its timeout or refused
+        raise node_failure(exc, trainer.step, cfg.memory.memory_node,
+                           lambda: last_good_checkpoint(trainer.run_dir, log)) from exc
     finally:
+        if trainer.node is not None:  # the node frees the session and takes the next trainer
+            trainer.node.close()
         if trainer.run_lock is not None:  # held from the directory's claim to the last write
             trainer.run_lock.release()
 
