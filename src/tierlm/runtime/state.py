@@ -241,7 +241,20 @@ def fetch_compute_copy(node: NodeClient, st: SegmentState, kinds: list[str] | No
 
 def remote_copy_nbytes(st: SegmentState) -> int:
     """Bytes a remote segment's compute copy takes on the network (c: its copy, or 4n)."""
-    return 4 * st.numel if st.compute_format is None else st.compute_format.nbytes
+    return remote_step_bytes(st.placement, st.numel,
+                             None if st.compute_format is None else st.compute_format.nbytes)[1]
+
+
+def remote_step_bytes(placement: SegmentPlacement, numel: int, copy_bytes: int | None
+                      ) -> tuple[int, int]:
+    """The payload bytes one optimizer step moves between the trainer and the memory node for
+    a segment (docs/architecture.md, the remote step): (to the node: its fp32 gradient, 4n;
+    back: its compute copy, `copy_bytes`, or 4n of fp32 weights where it has none); (0, 0)
+    for a segment that is not remote. A skipped step moves none. The engine's ledger counts
+    exactly these on Link.NET_SEND and Link.NET_RECV; the planner's network lane must too."""
+    if not placement.remote:
+        return 0, 0
+    return 4 * numel, 4 * numel if copy_bytes is None else copy_bytes
 
 
 def persistent_bytes(

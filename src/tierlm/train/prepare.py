@@ -175,60 +175,59 @@ def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
             (f"# {choice.describe()}\n" if choice.why else "")
             + yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8"
         )
-
-    # the data, then the model: a preset's vocabulary is the tokenizer's
-    data = _Data.load(cfg, world, resume_ckpt, log)
-    model, initial_weights = _build_model(cfg, world, len(data.tokenizer), progress, log)
-    # --finetune lora: peft's adapters on the frozen base (tierlm.finetune.lora); before the
-    # precision policy and the stepper, which both see the wrapped modules
-    finetune, initial_weights = prepare_finetune(
-        cfg.train.finetune, model, cfg.lora, initial_weights, seed=cfg.run.seed,
-        base_path=cfg.model.path)
-    # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
-    # the stored dtype unless --export-dtype says otherwise
-    source_dtype = checkpoint_dtype(cfg.model.path) if cfg.model.path else "float32"
-    vocab = model.config.vocab_size
-    data.check_vocab(vocab)
-    model.train()
-    n_params = count_params(model)
-    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # names and shapes of what checkpoints hold (a LoRA run's adapters only): a checkpoint
-    # of another model size has the same names
-    param_names = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
-
-    # the batches: every rank draws the global batch of all ranks' rows and keeps its own slice
-    # (context parallel: the ranks of a CP group share one slice, each takes its share of the
-    # tokens)
-    train_seqs, eval_seqs = data.sequences(cfg.data.seq_len)
-    row_groups = world.size // cfg.distributed.context_parallel
-    sampler = shard_batches(
-        BatchSampler(train_seqs, cfg.train.batch_size * row_groups, cfg.run.seed),
-        world, cfg.distributed.context_parallel,
-    )
-    eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
-    optim_state_bytes = model_state_nbytes(model, cfg.optim)
-    checkpoint_bytes = 4 * n_trained + optim_state_bytes  # fp32 masters + state
-    preflight = Preflight(cfg, run_dir, n_params=n_params, device_is_cpu=device.type == "cpu",
-                          optim_state_bytes=optim_state_bytes,
-                          start_rss_bytes=memory_watch.start_rss_bytes, log=log)
-
-    # the precision policy: before the runtime is built (the tiered runtime runs the swapped
-    # modules too)
-    set_tf32(cfg.precision.tf32, device, log=log)  # what the plan assumed
-    fp8 = prepare_precision(model, cfg.precision, precision, device, log=log)
-    if cfg.train.finetune != "full":  # a base in RAM held as its bf16 layers read it
-        store_frozen_as_computed(model)
-    # compilation: after the precision policy (its layers are what the blocks run), before the
-    # stepper
-    compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", precision)
-    compiled.apply(model, log)
-
-    # the memory node (--memory-node): the session opens once the run directory is claimed
-    # and the model built (an unreachable node or a wrong token costs no loading after it),
-    # before the stepper places any state on it; closed on any error from here (the node
-    # frees the session and takes the next trainer), else at the run's end (run_training)
+    # the memory node (--memory-node): the session opens once the run directory is claimed,
+    # before the model is loaded (an unreachable node or a wrong token costs no loading),
+    # and the stepper places state on it; closed on any error from here (the node frees
+    # the session and takes the next trainer), else at the run's end (run_training)
     node = connect_node(cfg, log)
     try:
+        # the data, then the model: a preset's vocabulary is the tokenizer's
+        data = _Data.load(cfg, world, resume_ckpt, log)
+        model, initial_weights = _build_model(cfg, world, len(data.tokenizer), progress, log)
+        # --finetune lora: peft's adapters on the frozen base (tierlm.finetune.lora); before the
+        # precision policy and the stepper, which both see the wrapped modules
+        finetune, initial_weights = prepare_finetune(
+            cfg.train.finetune, model, cfg.lora, initial_weights, seed=cfg.run.seed,
+            base_path=cfg.model.path)
+        # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
+        # the stored dtype unless --export-dtype says otherwise
+        source_dtype = checkpoint_dtype(cfg.model.path) if cfg.model.path else "float32"
+        vocab = model.config.vocab_size
+        data.check_vocab(vocab)
+        model.train()
+        n_params = count_params(model)
+        n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # names and shapes of what checkpoints hold (a LoRA run's adapters only): a checkpoint
+        # of another model size has the same names
+        param_names = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+        # the batches: every rank draws the global batch of all ranks' rows and keeps its own slice
+        # (context parallel: the ranks of a CP group share one slice, each takes its share of the
+        # tokens)
+        train_seqs, eval_seqs = data.sequences(cfg.data.seq_len)
+        row_groups = world.size // cfg.distributed.context_parallel
+        sampler = shard_batches(
+            BatchSampler(train_seqs, cfg.train.batch_size * row_groups, cfg.run.seed),
+            world, cfg.distributed.context_parallel,
+        )
+        eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
+        optim_state_bytes = model_state_nbytes(model, cfg.optim)
+        checkpoint_bytes = 4 * n_trained + optim_state_bytes  # fp32 masters + state
+        preflight = Preflight(cfg, run_dir, n_params=n_params, device_is_cpu=device.type == "cpu",
+                              optim_state_bytes=optim_state_bytes,
+                              start_rss_bytes=memory_watch.start_rss_bytes, log=log)
+
+        # the precision policy: before the runtime is built (the tiered runtime runs the swapped
+        # modules too)
+        set_tf32(cfg.precision.tf32, device, log=log)  # what the plan assumed
+        fp8 = prepare_precision(model, cfg.precision, precision, device, log=log)
+        if cfg.train.finetune != "full":  # a base in RAM held as its bf16 layers read it
+            store_frozen_as_computed(model)
+        # compilation: after the precision policy (its layers are what the blocks run), before the
+        # stepper
+        compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", precision)
+        compiled.apply(model, log)
+
         # the plan: --offload-policy as a typed policy (auto: the planner's plan for this model as
         # built, LoRA and precision included)
         policy = offload_policy(cfg, model.config, precision)

@@ -1,0 +1,200 @@
+"""The memory node as a tier of the engine and the trainer (tierlm.runtime's remote segments,
+tierlm.train.node): two processes on loopback. Remote segments beside device, host and disk
+ones train bit for bit as the same segments on the host tier; each step moves exactly 4n bytes
+of gradient to the node and the compute copy back per remote segment; a node killed mid-run
+stops the trainer with an error naming it and a verified checkpoint, from which a new node
+resumes to the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.node.test_memory_node import TOKEN, Node, _env
+from tests.runtime_helpers import batches, bf16_autocast, bf16_model, new_engine, tiny_model
+from tierlm.checkpoint.format import verify_checkpoint
+from tierlm.cli import main
+from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.tiers import Link, Tier
+from tierlm.runtime.state import remote_step_bytes
+
+STEPS, M, CLIP, LR = 3, 2, 0.05, 1e-2
+HOST = SegmentPlacement(False, Tier.HOST)
+# embed on the device, block.0 resident host state, block.1 on disk, block.2 and head streamed
+# from host state; the remote run moves block.0 (resident), block.2 and head to the node
+LOCAL = [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST),
+         SegmentPlacement(False, Tier.DISK), HOST, HOST]
+REMOTE = [LOCAL[0], SegmentPlacement(True, Tier.HOST, remote=True), LOCAL[2],
+          SegmentPlacement(False, Tier.HOST, remote=True),
+          SegmentPlacement(False, Tier.HOST, remote=True)]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    n = Node(tmp_path_factory.mktemp("node"))
+    yield n
+    n.stop()
+
+
+def _train(base, placements, order: str, precision: str, tmp_path: Path, client=None):
+    """STEPS steps of `base` under `placements`: (losses, grad norms, weights, optimizer state,
+    the NET_SEND/NET_RECV bytes of each step, the engine's remote segments' expected bytes)."""
+    model = copy.deepcopy(base)
+    kw = {}
+    if precision == "bf16":
+        model = bf16_model(model)
+        kw["autocast"] = bf16_autocast
+    eng = new_engine(model, tmp_path / f"off-{client is not None}", placements=placements,
+                     microbatch_order=order, micro_batches=M, grad_clip=CLIP, node=client, **kw)
+    assert eng.report.placements == placements
+    losses, norms, moved = [], [], []
+    sent0 = None if client is None else client.bytes_sent
+    for b in batches(STEPS, M, seed=3):
+        before = dict(eng.ledger.total_moved_bytes)
+        rec = eng.step(b, LR)
+        eng.synchronize()  # the step's update has run: its bytes are in the ledger
+        losses.append(rec["loss"])
+        norms.append(rec["grad_norm"])
+        moved.append(tuple(eng.ledger.total_moved_bytes[link] - before.get(link, 0)
+                           for link in (Link.NET_SEND, Link.NET_RECV)))
+    expect = [remote_step_bytes(st.placement, st.numel, None if st.compute_format is None
+                                else st.compute_format.nbytes) for st in eng.states]
+    # counted independently of the helper: 4 bytes a parameter up, the copy's bytes down
+    by_hand = (sum(4 * st.numel for st in eng.states if st.placement.remote),
+               sum(st.wire.numel() if st.wire is not None else 4 * st.numel
+                   for st in eng.states if st.placement.remote))
+    weights, state = eng.weights(), eng.optimizer_state()
+    eng.close()
+    if client is not None:  # headers ride beside the payloads: the client's own count
+        assert client.bytes_sent - sent0 > STEPS * by_hand[0]
+    return losses, norms, weights, state, moved, expect, by_hand
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path):
+    """Same model, batches and placements but three segments' state on the node: losses,
+    gradient norms (clipping active), weights and optimizer state equal bit for bit, and each
+    step moves the remote segments' 4n up and c down, no more."""
+    base = tiny_model("llama_tied_gqa", layers=3)
+    local = _train(base, LOCAL, order, precision, tmp_path)
+    with node.connect("socket") as client:
+        remote = _train(base, REMOTE, order, precision, tmp_path, client)
+    assert remote[0] == local[0]
+    assert remote[1] == local[1] and all(n > CLIP for n in local[1])
+    for ref, got in ((local[2], remote[2]), (local[3], remote[3])):
+        assert ref.keys() == got.keys()
+        for k, v in ref.items():
+            assert torch.equal(got[k], v), k
+    # the bytes: the local run moves none over the network; each remote step exactly these
+    assert local[4] == [(0, 0)] * STEPS
+    per_step = tuple(sum(x) for x in zip(*remote[5], strict=True))
+    assert per_step == remote[6] and per_step[0] > 0
+    if precision == "bf16":  # the copies come back in 2 bytes a weight where layers are bf16
+        assert per_step[1] < per_step[0]
+    assert remote[4] == [per_step] * STEPS
+
+
+# -- the trainer, as `tierlm train` runs it ----
+
+TRAIN = ["--model-size", "tiny", "--seq-len", "32", "--batch-size", "2", "--data.vocab_size",
+         "1024", "--eval-every", "0", "--train.sample_tokens", "0", "--optim.warmup_steps", "0",
+         "--optim.min_lr_ratio", "1", "--offload-policy", "host", "--optim.grad_clip", "0.05"]
+
+
+def _tierlm(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tierlm", *args], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _with_node(node: Node, token_file: Path) -> list[str]:
+    return ["--remote", "block.*", "--memory-node", node.address,
+            "--memory-node-token-file", str(token_file), "--memory-node-timeout", "30"]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    recs = [json.loads(line) for line in lines if line.endswith("}")]  # one being written: not
+    return {r["step"]: r["loss"] for r in recs if "loss" in r and "step" in r}
+
+
+def _wait(what: str, ready, *procs: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120  # a bound on a wait, not a timing assertion
+    while not ready():
+        for p in procs:
+            assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+def _checkpoints(run: Path) -> list[Path]:
+    ckpts = run / "checkpoints"
+    return sorted(p for p in ckpts.iterdir() if p.name.startswith("step_")) if (
+        ckpts.is_dir()) else []
+
+
+def test_a_killed_node_stops_the_trainer_and_a_new_one_resumes(tmp_path):
+    """SIGKILL of the node mid-run: the trainer exits non-zero, its one error line names the
+    node and the newest checkpoint, which verifies; `--resume` with a fresh node continues to
+    the losses the run had before the node died: resumed from the checkpoint before the newest
+    (the newest set aside), its two steps are the killed run's next two, whose losses it logged
+    before the node died (the step after a checkpoint computes its loss before it updates)."""
+    token = tmp_path / "token"
+    token.write_bytes(TOKEN)
+    token.chmod(0o600)
+    node = Node(tmp_path)
+    run = tmp_path / "run"
+    try:
+        trainer = _tierlm("train", *TRAIN, *_with_node(node, token), "--max-steps", "100000",
+                          "--save-every", "1", "--out", str(run))
+        _wait("two checkpoints", lambda: len(_checkpoints(run)) >= 2, trainer)
+        node.proc.send_signal(signal.SIGKILL)
+        _, err = trainer.communicate(timeout=60)  # well within its --memory-node-timeout
+    finally:
+        node.stop()
+    assert trainer.returncode not in (0, None)
+    lines = [ln for ln in err.splitlines() if ln.startswith("tierlm: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    *_, start, newest = _checkpoints(run)
+    assert node.address in lines[0] and str(newest) in lines[0], lines[0]
+    verify_checkpoint(newest)
+    at = int(start.name.removeprefix("step_"))
+    killed = _losses(run)
+    assert {at + 1, at + 2} <= set(killed)
+    newest.rename(tmp_path / newest.name)  # resume from the one before it
+    node = Node(tmp_path)  # a fresh node: the state comes back from the checkpoint
+    try:
+        resumed = _tierlm("train", *TRAIN, *_with_node(node, token), "--resume", str(run),
+                          "--max-steps", str(at + 2), "--train.save_final", "false")
+        out, err = resumed.communicate(timeout=300)
+    finally:
+        node.stop()
+    assert resumed.returncode == 0, err
+    assert f"resumed from {start}" in out + err
+    got = _losses(run)
+    assert [got[s] for s in (at + 1, at + 2)] == [killed[s] for s in (at + 1, at + 2)]
+
+
+def test_a_wrong_token_is_refused_naming_the_token_file(node, tmp_path, capsys):
+    """Refused at the handshake, before the model is loaded: one error line naming the token
+    file's flag and the node; the node logs the reason."""
+    token = tmp_path / "wrong"
+    token.write_bytes(b"not the node's secret")
+    token.chmod(0o600)
+    code = main(["train", *TRAIN, *_with_node(node, token), "--max-steps", "1",
+                 "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code != 0
+    lines = [ln for ln in err.splitlines() if ln.startswith("tierlm: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "--memory-node-token-file" in lines[0] and node.address in lines[0], lines[0]
+    node.wait_log("wrong token")
