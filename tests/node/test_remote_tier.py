@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +25,9 @@ from tierlm.checkpoint.format import verify_checkpoint
 from tierlm.cli import main
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
+from tierlm.runtime.placement import place
 from tierlm.runtime.state import remote_step_bytes
+from tierlm.train.node import MemoryNodeError, check_node_capacity
 
 STEPS, M, CLIP, LR = 3, 2, 0.05, 1e-2
 HOST = SegmentPlacement(False, Tier.HOST)
@@ -101,6 +104,67 @@ def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path
     if precision == "bf16":  # the copies come back in 2 bytes a weight where layers are bf16
         assert per_step[1] < per_step[0]
     assert remote[4] == [per_step] * STEPS
+
+
+# -- placement and checks ----
+
+NAMES = ["embed", "block.0", "block.1", "block.2", "head"]
+NUMELS = [1000, 2000, 2000, 2000, 1000]
+
+
+@pytest.mark.parametrize("policy", ["host", "disk", "tiered"])
+def test_remote_moves_the_matching_segments_to_the_node(policy):
+    budget = {"device_budget_bytes": 10**9} if policy == "tiered" else {}
+    plain = place(NAMES, NUMELS, policy=policy, resident="block.0", **budget).placements
+    report = place(NAMES, NUMELS, policy=policy, resident="block.0", remote="block.[01]",
+                   slot_bytes=[8 * n for n in NUMELS], **budget)
+    got = report.placements
+    for i, name in enumerate(NAMES):
+        if name in ("block.0", "block.1"):  # resident where the policy made it resident
+            assert got[i] == SegmentPlacement(plain[i].resident, Tier.HOST, remote=True)
+        else:
+            assert got[i] == plain[i]
+    # on the node: fp32 master and gradient, AdamW's two moments
+    assert report.remote_bytes == 16 * (NUMELS[1] + NUMELS[2])
+
+
+def test_offload_policy_remote_keeps_only_resident_segments_local():
+    got = place(NAMES, NUMELS, policy="remote", resident="embed|head").placements
+    remote = SegmentPlacement(False, Tier.HOST, remote=True)
+    assert got == [SegmentPlacement(True, Tier.DEVICE), remote, remote, remote,
+                   SegmentPlacement(True, Tier.DEVICE)]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--offload-policy", "host", "--remote", "block.*"], "--memory-node ADDRESS:PORT"),
+    (["--offload-policy", "remote"], "--memory-node ADDRESS:PORT"),
+    (["--offload-policy", "host", "--remote", "block.*", "--memory-node", "10.0.0.2:29600"],
+     "needs --memory-node-token-file"),
+    (["--offload-policy", "host", "--memory-node", "10.0.0.2:29600",
+      "--memory-node-token-file", "t"], "choose the segments with --remote"),
+    (["--offload-policy", "auto", "--remote", "block.*", "--memory-node", "10.0.0.2:29600",
+      "--memory-node-token-file", "t"], "not supported yet"),
+    (["--offload-policy", "host", "--remote", "block.*", "--memory-node", "10.0.0.2:29600",
+      "--memory-node-token-file", "t", "--nproc", "2"], "not supported yet"),
+    (["--offload-policy", "host", "--remote", "block.*", "--memory-node", "10.0.0.2:29600",
+      "--memory-node-token-file", "t", "--finetune", "lora"], "not supported yet"),
+])
+def test_node_flags_are_checked(argv, needle, capsys):
+    assert main(["train", "--model-size", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierlm: error:") and needle in err, err
+
+
+def test_remote_state_the_node_cannot_hold_is_refused_naming_the_flags():
+    report = place(NAMES, NUMELS, policy="remote", slot_bytes=[8 * n for n in NUMELS])
+    node = SimpleNamespace(address="10.0.0.2:29600",
+                           hello=SimpleNamespace(memory_bytes=report.remote_bytes - 1))
+    with pytest.raises(MemoryNodeError, match=r"--memory, or put fewer segments on it with "
+                                              r"--remote") as e:
+        check_node_capacity(report, node)
+    assert "10.0.0.2:29600" in str(e.value)
+    node.hello.memory_bytes = report.remote_bytes
+    check_node_capacity(report, node)
 
 
 # -- the trainer, as `tierlm train` runs it ----
