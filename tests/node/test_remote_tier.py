@@ -25,6 +25,7 @@ from tierlm.checkpoint.format import verify_checkpoint
 from tierlm.cli import main
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
+from tierlm.models import build_model, preset_config
 from tierlm.runtime.placement import place
 from tierlm.runtime.state import remote_step_bytes
 from tierlm.train.node import MemoryNodeError, check_node_capacity
@@ -104,6 +105,26 @@ def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path
     if precision == "bf16":  # the copies come back in 2 bytes a weight where layers are bf16
         assert per_step[1] < per_step[0]
     assert remote[4] == [per_step] * STEPS
+
+
+def test_the_small_preset_trains_as_on_the_host_tier(node, tmp_path):
+    """The `small` preset (8 blocks), its segments spread over every tier, six of them on the
+    node (one resident), layer-outer: as on the host tier, bit for bit, and bf16 copies."""
+    base = build_model(preset_config("small", vocab_size=512, max_seq_len=16), seed=0)
+    remote = SegmentPlacement(False, Tier.HOST, remote=True)
+    local = ([SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST),
+              SegmentPlacement(False, Tier.DISK), HOST] + [HOST] * 5 + [HOST])
+    placed = (local[:1] + [SegmentPlacement(True, Tier.HOST, remote=True)] + local[2:4]
+              + [remote] * 5 + [remote])
+    ref = _train(base, local, "layer-outer", "bf16", tmp_path)
+    with node.connect("socket") as client:
+        got = _train(base, placed, "layer-outer", "bf16", tmp_path, client)
+    assert got[0] == ref[0] and got[1] == ref[1]
+    for k, v in ref[2].items():
+        assert torch.equal(got[2][k], v), k
+    for k, v in ref[3].items():
+        assert torch.equal(got[3][k], v), k
+    assert got[4] == [got[6]] * STEPS
 
 
 # -- placement and checks ----
