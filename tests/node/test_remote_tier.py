@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from tests.node.test_memory_node import TOKEN, Node, _env
-from tests.runtime_helpers import batches, bf16_autocast, bf16_model, new_engine, tiny_model
+from tests.runtime_helpers import (
+    InfGrad,
+    batches,
+    bf16_autocast,
+    bf16_model,
+    new_engine,
+    tiny_model,
+)
 from tierlm.checkpoint.format import verify_checkpoint
 from tierlm.cli import main
 from tierlm.memory.placement import SegmentPlacement
@@ -48,10 +55,14 @@ def node(tmp_path_factory):
     n.stop()
 
 
-def _train(base, placements, order: str, precision: str, tmp_path: Path, client=None):
+def _train(base, placements, order: str, precision: str, tmp_path: Path, client=None,
+           skip: int | None = None):
     """STEPS steps of `base` under `placements`: (losses, grad norms, weights, optimizer state,
-    the NET_SEND/NET_RECV bytes of each step, the engine's remote segments' expected bytes)."""
+    the NET_SEND/NET_RECV bytes of each step, the engine's remote segments' expected bytes).
+    `skip`: the step whose gradient is made infinite (skipped)."""
     model = copy.deepcopy(base)
+    hook = InfGrad()
+    model.model.layers[1].mlp.register_forward_hook(hook)
     kw = {}
     if precision == "bf16":
         model = bf16_model(model)
@@ -61,10 +72,12 @@ def _train(base, placements, order: str, precision: str, tmp_path: Path, client=
     assert eng.report.placements == placements
     losses, norms, moved = [], [], []
     sent0 = None if client is None else client.bytes_sent
-    for b in batches(STEPS, M, seed=3):
+    for i, b in enumerate(batches(STEPS, M, seed=3)):
+        hook.armed = i == skip
         before = dict(eng.ledger.total_moved_bytes)
         rec = eng.step(b, LR)
         eng.synchronize()  # the step's update has run: its bytes are in the ledger
+        assert rec["skipped"] == (i == skip)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
         moved.append(tuple(eng.ledger.total_moved_bytes[link] - before.get(link, 0)
@@ -78,7 +91,7 @@ def _train(base, placements, order: str, precision: str, tmp_path: Path, client=
     weights, state = eng.weights(), eng.optimizer_state()
     eng.close()
     if client is not None:  # headers ride beside the payloads: the client's own count
-        assert client.bytes_sent - sent0 > STEPS * by_hand[0]
+        assert client.bytes_sent - sent0 > (STEPS - (skip is not None)) * by_hand[0]
     return losses, norms, weights, state, moved, expect, by_hand
 
 
@@ -87,13 +100,14 @@ def _train(base, placements, order: str, precision: str, tmp_path: Path, client=
 def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path):
     """Same model, batches and placements but three segments' state on the node: losses,
     gradient norms (clipping active), weights and optimizer state equal bit for bit, and each
-    step moves the remote segments' 4n up and c down, no more."""
+    step moves the remote segments' 4n up and c down, no more; the skipped step (an infinite
+    gradient, the second) sends nothing and leaves nothing behind on either side."""
     base = tiny_model("llama_tied_gqa", layers=3)
-    local = _train(base, LOCAL, order, precision, tmp_path)
+    local = _train(base, LOCAL, order, precision, tmp_path, skip=1)
     with node.connect("socket") as client:
-        remote = _train(base, REMOTE, order, precision, tmp_path, client)
+        remote = _train(base, REMOTE, order, precision, tmp_path, client, skip=1)
     assert remote[0] == local[0]
-    assert remote[1] == local[1] and all(n > CLIP for n in local[1])
+    assert remote[1][::2] == local[1][::2] and all(n > CLIP for n in local[1][::2])
     for ref, got in ((local[2], remote[2]), (local[3], remote[3])):
         assert ref.keys() == got.keys()
         for k, v in ref.items():
@@ -104,7 +118,7 @@ def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path
     assert per_step == remote[6] and per_step[0] > 0
     if precision == "bf16":  # the copies come back in 2 bytes a weight where layers are bf16
         assert per_step[1] < per_step[0]
-    assert remote[4] == [per_step] * STEPS
+    assert remote[4] == [per_step, (0, 0), per_step]
 
 
 def test_the_small_preset_trains_as_on_the_host_tier(node, tmp_path):
@@ -124,7 +138,7 @@ def test_the_small_preset_trains_as_on_the_host_tier(node, tmp_path):
         assert torch.equal(got[2][k], v), k
     for k, v in ref[3].items():
         assert torch.equal(got[3][k], v), k
-    assert got[4] == [got[6]] * STEPS
+    assert got[4] == [got[6]] * STEPS and got[6][0] > 0
 
 
 # -- placement and checks ----
