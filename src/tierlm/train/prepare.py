@@ -71,6 +71,7 @@ from tierlm.models.load import CheckpointWeights
 from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
 from tierlm.node.client import NodeClient
+from tierlm.node.protocol import NodeError
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
 from tierlm.plan.checks import check
@@ -90,7 +91,7 @@ from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
 from tierlm.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
-from tierlm.train.node import check_node_capacity, connect_node
+from tierlm.train.node import MemoryNodeError, check_node_capacity, connect_node
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.rundir import OffloadDir, open_run_dir
 from tierlm.train.safety import MemoryWatch, check_token_stream, map_large_buffers
@@ -294,9 +295,12 @@ def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
             metrics=metrics, monitor=monitor, tokens_per_step=tokens_per_step, predicted=predicted,
             node=node,
         )
-    except BaseException:
+    except BaseException as exc:
         if node is not None:
             node.close()
+        if isinstance(exc, NodeError):  # refused (the state does not fit its --memory) or lost
+            raise MemoryNodeError(f"{exc} (--remote chooses the segments placed on it)"
+                                  ) from None
         raise
 
 
