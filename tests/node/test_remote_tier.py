@@ -76,12 +76,17 @@ def _train(base, placements, order: str, precision: str, tmp_path: Path, client=
         hook.armed = i == skip
         before = dict(eng.ledger.total_moved_bytes)
         rec = eng.step(b, LR)
-        eng.synchronize()  # the step's update has run: its bytes are in the ledger
+        # the step's own counters, as the trainer's metrics read them: the bytes its update
+        # moves are counted as it is submitted, though it runs behind the next step's start
+        step_moved = tuple(eng.ledger.moved_bytes[link] for link in (Link.NET_SEND,
+                                                                     Link.NET_RECV))
+        eng.synchronize()  # the step's update has run: nothing more counted
         assert rec["skipped"] == (i == skip)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
         moved.append(tuple(eng.ledger.total_moved_bytes[link] - before.get(link, 0)
                            for link in (Link.NET_SEND, Link.NET_RECV)))
+        assert moved[-1] == step_moved
     expect = [remote_step_bytes(st.placement, st.numel, None if st.compute_format is None
                                 else st.compute_format.nbytes) for st in eng.states]
     # counted independently of the helper: 4 bytes a parameter up, the copy's bytes down

@@ -391,6 +391,8 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
                 with self.clock.measure(f"update {st.seg.name}"):
                     self._update(st, coef, lr)
             else:
+                if st.placement.remote:  # its network bytes, counted in this step
+                    self._count_remote(st)
                 self._updates[st.index] = self._worker.submit(self._update, st, host_coef, lr)
                 if st.placement.resident:
                     st.device_stale = True

@@ -141,7 +141,8 @@ class StateIO:
         finally:
             self._free_state(st, {c: b for c, b in bufs.items() if b is not st.master})
         if not fp32:
-            fetch_compute_copy(node, st, self._remote_format(st))
+            self._remote_format(st)
+            fetch_compute_copy(node, st, st.compute_format.kinds)
         if st.device_weights is not None:
             st.device_stale = True
 

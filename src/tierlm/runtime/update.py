@@ -71,44 +71,51 @@ class Updates:
                 st.grad.zero_()
             advance(st.steps)
 
+    def _count_remote(self, st: SegmentState) -> None:
+        """On the training thread, as the step submits a remote segment's update: its compute
+        copy takes the kinds its layers compute in now (`_remote_format`), and the ledger
+        counts the payloads the update will move, 4n on Link.NET_SEND and c on Link.NET_RECV,
+        in the step whose gradient they carry (the update itself runs behind the next step's
+        start, which resets the step's counters)."""
+        self._remote_format(st)
+        self.ledger.record_move(Link.NET_SEND, 4 * st.numel)
+        self.ledger.record_move(Link.NET_RECV, remote_copy_nbytes(st))
+
     def _update_remote(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
         """A remote segment's update (docs/architecture.md, the remote step): its landed
         gradient (`st.grad`, 4n bytes) goes to the memory node, the node runs the host tier's
         update on it scaled by `coef` (an fp32 value, as the host tier's), and the compute copy
         comes back into the host copy the stream uploads from (c bytes: its copy, or the fp32
-        weights). The ledger counts the payloads on Link.NET_SEND and Link.NET_RECV; a
-        NodeError (the node died, stalled past --memory-node-timeout, refused) is raised here
-        and re-raised by `_wait_update` in the training thread."""
+        weights), in the kinds `_count_remote` gave it (the node re-encodes where they
+        changed). A NodeError (the node died, stalled past --memory-node-timeout, refused) is
+        raised here and re-raised by `_wait_update` in the training thread."""
         node, name, n = self.opts.node, st.seg.name, st.numel
-        kinds = self._remote_format(st)
-        c = remote_copy_nbytes(st)
+        kinds = None if st.compute_format is None else st.compute_format.kinds
         with self.tracer.span("cpu update", f"update {name}", cat="update", tier="remote"):
             with self.dev.net(Link.NET_SEND, 4 * n, f"grad {name}"):
                 node.push_grad(name, st.grad)
-            self.ledger.record_move(Link.NET_SEND, 4 * n)
             with self.dev.node_work(f"update {name}", params=n * self.optimizer.cpu_cost):
                 # the count this update brings the node's counters to, which the node checks
                 node.step(name, lr=lr, coef=float(coef), step=int(step_count(st.steps[0])) + 1)
-            with self.dev.net(Link.NET_RECV, c, f"copy {name}"):
+            with self.dev.net(Link.NET_RECV, remote_copy_nbytes(st), f"copy {name}"):
                 fetch_compute_copy(node, st, kinds)
-            self.ledger.record_move(Link.NET_RECV, c)
             st.grad.zero_()
             advance(st.steps)
 
-    def _remote_format(self, st: SegmentState) -> list[str] | None:
+    def _remote_format(self, st: SegmentState) -> None:
         """A remote segment's compute copy in the kinds its layers compute in now (the host
         tier's `ComputeCopies.refresh` rule: fp8 layers switched to bf16 change its format and
-        its host copy's size); the new kinds the node re-encodes to, or None when unchanged."""
+        its host copy's size). Nothing reads the host copy until the update has refilled it:
+        the stream waits for the update (`_wait_update`)."""
         if st.compute_format is None:
-            return None
+            return
         kinds = slot_kinds(self.compute_copies.model, st.layout)
         if kinds == st.compute_format.kinds:
-            return None
+            return
         st.compute_format = ComputeFormat(st.layout, kinds)
         self.store.free(Tier.HOST, TensorClass.COMPUTE, st.wire)
         st.wire = self.store.alloc(Tier.HOST, TensorClass.COMPUTE, st.compute_format.nbytes,
                                    dtype=torch.uint8, pinned=True)
-        return kinds
 
     def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
         """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
