@@ -130,18 +130,25 @@ def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path
     assert remote[4] == [(0, 0) if i == skip else per_step for i in range(STEPS)]
 
 
-def test_the_small_preset_trains_as_on_the_host_tier(node, tmp_path):
-    """The `small` preset (8 blocks), its segments spread over every tier, six of them on the
-    node (one resident), layer-outer: as on the host tier, bit for bit, and bf16 copies."""
-    base = build_model(preset_config("small", vocab_size=512, max_seq_len=16), seed=0)
-    remote = SegmentPlacement(False, Tier.HOST, remote=True)
-    local = ([SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST),
-              SegmentPlacement(False, Tier.DISK), HOST] + [HOST] * 5 + [HOST])
-    placed = (local[:1] + [SegmentPlacement(True, Tier.HOST, remote=True)] + local[2:4]
-              + [remote] * 5 + [remote])
-    ref = _train(base, local, "layer-outer", "bf16", tmp_path)
+@pytest.mark.parametrize(("preset", "order"), [("tiny", "microbatch-outer"),
+                                                ("small", "layer-outer")])
+def test_the_presets_train_as_on_the_host_tier(node, preset, order, tmp_path):
+    """The `tiny` (2 blocks) and `small` (8 blocks) presets with bf16 copies: embed on the
+    device, block.0 resident, block.1 on disk, the rest streamed from host state; the remote
+    run moves block.0 and the streamed segments (but block.2 of `small`) to the node. As on
+    the host tier, bit for bit."""
+    base = build_model(preset_config(preset, vocab_size=512, max_seq_len=16), seed=0)
+    n = base.config.num_hidden_layers + 2
+    local = [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST),
+             SegmentPlacement(False, Tier.DISK)] + [HOST] * (n - 3)
+    # block.0 (resident), and every segment after the disk one but one host-tier block
+    placed = [local[0], SegmentPlacement(True, Tier.HOST, remote=True), local[2]] + [
+        SegmentPlacement(False, Tier.HOST, remote=True)] * (n - 3)
+    if n > 5:
+        placed[3] = HOST
+    ref = _train(base, local, order, "bf16", tmp_path)
     with node.connect("socket") as client:
-        got = _train(base, placed, "layer-outer", "bf16", tmp_path, client)
+        got = _train(base, placed, order, "bf16", tmp_path, client)
     assert got[0] == ref[0] and got[1] == ref[1]
     for k, v in ref[2].items():
         assert torch.equal(got[2][k], v), k
