@@ -34,7 +34,7 @@ from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
 from tierlm.models import build_model, preset_config
 from tierlm.runtime.placement import place
-from tierlm.runtime.state import remote_step_bytes
+from tierlm.runtime.state import step_net_bytes
 from tierlm.train.node import MemoryNodeError, check_node_capacity
 
 STEPS, M, CLIP, LR = 3, 2, 0.05, 1e-2
@@ -58,7 +58,8 @@ def node(tmp_path_factory):
 def _train(base, placements, order: str, precision: str, tmp_path: Path, client=None,
            skip: int | None = None):
     """STEPS steps of `base` under `placements`: (losses, grad norms, weights, optimizer state,
-    the NET_SEND/NET_RECV bytes of each step, the engine's remote segments' expected bytes).
+    the NET_SEND/NET_RECV bytes of each step, the bytes a step is to move by
+    `step_net_bytes`, and the same counted here by hand).
     `skip`: the step whose gradient is made infinite (skipped)."""
     model = copy.deepcopy(base)
     hook = InfGrad()
@@ -87,8 +88,10 @@ def _train(base, placements, order: str, precision: str, tmp_path: Path, client=
         moved.append(tuple(eng.ledger.total_moved_bytes[link] - before.get(link, 0)
                            for link in (Link.NET_SEND, Link.NET_RECV)))
         assert moved[-1] == step_moved
-    expect = [remote_step_bytes(st.placement, st.numel, None if st.compute_format is None
-                                else st.compute_format.nbytes) for st in eng.states]
+    # the helper the planner's network lane is to equal (runtime.state.step_net_bytes)
+    expect = step_net_bytes(eng.report.placements, [st.numel for st in eng.states],
+                            [None if st.compute_format is None else st.compute_format.nbytes
+                             for st in eng.states])
     # counted independently of the helper: 4 bytes a parameter up, the copy's bytes down
     by_hand = (sum(4 * st.numel for st in eng.states if st.placement.remote),
                sum(st.wire.numel() if st.wire is not None else 4 * st.numel
@@ -123,7 +126,7 @@ def test_remote_segments_train_as_the_host_tier(node, order, precision, tmp_path
             assert torch.equal(got[k], v), k
     # the bytes: the local run moves none over the network; each remote step exactly these
     assert local[4] == [(0, 0)] * STEPS
-    per_step = tuple(sum(x) for x in zip(*remote[5], strict=True))
+    per_step = remote[5]
     assert per_step == remote[6] and per_step[0] > 0
     if precision == "bf16":  # the copies come back in 2 bytes a weight where layers are bf16
         assert per_step[1] < per_step[0]
@@ -154,7 +157,7 @@ def test_the_presets_train_as_on_the_host_tier(node, preset, order, tmp_path):
         assert torch.equal(got[2][k], v), k
     for k, v in ref[3].items():
         assert torch.equal(got[3][k], v), k
-    assert got[4] == [got[6]] * STEPS and got[6][0] > 0
+    assert got[4] == [got[5]] * STEPS and got[5] == got[6] and got[5][0] > 0
 
 
 # -- placement and checks ----

@@ -257,6 +257,17 @@ def remote_step_bytes(placement: SegmentPlacement, numel: int, copy_bytes: int |
     return 4 * numel, 4 * numel if copy_bytes is None else copy_bytes
 
 
+def step_net_bytes(placements: list[SegmentPlacement], numels: list[int],
+                   copy_bytes: list[int | None]) -> tuple[int, int]:
+    """(to the node, from the node) payload bytes of one optimizer step that is not skipped,
+    over every segment (`remote_step_bytes` summed): the engine's ledger counts exactly these
+    per step on Link.NET_SEND and Link.NET_RECV, and the planner's network lane must book
+    them (tests/node/test_remote_tier.py compares the ledger with this)."""
+    per = [remote_step_bytes(p, n, c)
+           for p, n, c in zip(placements, numels, copy_bytes, strict=True)]
+    return sum(up for up, _ in per), sum(down for _, down in per)
+
+
 def persistent_bytes(
     placement: SegmentPlacement, numel: int, slot_bytes: int, copy_bytes: int | None, *,
     frozen: bool = False, base_copy: bool = False,
