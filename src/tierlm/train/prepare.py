@@ -138,7 +138,23 @@ class Run:
 def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
     """Build the run `cfg` asks for, in order; every check a user can fail comes before the
     work it would waste (a bad --out before the model is loaded, a plan that does not fit
-    before the first step)."""
+    before the first step). A memory node's session (--memory-node) opened on the way is
+    closed if the build fails after it (the node frees the session and takes the next
+    trainer); a node that refuses or is lost during the build is one error line."""
+    opened: list[NodeClient] = []
+    try:
+        return _build(cfg, log, opened)
+    except BaseException as exc:
+        for node in opened:
+            node.close()
+        if isinstance(exc, NodeError):  # refused (the state does not fit its --memory) or lost
+            raise MemoryNodeError(f"{exc} (--remote chooses the segments placed on it)"
+                                  ) from None
+        raise
+
+
+def _build(cfg: Config, log: Callable[[str], None], opened: list[NodeClient]) -> Run:
+    """`prepare`'s build, in order; the memory node's session, once open, in `opened`."""
     check(cfg)  # every check of the config, the features' included: no way in skips one
     memory_watch = MemoryWatch(log)  # first: it measures what the run adds
     check_monitor_deps(cfg)  # a missing optional dependency fails before any work
@@ -178,130 +194,124 @@ def prepare(cfg: Config, *, log: Callable[[str], None] = print) -> Run:
         )
     # the memory node (--memory-node): the session opens once the run directory is claimed,
     # before the model is loaded (an unreachable node or a wrong token costs no loading),
-    # and the stepper places state on it; closed on any error from here (the node frees
-    # the session and takes the next trainer), else at the run's end (run_training)
+    # and the stepper places state on it; closed at the run's end (run_training)
     node = connect_node(cfg, log)
-    try:
-        # the data, then the model: a preset's vocabulary is the tokenizer's
-        data = _Data.load(cfg, world, resume_ckpt, log)
-        model, initial_weights = _build_model(cfg, world, len(data.tokenizer), progress, log)
-        # --finetune lora: peft's adapters on the frozen base (tierlm.finetune.lora); before the
-        # precision policy and the stepper, which both see the wrapped modules
-        finetune, initial_weights = prepare_finetune(
-            cfg.train.finetune, model, cfg.lora, initial_weights, seed=cfg.run.seed,
-            base_path=cfg.model.path)
-        # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
-        # the stored dtype unless --export-dtype says otherwise
-        source_dtype = checkpoint_dtype(cfg.model.path) if cfg.model.path else "float32"
-        vocab = model.config.vocab_size
-        data.check_vocab(vocab)
-        model.train()
-        n_params = count_params(model)
-        n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # names and shapes of what checkpoints hold (a LoRA run's adapters only): a checkpoint
-        # of another model size has the same names
-        param_names = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    if node is not None:
+        opened.append(node)
 
-        # the batches: every rank draws the global batch of all ranks' rows and keeps its own slice
-        # (context parallel: the ranks of a CP group share one slice, each takes its share of the
-        # tokens)
-        train_seqs, eval_seqs = data.sequences(cfg.data.seq_len)
-        row_groups = world.size // cfg.distributed.context_parallel
-        sampler = shard_batches(
-            BatchSampler(train_seqs, cfg.train.batch_size * row_groups, cfg.run.seed),
-            world, cfg.distributed.context_parallel,
-        )
-        eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
-        optim_state_bytes = model_state_nbytes(model, cfg.optim)
-        checkpoint_bytes = 4 * n_trained + optim_state_bytes  # fp32 masters + state
-        preflight = Preflight(cfg, run_dir, n_params=n_params, device_is_cpu=device.type == "cpu",
-                              optim_state_bytes=optim_state_bytes,
-                              start_rss_bytes=memory_watch.start_rss_bytes, log=log)
+    # the data, then the model: a preset's vocabulary is the tokenizer's
+    data = _Data.load(cfg, world, resume_ckpt, log)
+    model, initial_weights = _build_model(cfg, world, len(data.tokenizer), progress, log)
+    # --finetune lora: peft's adapters on the frozen base (tierlm.finetune.lora); before the
+    # precision policy and the stepper, which both see the wrapped modules
+    finetune, initial_weights = prepare_finetune(
+        cfg.train.finetune, model, cfg.lora, initial_weights, seed=cfg.run.seed,
+        base_path=cfg.model.path)
+    # the model is trained in fp32 whatever its checkpoint stored; the export goes back to
+    # the stored dtype unless --export-dtype says otherwise
+    source_dtype = checkpoint_dtype(cfg.model.path) if cfg.model.path else "float32"
+    vocab = model.config.vocab_size
+    data.check_vocab(vocab)
+    model.train()
+    n_params = count_params(model)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # names and shapes of what checkpoints hold (a LoRA run's adapters only): a checkpoint
+    # of another model size has the same names
+    param_names = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
 
-        # the precision policy: before the runtime is built (the tiered runtime runs the swapped
-        # modules too)
-        set_tf32(cfg.precision.tf32, device, log=log)  # what the plan assumed
-        fp8 = prepare_precision(model, cfg.precision, precision, device, log=log)
-        if cfg.train.finetune != "full":  # a base in RAM held as its bf16 layers read it
-            store_frozen_as_computed(model)
-        # compilation: after the precision policy (its layers are what the blocks run), before the
-        # stepper
-        compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", precision)
-        compiled.apply(model, log)
+    # the batches: every rank draws the global batch of all ranks' rows and keeps its own slice
+    # (context parallel: the ranks of a CP group share one slice, each takes its share of the
+    # tokens)
+    train_seqs, eval_seqs = data.sequences(cfg.data.seq_len)
+    row_groups = world.size // cfg.distributed.context_parallel
+    sampler = shard_batches(
+        BatchSampler(train_seqs, cfg.train.batch_size * row_groups, cfg.run.seed),
+        world, cfg.distributed.context_parallel,
+    )
+    eval_set = eval_batches(eval_seqs, cfg.train.batch_size, cfg.train.eval_batches)
+    optim_state_bytes = model_state_nbytes(model, cfg.optim)
+    checkpoint_bytes = 4 * n_trained + optim_state_bytes  # fp32 masters + state
+    preflight = Preflight(cfg, run_dir, n_params=n_params, device_is_cpu=device.type == "cpu",
+                          optim_state_bytes=optim_state_bytes,
+                          start_rss_bytes=memory_watch.start_rss_bytes, log=log)
 
-        # the plan: --offload-policy as a typed policy (auto: the planner's plan for this model as
-        # built, LoRA and precision included)
-        policy = offload_policy(cfg, model.config, precision)
-        # the stepper, and what several processes wrap it in
-        tracer = build_tracer(cfg, device, world.is_main)
-        stepper = build_stepper(cfg, world, model, device, precision, run_dir=run_dir,
-                                preflight=preflight, policy=policy,
-                                initial_weights=initial_weights, tracer=tracer,
-                                chunk_loss=compiled.chunk_loss, node=node)
-        plan = auto_plan(policy)
-        if plan is None and stepper.engine is not None:  # what the engine's own placement predicts
-            plan = predict_for_engine(cfg, model.config, stepper.engine, precision)
+    # the precision policy: before the runtime is built (the tiered runtime runs the swapped
+    # modules too)
+    set_tf32(cfg.precision.tf32, device, log=log)  # what the plan assumed
+    fp8 = prepare_precision(model, cfg.precision, precision, device, log=log)
+    if cfg.train.finetune != "full":  # a base in RAM held as its bf16 layers read it
+        store_frozen_as_computed(model)
+    # compilation: after the precision policy (its layers are what the blocks run), before the
+    # stepper
+    compiled = build_compile(cfg.run.compile, cache_dir() / "inductor", precision)
+    compiled.apply(model, log)
 
-        # the observers
-        step_trace = build_step_trace(
-            cfg, tracer, stepper, plan,
-            functools.partial(_predicted_step, cfg, model.config, precision, plan), run_dir, log)
-        fp8.attach(stepper)  # the monitor's fp8 probe reads it
-        memory_watch.trim()  # the model as built went to the runtime
-        # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
-        memory_watch.trim_each_step = stepper.engine is not None and device.type == "cpu"
-        if memory_watch.trim_each_step and cfg.memory.device_budget:
-            # --device-budget on a CPU: the budget is RAM, held by torch's compute buffers too
-            map_large_buffers()
+    # the plan: --offload-policy as a typed policy (auto: the planner's plan for this model as
+    # built, LoRA and precision included)
+    policy = offload_policy(cfg, model.config, precision)
+    # the stepper, and what several processes wrap it in
+    tracer = build_tracer(cfg, device, world.is_main)
+    stepper = build_stepper(cfg, world, model, device, precision, run_dir=run_dir,
+                            preflight=preflight, policy=policy,
+                            initial_weights=initial_weights, tracer=tracer,
+                            chunk_loss=compiled.chunk_loss, node=node)
+    plan = auto_plan(policy)
+    if plan is None and stepper.engine is not None:  # what the engine's own placement predicts
+        plan = predict_for_engine(cfg, model.config, stepper.engine, precision)
 
-        # the training random stream (dropout; peft's lora_dropout) starts from --seed, whatever
-        # the build above drew (a --model checkpoint draws nothing, a preset's segments draw as
-        # the runtime asks); a resume replaces it with the checkpoint's state
-        torch.manual_seed(cfg.run.seed)
-        step = 0
-        if resume_ckpt is not None:
-            step = _resume(resume_ckpt, cfg, world, stepper, sampler, fp8, param_names)
-            log(f"resumed from {resume_ckpt} at step {step}")
-        # after the resume: metrics.jsonl continues from the resumed step
-        metrics = MetricsLog(
-            run_dir / "metrics.jsonl", resume_from_step=step if resume_ckpt is not None else None,
-        ) if world.is_main else NullMetrics()
-        monitor = build_monitor(cfg, stepper, device, run_dir, metrics, log=log, phases=progress
-                                ) if world.is_main else NullMonitor()
-        tokens_per_step = (  # all ranks together
-            cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * row_groups)
-        # the planner times every token; the data decides how many of them have a loss
-        share = trained_share(train_seqs)
-        predicted = predicted_rates(plan, tokens_per_step, share)
-        trained = ("" if n_trained == n_params else
-                   f" ({n_trained / 1e6:.2f}M trained by --finetune {cfg.train.finetune}, "
-                   f"{n_trained / n_params:.2%})")
-        log(
-            f"model: {model.config.model_type}, {n_params / 1e6:.1f}M params{trained}, "
-            f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
-            f"{cfg.data.seq_len} tokens; device {device}; "
-            f"offload policy {cfg.memory.offload_policy}; run dir {run_dir}"
-        )
-        if plan is not None:
-            for line in plan_start_lines(plan, predicted, share):
-                log(line)
-        return Run(
-            cfg=cfg, log=log, memory_watch=memory_watch, world=world, progress=progress,
-            device=device, precision=precision, run_dir=run_dir, run_lock=run_lock, offload=offload,
-            tokenizer=data.tokenizer, model=model, finetune=finetune, source_dtype=source_dtype,
-            n_params=n_params, n_trained=n_trained, param_names=param_names, row_groups=row_groups,
-            sampler=sampler, eval_set=eval_set, checkpoint_bytes=checkpoint_bytes, fp8=fp8,
-            compiled=compiled, plan=plan, stepper=stepper, step_trace=step_trace, step=step,
-            metrics=metrics, monitor=monitor, tokens_per_step=tokens_per_step, predicted=predicted,
-            node=node,
-        )
-    except BaseException as exc:
-        if node is not None:
-            node.close()
-        if isinstance(exc, NodeError):  # refused (the state does not fit its --memory) or lost
-            raise MemoryNodeError(f"{exc} (--remote chooses the segments placed on it)"
-                                  ) from None
-        raise
+    # the observers
+    step_trace = build_step_trace(
+        cfg, tracer, stepper, plan,
+        functools.partial(_predicted_step, cfg, model.config, precision, plan), run_dir, log)
+    fp8.attach(stepper)  # the monitor's fp8 probe reads it
+    memory_watch.trim()  # the model as built went to the runtime
+    # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
+    memory_watch.trim_each_step = stepper.engine is not None and device.type == "cpu"
+    if memory_watch.trim_each_step and cfg.memory.device_budget:
+        # --device-budget on a CPU: the budget is RAM, held by torch's compute buffers too
+        map_large_buffers()
+
+    # the training random stream (dropout; peft's lora_dropout) starts from --seed, whatever
+    # the build above drew (a --model checkpoint draws nothing, a preset's segments draw as
+    # the runtime asks); a resume replaces it with the checkpoint's state
+    torch.manual_seed(cfg.run.seed)
+    step = 0
+    if resume_ckpt is not None:
+        step = _resume(resume_ckpt, cfg, world, stepper, sampler, fp8, param_names)
+        log(f"resumed from {resume_ckpt} at step {step}")
+    # after the resume: metrics.jsonl continues from the resumed step
+    metrics = MetricsLog(
+        run_dir / "metrics.jsonl", resume_from_step=step if resume_ckpt is not None else None,
+    ) if world.is_main else NullMetrics()
+    monitor = build_monitor(cfg, stepper, device, run_dir, metrics, log=log, phases=progress
+                            ) if world.is_main else NullMonitor()
+    tokens_per_step = (  # all ranks together
+        cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len * row_groups)
+    # the planner times every token; the data decides how many of them have a loss
+    share = trained_share(train_seqs)
+    predicted = predicted_rates(plan, tokens_per_step, share)
+    trained = ("" if n_trained == n_params else
+               f" ({n_trained / 1e6:.2f}M trained by --finetune {cfg.train.finetune}, "
+               f"{n_trained / n_params:.2%})")
+    log(
+        f"model: {model.config.model_type}, {n_params / 1e6:.1f}M params{trained}, "
+        f"vocab {vocab}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences of "
+        f"{cfg.data.seq_len} tokens; device {device}; "
+        f"offload policy {cfg.memory.offload_policy}; run dir {run_dir}"
+    )
+    if plan is not None:
+        for line in plan_start_lines(plan, predicted, share):
+            log(line)
+    return Run(
+        cfg=cfg, log=log, memory_watch=memory_watch, world=world, progress=progress,
+        device=device, precision=precision, run_dir=run_dir, run_lock=run_lock, offload=offload,
+        tokenizer=data.tokenizer, model=model, finetune=finetune, source_dtype=source_dtype,
+        n_params=n_params, n_trained=n_trained, param_names=param_names, row_groups=row_groups,
+        sampler=sampler, eval_set=eval_set, checkpoint_bytes=checkpoint_bytes, fp8=fp8,
+        compiled=compiled, plan=plan, stepper=stepper, step_trace=step_trace, step=step,
+        metrics=metrics, monitor=monitor, tokens_per_step=tokens_per_step, predicted=predicted,
+        node=node,
+    )
 
 
 # -- the steps ----
