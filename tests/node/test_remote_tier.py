@@ -33,6 +33,7 @@ from tierlm.cli import main
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
 from tierlm.models import build_model, preset_config
+from tierlm.precision.linear import Fp32Linear, PrecisionLinear
 from tierlm.runtime.placement import place
 from tierlm.runtime.state import as_tensor, step_net_bytes
 from tierlm.train.node import MemoryNodeError, check_node_capacity
@@ -167,6 +168,38 @@ def test_the_presets_train_as_on_the_host_tier(node, preset, order, tmp_path):
         if k != "shards":
             assert torch.equal(got[3][k], v), k
     assert got[4] == [got[5]] * STEPS and got[5] == got[6] and got[5][0] > 0
+
+
+def test_a_layer_switched_to_another_dtype_reshapes_the_remote_copy(node, tmp_path):
+    """A layer of a remote segment that changes its compute dtype between steps (as the fp8
+    watch switches a layer to bf16): the copy the node sends back takes the new format from the
+    next update on, as the host tier's does; the runs stay equal bit for bit."""
+    base = tiny_model("llama_tied_gqa", layers=3)
+
+    def run(placements, client=None):
+        model = bf16_model(copy.deepcopy(base))
+        eng = new_engine(model, tmp_path / f"off-{client is not None}", placements=placements,
+                         micro_batches=M, grad_clip=CLIP, node=client, autocast=bf16_autocast)
+        losses = []
+        for i, b in enumerate(batches(4, M, seed=3)):
+            if i == 2:  # block.2's first layer, a remote segment's in the remote run
+                layer = next(m for n, m in model.named_modules()
+                             if isinstance(m, PrecisionLinear) and ".layers.2." in n)
+                layer.compute = Fp32Linear()
+            losses.append(eng.step(b, LR)["loss"])
+            eng.synchronize()
+        kinds = eng.states[3].compute_format.kinds
+        weights = eng.weights()
+        eng.close()
+        return losses, weights, kinds
+
+    ref = run(LOCAL)
+    with node.connect("socket") as client:
+        got = run(REMOTE, client)
+    assert got[2] == ref[2] and got[2][0] == "fp32"  # the switched layer's copy: fp32 now
+    assert got[0] == ref[0]
+    for k, v in ref[1].items():
+        assert torch.equal(got[1][k], v), k
 
 
 # -- placement and checks ----
