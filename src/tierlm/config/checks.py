@@ -182,13 +182,21 @@ def check_supported(cfg: Config) -> None:
     """Refuse flags whose feature is not built yet, instead of silently ignoring them (--device is
     checked against the hardware profiles by `tierlm.memory.hardware.check_device`)."""
     node_flags = [(flag, value) for flag, value in (
-        ("--memory-node", cfg.memory.memory_node), ("--remote", cfg.memory.remote),
-        ("--memory-node-memory", cfg.memory.memory_node_memory),
-        ("--net-bandwidth", cfg.memory.net_bandwidth)) if value is not None]
+        ("--memory-node", cfg.memory.memory_node), ("--remote", cfg.memory.remote))
+        if value is not None]
     if node_flags:
         raise NotSupportedYet(f"{node_flags[0][0]} (a memory node as a tier of the trainer)",
                               "`tierlm memory-node` runs a node; the trainer's side is being "
                               "built")
+    # `tierlm plan` takes these (tierlm.plan.inputs.check_trainable leaves them out); a run
+    # uses a node through --memory-node, whose trainer side is being built
+    plan_only = [flag for flag, value in (
+        ("--memory-node-memory", cfg.memory.memory_node_memory),
+        ("--net-bandwidth", cfg.memory.net_bandwidth)) if value is not None]
+    if plan_only:
+        raise NotSupportedYet(f"{plan_only[0]} on a training run (a memory node as a tier of "
+                              "the trainer)", "`tierlm plan` takes it to plan a node; the "
+                              "trainer's side (--memory-node) is being built")
     if cfg.train.finetune in ("lora", "qlora") and (
         cfg.distributed.backend == "fsdp" or cfg.distributed.nproc > 1
     ):
