@@ -180,6 +180,10 @@ def _node_line(p: Plan, shape: ModelShape, train: TrainShape, hw: HardwareProfil
     node = hw.memory_node
     assert node is not None
     remote = [name for name, q in zip(p.names, p.placements, strict=True) if q.remote]
+    if not remote:
+        return (f"memory node: no segment's state placed there (usable "
+                f"{gib(p.budgets['remote'])}; the device and host RAM hold the plan's state"
+                + (" and disk the rest)" if p.disk_bytes else ")"))
     t = p.times_s
     sim = "simulated_net_send" in t
     send, recv, cpu = ((t["simulated_net_send"], t["simulated_net_recv"],
