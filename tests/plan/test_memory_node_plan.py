@@ -130,7 +130,8 @@ def plans():
     two = int((NODE_STAGING_BYTES + SHAPE.state_bytes(last) + SHAPE.state_bytes(last - 1)
                + MiB) / 0.9)
     nodes = {"none": None, "big": NODE, "two": dataclasses.replace(NODE, memory_bytes=two),
-             "tiny": dataclasses.replace(NODE, memory_bytes=NODE_STAGING_BYTES // 2)}
+             "tiny": dataclasses.replace(NODE, memory_bytes=NODE_STAGING_BYTES // 2),
+             "slow": dataclasses.replace(NODE, net_Bps=1e6)}
     return train, {k: plan(SHAPE, train, _with(v), **BUDGETS) for k, v in nodes.items()}
 
 
@@ -173,6 +174,16 @@ def test_search_fills_the_node_to_its_memory_then_the_disk(plans):
     tiny = p["tiny"]
     assert _tiers(tiny) == _tiers(p["none"]) and tiny.remote_bytes == 0
     assert tiny.moved_bytes == p["none"].moved_bytes
+
+
+def test_a_node_behind_a_slow_link_never_makes_the_plan_slower(plans):
+    _, p = plans
+    slow, base = p["slow"], p["none"]
+    # at 1 MB/s the node's updates would take seconds where the disk's take milliseconds: the
+    # plan is the one without the node
+    assert _tiers(slow) == _tiers(base) and slow.remote_bytes == 0
+    assert slow.step_s == pytest.approx(base.step_s)
+    assert "remote" in slow.budgets  # the node is still there, unused
 
 
 def test_plan_output_names_the_node_its_bytes_and_the_network(plans):

@@ -92,7 +92,6 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
     advice's searches, which only ask whether a plan fits."""
     replays = {} if replays is None else replays
     budgets = usable_budgets(hw, device_budget=device_budget, host_budget=host_budget)
-    n = len(shape.names)
     best: Plan | None = None
     fallback: Plan | None = None
     fitting: list[Plan] = []
@@ -102,19 +101,14 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
     variants = [(order, keep, host) for order in (orders if train.micro_batches > 1 else orders[:1])
                 for keep, host in ((True, False), (False, False), (False, True))
                 if park_boundaries or not host]
-    for order, keep, host in variants:
-        # the write-back inside the update: _disk_options tries deferring it
-        start = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
-                           order, keep, host, budgets, replays=replays)
-        grow = functools.partial(_grow, shape, train, hw, order=order, keep=keep, host=host,
-                                 budgets=budgets, replays=replays)
-        candidate = grow(start, _priority(shape.names))
-        if not candidate.fits:  # the largest state first: most RAM freed per segment moved
-            by_size = grow(start, sorted(range(n), key=lambda i: -shape.state_bytes(i)))
-            if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
-                candidate = by_size
-        candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
-        candidate = _keep_streamed(shape, train, hw, candidate, budgets)
+    # with a memory node, each variant is also grown without it: over a slow link the node's
+    # updates can take longer than the disk's, and a plan with a node is never slower than
+    # the same hardware without it
+    fills = [budgets] if "remote" not in budgets else [budgets, {**budgets, "remote": 0}]
+    variants = [(order, keep, host, fill) for order, keep, host in variants for fill in fills]
+    for order, keep, host, fill in variants:
+        candidate = _grow_variant(shape, train, hw, order, keep, host, fill, replays)
+        candidate.budgets = budgets  # (the node's unused: its memory is still there)
         if candidate.fits:
             fitting.append(candidate)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
@@ -130,6 +124,24 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
         return best
     assert fallback is not None
     return fallback
+
+
+def _grow_variant(shape: ModelShape, train: TrainShape, hw: HardwareProfile, order: str,
+                  keep: bool, host: bool, budgets: dict[str, int], replays: dict) -> Plan:
+    """One variant of `_search` (order, activations, boundary tier) grown under `budgets`."""
+    n = len(shape.names)
+    # the write-back inside the update: _disk_options tries deferring it
+    start = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
+                       order, keep, host, budgets, replays=replays)
+    grow = functools.partial(_grow, shape, train, hw, order=order, keep=keep, host=host,
+                             budgets=budgets, replays=replays)
+    candidate = grow(start, _priority(shape.names))
+    if not candidate.fits:  # the largest state first: most RAM freed per segment moved
+        by_size = grow(start, sorted(range(n), key=lambda i: -shape.state_bytes(i)))
+        if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
+            candidate = by_size
+    candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
+    return _keep_streamed(shape, train, hw, candidate, budgets)
 
 
 def _keep_streamed(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
