@@ -80,7 +80,10 @@ def describe(
     counts = p.tier_counts()
     resident = p.resident_names()
     lines.append("")
-    lines.append(f"placement: state on device {counts['device']}, host {counts['host']}, disk "
+    remote = sum(q.remote for q in p.placements)
+    on_node = f" ({remote} of them with master and slots on the memory node)" if remote else ""
+    lines.append(f"placement: state on device {counts['device']}, host {counts['host']}"
+                 f"{on_node}, disk "
                  f"{counts['disk']} of {len(p.placements)} segments; compute weights resident: "
                  f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
     if hw.memory_node is not None:
