@@ -234,3 +234,20 @@ def test_train_refuses_the_plan_only_node_flags(capsys):
     assert rc == 2
     assert "not supported yet: --memory-node-memory on a training run" in (
         capsys.readouterr().err)
+
+
+def test_predicted_timeline_draws_the_remote_updates_on_the_node_lanes(plans):
+    from tierlm.plan.timeline import predicted_timeline
+
+    train, p = plans
+    events = predicted_timeline(SHAPE, train, _with(NODE), p["big"])
+    remote = [SHAPE.names[s] for s, t in enumerate(_tiers(p["big"])) if t == "remote"]
+    by_lane: dict[str, list] = {}
+    for e in events:
+        by_lane.setdefault(e.lane, []).append(e)
+    assert sorted(e.name for e in by_lane["net send"]) == sorted(f"grad {n}" for n in remote)
+    assert sorted(e.name for e in by_lane["net recv"]) == sorted(f"copy {n}" for n in remote)
+    assert len(by_lane["node cpu"]) == len(remote)
+    assert sum(e.args["bytes"] for e in by_lane["net send"]) == pytest.approx(
+        p["big"].moved_bytes["net_send"], rel=1e-6)
+    assert not any(e.name.startswith("state block") for e in by_lane.get("disk read", []))
