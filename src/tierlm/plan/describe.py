@@ -170,7 +170,7 @@ def describe(
 
 def _node_update(t: dict[str, float]) -> str:
     """The remote segments' part of the update in the estimate (empty without a node)."""
-    if "node_send" not in t:
+    if not t.get("node_send"):  # no node, or none of the state on it
         return ""
     return (f" + memory node {t['node_send'] + t['node_cpu'] + t['node_recv']:.2f} (gradients "
             f"sent {t['node_send']:.2f}, its update {t['node_cpu']:.2f}, copies back "
