@@ -187,10 +187,12 @@ def _check_memory_node(cfg: Config) -> None:
     plan_flags = [flag for flag, value in (("--memory-node-memory", mem.memory_node_memory),
                                            ("--net-bandwidth", mem.net_bandwidth))
                   if value is not None]
+    # `tierlm plan` takes these (tierlm.plan.inputs.check_trainable leaves them out): the size
+    # and link of a node that is not there yet; a run measures its node at the handshake
     if plan_flags:
-        raise NotSupportedYet(f"{plan_flags[0]} (the planner's remote tier)",
-                              "the planner's side of the memory node is being built; "
-                              "--memory-node runs the trainer with one")
+        raise NotSupportedYet(f"{plan_flags[0]} on a training run (a node's size and link are "
+                              "measured at its handshake)", "`tierlm plan` takes it to plan a "
+                              "node that is not there yet; train with --memory-node")
     if mem.memory_node is None:
         if wants:
             raise ConfigError(f"{wants} puts model state on a memory node: name it with "

@@ -43,6 +43,9 @@ from tierlm.memory.simulator import (
     DISK,
     H2D,
     LINK_LANE,
+    NET_RECV,
+    NET_SEND,
+    NODE_CPU,
     HostClock,
     Rates,
     Timeline,
@@ -479,6 +482,19 @@ class TimingDevice(Device):
         self.timeline.cpu(moved_bytes / rates.host_copy_Bps
                           + params / rates.cpu_adam_params_per_s, name)
 
+    @contextlib.contextmanager
+    def net(self, link, nbytes, name):
+        # the client blocks until the payload has crossed: the calling thread's clock waits
+        # for the link's lane of that direction
+        yield
+        self.timeline.blocking(LINK_LANE[link], self.timeline.rates.link_s(link, nbytes), name,
+                               "network", bytes=nbytes, link=link.value)
+
+    @contextlib.contextmanager
+    def node_work(self, name, *, params):
+        yield
+        self.timeline.blocking(NODE_CPU, self.timeline.rates.node_s(params), name, "node")
+
     def io(self, fut, link, nbytes, what=""):
         return _TimedIO(fut, self.timeline, self.timeline.disk(link, nbytes, what), what)
 
@@ -504,6 +520,9 @@ class TimingDevice(Device):
             lane = tl.lanes.get(name)
             return 0.0 if lane is None else lane.busy_s - busy.get(name, 0.0)
 
+        node = {} if tl.rates.net_Bps is None else {  # with a memory node only
+            "sim_net_send_s": lane_s(NET_SEND), "sim_net_recv_s": lane_s(NET_RECV),
+            "sim_node_cpu_s": lane_s(NODE_CPU)}
         return {
             "sim_step_s": tl.host.t_s - t0,  # from this step's start to the next one's
             "sim_compute_s": lane_s(COMPUTE),
@@ -514,6 +533,7 @@ class TimingDevice(Device):
             # the gradient adds: on the training thread, or on the landing worker's lane
             "sim_cpu_s": lane_s("cpu") + lane_s("cpu landing"),
             "sim_transfer_wait_s": tl.wait_s - wait_s,  # compute idle, waiting for copies
+            **node,
         }
 
 

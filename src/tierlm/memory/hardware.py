@@ -26,6 +26,17 @@ T = 10**12
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryNodeProfile:
+    """A memory node as the planner sees it (tierlm.node: another machine's RAM holds the
+    master and optimizer state of the segments placed there, its cores update them)."""
+
+    memory_bytes: int  # the node's RAM the plan may fill (--memory-node-memory, or its hello)
+    net_Bps: float  # payload bytes per second each way on the link (full duplex)
+    # the node's AdamW-equivalent update rate; None: the host's (`cpu_adam_params_per_s`)
+    cpu_adam_params_per_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
     name: str
     gpu_memory_bytes: int  # device tier capacity (on "cpu": RAM set aside as the device tier)
@@ -55,6 +66,9 @@ class HardwareProfile:
     # off): torch computes fp32 matmuls this way unless TF32 is enabled (--tf32). None: unknown
     # (a CPU profile, where matmul_flops is already the fp32 rate)
     fp32_matmul_flops: float | None = None
+    # a memory node beside this machine (None: none); the plan fills it in from the run's
+    # flags or the node's handshake (tierlm.plan.inputs.hardware_for)
+    memory_node: MemoryNodeProfile | None = None
 
     def fp32_compute_flops(self, *, tf32: bool) -> float:
         """Peak rate of the fp32 matmuls a run computes: TF32 tensor cores (half the bf16

@@ -6,7 +6,9 @@ same operations to a `Timeline`, which keeps CUDA's ordering rules in virtual se
 - a **stream** runs its operations one after another, each starting once the stream's previous
   one has ended, the host has issued it and every event it waits for has happened;
 - a **lane** is the hardware an operation occupies: the compute units, one copy engine per
-  direction (H2D, D2H), the drive (reads and writes share it), and one CPU lane per host thread.
+  direction (H2D, D2H), the drive (reads and writes share it), one CPU lane per host thread,
+  and with a memory node (tierlm.node) the link to it, one lane per direction (full duplex),
+  and the node's CPU.
   A lane runs one operation at a time; an operation takes the earliest gap of its length at or
   after the moment it is ready (operations issued from several threads interleave);
 - an **event** is a point on a stream (what the stream had queued when it was recorded);
@@ -39,7 +41,11 @@ COMPUTE = "compute"
 H2D = "H2D"
 D2H = "D2H"
 DISK = "disk"
-LINK_LANE = {Link.H2D: H2D, Link.D2H: D2H, Link.DISK_READ: DISK, Link.DISK_WRITE: DISK}
+NET_SEND = "net send"  # trainer -> memory node
+NET_RECV = "net recv"  # memory node -> trainer
+NODE_CPU = "node cpu"  # the memory node's optimizer updates
+LINK_LANE = {Link.H2D: H2D, Link.D2H: D2H, Link.DISK_READ: DISK, Link.DISK_WRITE: DISK,
+             Link.NET_SEND: NET_SEND, Link.NET_RECV: NET_RECV}
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,10 @@ class Rates:
     cpu_adam_params_per_s: float
     flops: float  # matmul FLOPs per second in the run's compute precision
     block_flops: float  # the blocks' matmul rate (fp8 units where the run computes in fp8)
+    # the link to the memory node, payload bytes per second each way (None: no node), and the
+    # node's AdamW-equivalent update rate
+    net_Bps: float | None = None
+    node_cpu_params_per_s: float | None = None
 
     @classmethod
     def of(cls, hw: HardwareProfile, precision: str = "bf16", *, tf32: bool = False) -> Rates:
@@ -66,16 +76,31 @@ class Rates:
         if precision == "fp8" and hw.fp8_matmul_flops and not hw.device_is_cpu:
             block = hw.fp8_matmul_flops * MATMUL_EFFICIENCY
         copy = 1.0 if hw.device_is_cpu else COPY_EFFICIENCY
+        node = hw.memory_node
         return cls(h2d_Bps=hw.h2d_Bps * copy, d2h_Bps=hw.d2h_Bps * copy,
                    disk_read_Bps=hw.disk_read_Bps, disk_write_Bps=hw.disk_write_Bps,
                    host_copy_Bps=hw.host_copy_Bps,
                    cpu_adam_params_per_s=hw.cpu_adam_params_per_s, flops=rate,
-                   block_flops=block)
+                   block_flops=block,
+                   net_Bps=None if node is None else node.net_Bps,
+                   node_cpu_params_per_s=None if node is None else (
+                       node.cpu_adam_params_per_s or hw.cpu_adam_params_per_s))
 
     def link_s(self, link: Link, nbytes: int) -> float:
+        if link in (Link.NET_SEND, Link.NET_RECV):
+            if self.net_Bps is None:
+                raise ValueError(f"a {link.value} transfer of {nbytes} bytes with no memory "
+                                 "node in the time model (no link rate)")
+            return nbytes / self.net_Bps
         rate = {Link.H2D: self.h2d_Bps, Link.D2H: self.d2h_Bps,
                 Link.DISK_READ: self.disk_read_Bps, Link.DISK_WRITE: self.disk_write_Bps}[link]
         return nbytes / rate
+
+    def node_s(self, params: float) -> float:
+        """Seconds of the memory node's update of `params` AdamW-equivalent parameters."""
+        if self.node_cpu_params_per_s is None:
+            raise ValueError("a memory node's update with no memory node in the time model")
+        return params / self.node_cpu_params_per_s
 
 
 @dataclass
@@ -229,6 +254,13 @@ class Timeline:
         _, end = self._run(DISK, self.host.t_s, self.rates.link_s(link, nbytes), name,
                            "disk", {"bytes": nbytes, "link": link.value})
         return end
+
+    def blocking(self, lane: str, dur_s: float, name: str, cat: str, **args) -> None:
+        """Work of `dur_s` on `lane` that the current host thread starts now and waits for
+        (a transfer to or from the memory node, the node's update): the thread's clock moves
+        to its end."""
+        _, end = self._run(lane, self.host.t_s, dur_s, name, cat, args)
+        self.wait_host(end, name, f"{cat} wait")
 
     def cpu(self, dur_s: float, name: str, cat: str = "cpu") -> None:
         """Work of `dur_s` on the current host thread's CPU lane."""

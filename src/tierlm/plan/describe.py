@@ -10,7 +10,7 @@ from tierlm.memory.placement import (
     gib,
     keeps_graph,
 )
-from tierlm.plan.evaluate import SIMULATED_LANES, simulation_gap
+from tierlm.plan.evaluate import SIMULATED_LANES, simulated_lanes, simulation_gap
 from tierlm.plan.result import SAFETY_MARGIN, Plan
 from tierlm.plan.timing import compiled_block_source, grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -66,6 +66,10 @@ def describe(
     ):
         parts = ", ".join(f"{c} {gib(v)}" for c, v in classes.items())
         lines.append(f"  {tier:6s} {gib(total):>10s}  ({parts})")
+    if hw.memory_node is not None:
+        lines.append(f"  memory node {gib(p.remote_bytes):>10s}  of its usable "
+                     f"{gib(p.budgets['remote'])} (master, slots, gradient sum and compute copy "
+                     f"of the remote segments, with its receive staging)")
     lines.append(f"  + device activation workspace {gib(p.workspace_bytes)} -> device total "
                  f"{gib(p.device_total_bytes)}")
     pinned = ", ".join(f"{c} {gib(v)}" for c, v in p.pinned_by_class.items())
@@ -76,9 +80,14 @@ def describe(
     counts = p.tier_counts()
     resident = p.resident_names()
     lines.append("")
-    lines.append(f"placement: state on device {counts['device']}, host {counts['host']}, disk "
+    remote = sum(q.remote for q in p.placements)
+    on_node = f" ({remote} of them with master and slots on the memory node)" if remote else ""
+    lines.append(f"placement: state on device {counts['device']}, host {counts['host']}"
+                 f"{on_node}, disk "
                  f"{counts['disk']} of {len(p.placements)} segments; compute weights resident: "
                  f"{_short(resident)}; streamed: {len(p.placements) - len(resident)}")
+    if hw.memory_node is not None:
+        lines.append(_node_line(p, shape, train, hw))
     host_grads = sum(pl.host_grad for pl in p.placements)
     if counts["disk"]:
         ra = ("off" if p.readahead is None else
@@ -107,7 +116,7 @@ def describe(
     simulated = "estimate" in t  # the prediction is the simulated step (plan.adopt_simulated)
     if simulated:
         busy = ", ".join(f"{lane} {t[f'simulated_{key}']:.2f}"
-                         for key, lane in SIMULATED_LANES.items() if t[f"simulated_{key}"])
+                         for key, lane in simulated_lanes(hw).items() if t[f"simulated_{key}"])
         lines.append(f"predicted step: {t['step']:.2f} s, the engine's operations in issue "
                      f"order on a simulated {hw.name} ({t['step'] / t['simulated_compute']:.2f}x "
                      f"its compute {t['simulated_compute']:.2f}); lanes busy: {busy}; compute "
@@ -119,11 +128,11 @@ def describe(
                  f"H2D {t['h2d']:.2f}, D2H {t['d2h']:.2f}, disk {t['sweep_disk']:.2f}) "
                  f"+ update stall {t['update_stall']:.2f} (the update, {t['update']:.2f} s = "
                  f"CPU {shape.optim_name} {t['cpu_update']:.2f} + disk "
-                 f"{t['update_disk']:.2f}{behind}, runs behind the next step's first forward "
-                 f"({t['update_window']:.2f} s); one disk serves sweep and update: "
-                 f"{t['disk']:.2f} s)" + (" (a closed form that grows each variant's placement; "
-                                          "the variants that fit are ranked by their simulated "
-                                          "step)" if simulated else ""))
+                 f"{t['update_disk']:.2f}{behind}{_node_update(t)}, runs behind the next "
+                 f"step's first forward ({t['update_window']:.2f} s); one disk serves sweep "
+                 f"and update: {t['disk']:.2f} s)"
+                 + (" (a closed form that grows each variant's placement; the variants that "
+                    "fit are ranked by their simulated step)" if simulated else ""))
     if cp > 1 or train.nproc > 1:
         kv = ring_kv_bytes(shape, train, p.placements, p.keep_resident_activations)
         ring = (f"ring K/V {gib(kv)} sent per rank per step = {t['net']:.2f} s, overlapping "
@@ -159,6 +168,41 @@ def describe(
     return "\n".join(lines)
 
 
+def _node_update(t: dict[str, float]) -> str:
+    """The remote segments' part of the update in the estimate (empty without a node)."""
+    if not t.get("node_send"):  # no node, or none of the state on it
+        return ""
+    return (f" + memory node {t['node_send'] + t['node_cpu'] + t['node_recv']:.2f} (gradients "
+            f"sent {t['node_send']:.2f}, its update {t['node_cpu']:.2f}, copies back "
+            f"{t['node_recv']:.2f})")
+
+
+def _node_line(p: Plan, shape: ModelShape, train: TrainShape, hw: HardwareProfile) -> str:
+    """The memory node in the plan: which segments it holds, against its memory, the bytes
+    each way per step and the time each of its lanes is busy."""
+    node = hw.memory_node
+    assert node is not None
+    remote = [name for name, q in zip(p.names, p.placements, strict=True) if q.remote]
+    if not remote:
+        return (f"memory node: no segment's state placed there (usable "
+                f"{gib(p.budgets['remote'])}; the device and host RAM hold the plan's state"
+                + (" and disk the rest)" if p.disk_bytes else ")"))
+    t = p.times_s
+    sim = "simulated_net_send" in t
+    send, recv, cpu = ((t["simulated_net_send"], t["simulated_net_recv"],
+                        t["simulated_node_cpu"]) if sim else
+                       (t["node_send"], t["node_recv"], t["node_cpu"]))
+    rate = node.cpu_adam_params_per_s or hw.cpu_adam_params_per_s
+    return (f"memory node: state of {len(remote)} segments (master and {shape.optim_name} "
+            f"slots there; gradient and compute copy in host RAM): {_short(remote)}; "
+            f"{gib(p.remote_bytes)} of its usable {gib(p.budgets['remote'])}; link "
+            f"{node.net_Bps / 1e9:.2f} GB/s each way; per step sent "
+            f"{gib(p.moved_bytes.get('net_send', 0))} (gradients, busy {send:.2f} s), received "
+            f"{gib(p.moved_bytes.get('net_recv', 0))} (compute copies, busy {recv:.2f} s); "
+            f"its update {cpu:.2f} s at {rate / 1e9:.1f} G params/s"
+            + (" (simulated)" if sim else ""))
+
+
 def _short(names: list[str]) -> str:
     if not names:
         return "none"
@@ -171,6 +215,8 @@ def flags(p: Plan) -> list[str]:
         out += ["--grad-checkpointing", "full"]
     if p.boundary_on_host:
         out += ["--boundary-activations", "host"]
+    if any(q.remote for q in p.placements):  # the node this plan was made for
+        out += ["--memory-node", "ADDRESS:PORT", "--memory-node-token-file", "FILE"]
     return out
 
 

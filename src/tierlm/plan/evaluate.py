@@ -15,6 +15,7 @@ from tierlm.memory.placement import (
     staging_numel,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.node.transport import CHUNK_BYTES, INFLIGHT
 from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.plan.result import Plan, _problems
 from tierlm.plan.timing import _bottleneck, _times, compiled_block_factor, writeback_bytes
@@ -26,6 +27,8 @@ from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
 if TYPE_CHECKING:
     from tierlm.runtime.readahead import ReadAhead
+
+NODE_STAGING_BYTES = INFLIGHT * CHUNK_BYTES  # a memory node's receive staging
 
 
 def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
@@ -123,10 +126,18 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         pinned_peak_bytes=ledger.pinned_peak_bytes, pinned_arena_bytes=arena.total_bytes,
         pinned_by_class={c.value: ledger.pinned_class_peak_bytes[c] for c in TensorClass
                          if ledger.pinned_class_peak_bytes[c]},
+        remote_bytes=remote_held_bytes(ledger.peak_tier_bytes[Tier.REMOTE]),
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
     return plan
+
+
+def remote_held_bytes(state_bytes: int) -> int:
+    """What a memory node holding `state_bytes` of the run's state takes of its RAM: with its
+    receive staging (tierlm.node.server: chunks in flight), as the node counts it when it
+    admits a session."""
+    return state_bytes + NODE_STAGING_BYTES if state_bytes else 0
 
 
 def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
@@ -142,6 +153,13 @@ def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, r
 
 SIMULATED_LANES = {"compute": "compute", "h2d": "H2D", "d2h": "D2H", "disk": "disk",
                    "cpu_update": "cpu update", "cpu_adds": "cpu"}
+# with a memory node: the link each way and the node's CPU
+NODE_LANES = {"net_send": "net send", "net_recv": "net recv", "node_cpu": "node cpu"}
+
+
+def simulated_lanes(hw: HardwareProfile) -> dict[str, str]:
+    """The simulated lanes a plan on `hw` reports (`simulated_<key>` in `times_s`)."""
+    return SIMULATED_LANES if hw.memory_node is None else {**SIMULATED_LANES, **NODE_LANES}
 
 
 def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
@@ -156,7 +174,7 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
                       p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
                       writeback=p.writeback)
     out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
-    for key, lane in SIMULATED_LANES.items():
+    for key, lane in simulated_lanes(hw).items():
         out[f"simulated_{key}"] = r.lane_busy_s.get(lane, 0.0)
     for key in ("h2d", "d2h", "disk"):
         out[f"simulated_{key}_overlap"] = r.overlap_s.get(SIMULATED_LANES[key], 0.0)
@@ -176,7 +194,9 @@ def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool
 # what each simulated lane is called when it sets the step
 _LANE_BOTTLENECK = {"compute": "compute", "h2d": "PCIe (H2D/D2H)", "d2h": "PCIe (H2D/D2H)",
                     "disk": "disk", "cpu_update": "CPU optimizer update",
-                    "cpu_adds": "CPU gradient adds"}
+                    "cpu_adds": "CPU gradient adds", "net_send": "network to the memory node",
+                   "net_recv": "network from the memory node",
+                   "node_cpu": "the memory node's optimizer update"}
 
 
 def simulation_gap(shape: ModelShape, train: TrainShape, hw: HardwareProfile) -> str | None:
@@ -202,5 +222,5 @@ def adopt_simulated(p: Plan, train: TrainShape) -> None:
     t["estimate"] = t["step"]
     t["step"] = t["simulated_step"]
     p.tokens_per_s = train.tokens_per_step / t["step"]
-    busy = {key: t[f"simulated_{key}"] for key in _LANE_BOTTLENECK}
+    busy = {key: t[f"simulated_{key}"] for key in _LANE_BOTTLENECK if f"simulated_{key}" in t}
     p.bottleneck = _LANE_BOTTLENECK[max(busy, key=busy.get)]  # type: ignore[arg-type]

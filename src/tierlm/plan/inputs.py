@@ -4,19 +4,21 @@ shape, and the plan itself (`make_plan`, `plan_auto`, `predict_for_engine`). The
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierlm.config import (
     Config,
+    ConfigError,
     base_format_of,
     lora_of,
     parse_bytes,
 )
+from tierlm.config.units import parse_bandwidth
 from tierlm.distributed.strategies import sync_config
 from tierlm.memory.device import sim_profile
-from tierlm.memory.hardware import HardwareProfile, resolve
+from tierlm.memory.hardware import HardwareProfile, MemoryNodeProfile, resolve
 from tierlm.memory.placement import PlacementError
 from tierlm.models import preset_config
 from tierlm.models.hf import _check_checkpoint_dir
@@ -27,8 +29,50 @@ from tierlm.plan.search import plan
 from tierlm.runtime.compile import check_compile
 from tierlm.runtime.shapes import ModelShape, TrainShape
 
+if TYPE_CHECKING:
+    from tierlm.node.client import NodeHello
 
-def hardware_for(cfg: Config) -> HardwareProfile:
+
+# TCP over Ethernet at a 1500-byte MTU carries 1448 payload bytes per 1538 on the wire
+# (headers, timestamps option, preamble and inter-frame gap): --net-bandwidth is the line rate
+TCP_PAYLOAD_SHARE = 1448 / 1538
+
+
+def memory_node_for(cfg: Config, reported: NodeHello | None = None) -> MemoryNodeProfile | None:
+    """The memory node the plan places state on (None: none): its memory from
+    --memory-node-memory (with --memory-node: at most what the node reports at its
+    handshake, `reported`, which the trainer fills in once connected), its link rate from
+    --net-bandwidth (the line rate, of which TCP carries `TCP_PAYLOAD_SHARE`) or else the
+    rate the handshake measured (the slower direction)."""
+    mem = cfg.memory
+    flag_bytes = (parse_bytes(mem.memory_node_memory, "--memory-node-memory")
+                  if mem.memory_node_memory else None)
+    if mem.memory_node is None and flag_bytes is None:
+        if mem.net_bandwidth:
+            raise ConfigError("--net-bandwidth is the link to a memory node: give the node's "
+                              "--memory-node-memory to plan one (or --memory-node to use one)")
+        return None
+    if flag_bytes is None and reported is None:
+        raise ConfigError("--memory-node: the plan does not connect to the node; give its "
+                          "RAM with --memory-node-memory and its link with --net-bandwidth")
+    memory = flag_bytes if reported is None else (
+        reported.memory_bytes if flag_bytes is None else min(flag_bytes, reported.memory_bytes))
+    measured = None if reported is None or not (
+        reported.link_up_bytes_per_s and reported.link_down_bytes_per_s) else min(
+        reported.link_up_bytes_per_s, reported.link_down_bytes_per_s)
+    if mem.net_bandwidth:
+        net = parse_bandwidth(mem.net_bandwidth, "--net-bandwidth") * TCP_PAYLOAD_SHARE
+    elif measured is not None:
+        net = measured
+    else:
+        raise ConfigError("--memory-node-memory: the plan needs the link rate to the memory "
+                          "node: give --net-bandwidth (e.g. 25Gbit, 10GbE or 3GB/s)")
+    return MemoryNodeProfile(memory_bytes=memory, net_Bps=net)
+
+
+def hardware_for(cfg: Config, *, node: NodeHello | None = None) -> HardwareProfile:
+    """The hardware the plan is made for; `node`: what a connected memory node reported at its
+    handshake (`memory_node_for`)."""
     mem = cfg.memory
 
     def size(v: str | None, flag: str) -> int | None:
@@ -38,13 +82,14 @@ def hardware_for(cfg: Config) -> HardwareProfile:
     simulated = sim_profile(cfg.run.device)
     if hardware == "auto" and simulated is not None:
         hardware = simulated.name  # plan for the GPU the run simulates
-    return resolve(
+    hw = resolve(
         hardware,
         gpu_memory_bytes=size(mem.gpu_memory, "--gpu-memory"),
         host_memory_bytes=size(mem.host_memory, "--host-memory"),
         disk_budget_bytes=size(mem.disk_budget, "--disk-budget"),
         offload_dir=mem.offload_dir,
     )
+    return hw.with_overrides(memory_node=memory_node_for(cfg, node))
 
 
 def cap_gpu_memory(cfg: Config, device: torch.device) -> None:
@@ -123,7 +168,9 @@ def check_trainable(cfg: Config, precision: str) -> None:
     from dataclasses import replace
 
     dist = cfg.distributed
-    run = replace(cfg, distributed=replace(dist, nproc=max(dist.nproc, dist.context_parallel)))
+    # the node's size and link are the plan's own inputs (a node that is not there yet)
+    run = replace(cfg, distributed=replace(dist, nproc=max(dist.nproc, dist.context_parallel)),
+                  memory=replace(cfg.memory, memory_node_memory=None, net_bandwidth=None))
     check_supported(run)
     check_compile(run, precision)
 

@@ -32,13 +32,14 @@ from tierlm.memory.device import TimingDevice
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
+    GRAD_B,
     STAGING_CHUNK_NUMEL,
     KeepGraphs,
     SegmentPlacement,
     chunk_ranges,
     keeps_graph,
 )
-from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.optim import build_flat_optimizer
 from tierlm.plan.replay_parts import StepTiming, _State, _timing, _timing_store
 from tierlm.runtime import schedule
@@ -257,9 +258,20 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 store.free(Tier.HOST, TensorClass.STAGING, staging)
         return step
 
+    def update_remote(st: _State) -> None:  # the engine's remote update (T_PROTOCOL step 3)
+        name = st.seg.name
+        with dev.net(Link.NET_SEND, GRAD_B * st.numel, f"grad {name}"):
+            ledger.record_move(Link.NET_SEND, GRAD_B * st.numel)
+        with dev.node_work(f"update {name}", params=st.numel * cpu_cost):
+            pass
+        with dev.net(Link.NET_RECV, st.device_nbytes(), f"copy {name}"):  # its compute copy
+            ledger.record_move(Link.NET_RECV, st.device_nbytes())
+
     def update(s: int) -> None:  # Engine._update, on the update worker
         st = states[s]
-        if st.tier == Tier.DISK:
+        if st.placement.remote:
+            update_remote(st)
+        elif st.tier == Tier.DISK:
             update_disk(st, step_fn(st))
         else:
             step_fn(st)(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})

@@ -16,7 +16,7 @@ from tierlm.memory.ledger import Ledger
 from tierlm.memory.placement import (
     SegmentPlacement,
 )
-from tierlm.memory.simulator import COMPUTE, D2H, DISK, H2D, Op
+from tierlm.memory.simulator import COMPUTE, D2H, DISK, H2D, NET_RECV, NET_SEND, NODE_CPU, Op
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.runtime.byte_replay import _Bytes, _CountingStore
 from tierlm.runtime.state import GRAD, MASTER
@@ -157,6 +157,10 @@ def _timing(dev: TimingDevice, results: list[dict[str, float]]) -> StepTiming:
     busy = {COMPUTE: last["sim_compute_s"], H2D: last["sim_h2d_s"], D2H: last["sim_d2h_s"],
             DISK: last["sim_disk_s"], "cpu update": last["sim_cpu_update_s"],
             "cpu": last["sim_cpu_s"]}
+    for lane in (NET_SEND, NET_RECV, NODE_CPU):  # with a memory node only
+        key = f"sim_{lane.replace(' ', '_')}_s"
+        if key in last:
+            busy[lane] = last[key]
     compute = sorted((op.start_s, op.end_s) for op in ops if op.lane == COMPUTE)
     overlap = {lane: _overlap([(op.start_s, op.end_s) for op in ops if op.lane == lane],
                               compute) for lane in (H2D, D2H, DISK)}

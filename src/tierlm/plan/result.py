@@ -65,6 +65,9 @@ class Plan:
     pinned_peak_bytes: int = 0
     pinned_arena_bytes: int = 0
     pinned_by_class: dict[str, int] = field(default_factory=dict)
+    # what a memory node holds for the remote segments (tierlm.node: their master, slots,
+    # gradient sum and compute copy, and its receive staging); 0: no remote segment
+    remote_bytes: int = 0
 
     @property
     def device_total_bytes(self) -> int:
@@ -116,6 +119,9 @@ def _problems(plan: Plan, budgets: dict[str, int]) -> list[str]:
         out.append(f"host needs {gib(plan.host_peak_bytes)}, usable {gib(budgets['host'])}")
     if plan.disk_bytes > budgets["disk"]:
         out.append(f"disk needs {gib(plan.disk_bytes)}, usable {gib(budgets['disk'])}")
+    if plan.remote_bytes > budgets.get("remote", 0):
+        out.append(f"memory node needs {gib(plan.remote_bytes)}, usable "
+                   f"{gib(budgets.get('remote', 0))} (--memory-node-memory)")
     return out
 
 
@@ -128,8 +134,11 @@ def usable_budgets(
     device = device_budget if device_budget is not None else hw.gpu_memory_bytes - (
         0 if hw.device_is_cpu else GPU_RESERVE_BYTES)
     host = host_budget if host_budget is not None else hw.host_memory_bytes
-    return {
+    budgets = {
         "device": int(device * (1 - margin)),
         "host": int(host * (1 - margin)),
         "disk": int(hw.disk_budget_bytes * (1 - margin)),
     }
+    if hw.memory_node is not None:  # the node's own RAM, with the same margin
+        budgets["remote"] = int(hw.memory_node.memory_bytes * (1 - margin))
+    return budgets

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.placement import (
     GRAD_B,
+    MASTER_B,
     STAGING_CHUNK_NUMEL,
     SegmentPlacement,
     keeps_graph,
@@ -20,6 +21,7 @@ from tierlm.memory.placement import (
 from tierlm.memory.tiers import Tier
 from tierlm.plan.advice import _what_would_fit
 from tierlm.plan.evaluate import (
+    NODE_STAGING_BYTES,
     _evaluate,
     _replay,
     adopt_simulated,
@@ -90,7 +92,6 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
     advice's searches, which only ask whether a plan fits."""
     replays = {} if replays is None else replays
     budgets = usable_budgets(hw, device_budget=device_budget, host_budget=host_budget)
-    n = len(shape.names)
     best: Plan | None = None
     fallback: Plan | None = None
     fitting: list[Plan] = []
@@ -100,19 +101,14 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
     variants = [(order, keep, host) for order in (orders if train.micro_batches > 1 else orders[:1])
                 for keep, host in ((True, False), (False, False), (False, True))
                 if park_boundaries or not host]
-    for order, keep, host in variants:
-        # the write-back inside the update: _disk_options tries deferring it
-        start = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
-                           order, keep, host, budgets, replays=replays)
-        grow = functools.partial(_grow, shape, train, hw, order=order, keep=keep, host=host,
-                                 budgets=budgets, replays=replays)
-        candidate = grow(start, _priority(shape.names))
-        if not candidate.fits:  # the largest state first: most RAM freed per segment moved
-            by_size = grow(start, sorted(range(n), key=lambda i: -shape.state_bytes(i)))
-            if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
-                candidate = by_size
-        candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
-        candidate = _keep_streamed(shape, train, hw, candidate, budgets)
+    # with a memory node, each variant is also grown without it: over a slow link the node's
+    # updates can take longer than the disk's, and a plan with a node is never slower than
+    # the same hardware without it
+    fills = [budgets] if "remote" not in budgets else [budgets, {**budgets, "remote": 0}]
+    variants = [(order, keep, host, fill) for order, keep, host in variants for fill in fills]
+    for order, keep, host, fill in variants:
+        candidate = _grow_variant(shape, train, hw, order, keep, host, fill, replays)
+        candidate.budgets = budgets  # (the node's unused: its memory is still there)
         if candidate.fits:
             fitting.append(candidate)
         if candidate.fits and (best is None or candidate.step_s < best.step_s):
@@ -128,6 +124,24 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
         return best
     assert fallback is not None
     return fallback
+
+
+def _grow_variant(shape: ModelShape, train: TrainShape, hw: HardwareProfile, order: str,
+                  keep: bool, host: bool, budgets: dict[str, int], replays: dict) -> Plan:
+    """One variant of `_search` (order, activations, boundary tier) grown under `budgets`."""
+    n = len(shape.names)
+    # the write-back inside the update: _disk_options tries deferring it
+    start = _fill_host(shape, train, hw, [SegmentPlacement(False, Tier.HOST)] * n,
+                       order, keep, host, budgets, replays=replays)
+    grow = functools.partial(_grow, shape, train, hw, order=order, keep=keep, host=host,
+                             budgets=budgets, replays=replays)
+    candidate = grow(start, _priority(shape.names))
+    if not candidate.fits:  # the largest state first: most RAM freed per segment moved
+        by_size = grow(start, sorted(range(n), key=lambda i: -shape.state_bytes(i)))
+        if by_size.fits or _overshoot(by_size) < _overshoot(candidate):
+            candidate = by_size
+    candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
+    return _keep_streamed(shape, train, hw, candidate, budgets)
 
 
 def _keep_streamed(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,
@@ -249,7 +263,7 @@ def _device_over(p: Plan) -> int:
 def _overshoot(p: Plan) -> float:
     b = p.budgets
     return (max(0, p.device_total_bytes - b["device"]) + max(0, p.host_peak_bytes - b["host"])
-            + max(0, p.disk_bytes - b["disk"]))
+            + max(0, p.disk_bytes - b["disk"]) + max(0, p.remote_bytes - b.get("remote", 0)))
 
 
 def _host_then_disk(
@@ -259,10 +273,14 @@ def _host_then_disk(
 ) -> list[SegmentPlacement]:
     """Give host RAM to non-device state (and its compute copy, in bf16/fp8) while it fits;
     spill the last blocks first (their update is needed last by the next forward, so disk
-    latency hides best there). `host_grads`: a spilled segment keeps its gradient in host RAM
-    (no gradient byte touches the disk); `parked`: host bytes reserved for other uses;
-    `extra`: segments spilled, in the same order, beyond those this estimate spills (the
-    estimate leaves out staging only the replay knows: `_fill_host` backs off by it);
+    latency hides best there). With a memory node (a "remote" budget), a spilled segment's
+    master and slots go to the node while its memory holds them (host RAM keeps its gradient
+    and compute copy), then to disk; where host RAM is still short once every segment is
+    spilled, remote ones go on to disk in the same order. `host_grads`: a spilled segment
+    keeps its gradient in host RAM (no gradient byte touches the disk); `parked`: host bytes
+    reserved for other uses; `extra`: segments spilled, in the same order, beyond those this
+    estimate spills (the estimate leaves out staging only the replay knows: `_fill_host`
+    backs off by it);
     `ring_bytes`: the gradients' landing ring under a placement, held beside the state through
     the sweep, less what of `parked` it is not held beside (the estimate then also checks
     the state and the ring together: a lower bound of the replay's peak)."""
@@ -281,18 +299,43 @@ def _host_then_disk(
         read = load_bytes(Tier.DISK, shape.numels[i], wire, STAGING_CHUNK_NUMEL).staging_bytes
         return shape.update_staging(i, wire, host_grad=grad_tier is not None) + read
 
+    node_room = None if shape.frozen or "remote" not in budgets else (
+        budgets["remote"] - NODE_STAGING_BYTES)  # less its receive staging
     spilled = 0
-    for i in _spill_order(shape):
+    for i in _spill_order(shape) * (1 if node_room is None else 2):
         if host_state + spilled <= budgets["host"] and (
                 host_state + ring_bytes(placements) <= budgets["host"]):
             if extra <= 0:
                 break
             extra -= placements[i].state_tier == Tier.HOST
-        if placements[i].state_tier == Tier.HOST:
-            placements[i] = SegmentPlacement(placements[i].resident, Tier.DISK, grad_tier)
-            host_state -= held[i] - (0 if grad_tier is None else GRAD_B * shape.numels[i])
-            spilled = max(spilled, staging(i))
+        p = placements[i]
+        if p.state_tier != Tier.HOST:
+            continue
+        if node_room is not None and not p.remote and _node_bytes(shape, i, precision) <= (
+                node_room):
+            placements[i] = SegmentPlacement(p.resident, Tier.HOST, remote=True)
+            host_state -= held[i] - _remote_host_bytes(shape, i, precision)
+            node_room -= _node_bytes(shape, i, precision)
+            continue
+        placements[i] = SegmentPlacement(p.resident, Tier.DISK, grad_tier)
+        host_state -= (_remote_host_bytes(shape, i, precision) if p.remote else held[i]) - (
+            0 if grad_tier is None else GRAD_B * shape.numels[i])
+        spilled = max(spilled, staging(i))
     return placements
+
+
+def _node_bytes(shape: ModelShape, s: int, precision: str) -> int:
+    """What segment `s` takes of a memory node (tierlm.runtime.state._remote_bytes): its fp32
+    master and gradient sum, the optimizer's slots and the compute copy it encodes."""
+    return (MASTER_B + GRAD_B) * shape.numels[s] + shape.optim_state_bytes[s] + (
+        shape.wire_bytes(s, precision) or 0)
+
+
+def _remote_host_bytes(shape: ModelShape, s: int, precision: str) -> int:
+    """Host RAM a remote segment holds: its landed gradient and the compute copy the stream
+    uploads from (its fp32 weights where it has none)."""
+    copy = shape.wire_bytes(s, precision)
+    return GRAD_B * shape.numels[s] + (MASTER_B * shape.numels[s] if copy is None else copy)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -156,6 +156,15 @@ def predicted_timeline(
     for u in spans:
         name, tier = shape.names[u.seg], plan.placements[u.seg].state_tier
         t = sweep_end + u.start_s
+        if plan.placements[u.seg].remote:  # the gradient up, the node's update, the copy back
+            net = hw.memory_node.net_Bps if hw.memory_node else 0.0
+            for lane, what, cat, dur in (("net send", f"grad {name}", "network", u.read_s),
+                                         ("node cpu", f"update {name}", "node", u.cpu_s),
+                                         ("net recv", f"copy {name}", "network", u.write_s)):
+                args = {"bytes": round(dur * net)} if cat == "network" else {}
+                events.append(TraceEvent(lane, what, cat, t, t + dur, args))
+                t += dur
+            continue
         if u.read_s:
             events.append(TraceEvent("disk read", f"state {name}", "disk", t, t + u.read_s,
                                      {"bytes": round(u.read_s * hw.disk_read_Bps)}))

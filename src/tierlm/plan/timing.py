@@ -12,6 +12,7 @@ from tierlm.distributed.context import ring_send_bytes
 from tierlm.distributed.sync import DenseSync
 from tierlm.memory.hardware import HardwareProfile
 from tierlm.memory.placement import (
+    GRAD_B,
     MASTER_B,
     STAGING_CHUNK_NUMEL,
     KeepGraphs,
@@ -88,6 +89,16 @@ def _update_chain(
         if p.state_tier == Tier.DEVICE:
             continue
         read = write = 0
+        if p.remote:  # the gradient to the node, its update there, the compute copy back
+            node = _node_rates(hw)
+            span = UpdateSpan(s, t, GRAD_B * shape.numels[s] / node.net_Bps,
+                              shape.numels[s] * shape.optim_cpu_cost / node.cpu_params_per_s,
+                              _copy_bytes(shape, copies, s) / node.net_Bps)
+            t = span.ready_s
+            stall = max(stall, t - starts[s])
+            if spans is not None:
+                spans.append(span)
+            continue
         if p.state_tier == Tier.DISK:
             read, write = shape.update_disk_bytes(s, copies[s], host_grad=p.host_grad,
                                                   read_ahead=s in read_ahead)
@@ -105,6 +116,43 @@ def _update_chain(
         if spans is not None:
             spans.append(span)
     return stall
+
+
+@dataclass(frozen=True)
+class _NodeRates:
+    net_Bps: float
+    cpu_params_per_s: float
+
+
+def _node_rates(hw: HardwareProfile) -> _NodeRates:
+    """The memory node's link rate and update rate (the host's where it reports none)."""
+    node = hw.memory_node
+    if node is None:
+        raise ValueError("a remote segment in a plan without a memory node")
+    return _NodeRates(node.net_Bps, node.cpu_adam_params_per_s or hw.cpu_adam_params_per_s)
+
+
+def _copy_bytes(shape: ModelShape, copies: list[int | None], s: int) -> int:
+    """What a remote segment's update brings back: its compute copy, or its fp32 weights."""
+    return MASTER_B * shape.numels[s] if copies[s] is None else copies[s]
+
+
+def node_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placements
+               ) -> dict[str, float]:
+    """Seconds per step of the remote segments' updates on each memory-node lane: the
+    gradients sent (`node_send`), the node's optimizer work (`node_cpu`), the compute copies
+    received (`node_recv`). Empty without a memory node."""
+    if hw.memory_node is None:
+        return {}
+    node = _node_rates(hw)
+    copies = _compute_copies(shape, train.precision, placements)
+    remote = [s for s, p in enumerate(placements) if p.remote]
+    return {
+        "node_send": sum(GRAD_B * shape.numels[s] for s in remote) / node.net_Bps,
+        "node_cpu": sum(shape.numels[s] for s in remote) * shape.optim_cpu_cost
+        / node.cpu_params_per_s,
+        "node_recv": sum(_copy_bytes(shape, copies, s) for s in remote) / node.net_Bps,
+    }
 
 
 def update_spans(shape: ModelShape, train: TrainShape, hw: HardwareProfile, plan: Plan,
@@ -183,10 +231,13 @@ def _times(
         + (moved.get(Link.DISK_WRITE.value, 0) - update_write) / hw.disk_write_Bps
     )
     cpu_params = 0 if shape.frozen else sum(  # a frozen base is never updated
-        n for n, p in zip(shape.numels, placements, strict=True) if p.state_tier != Tier.DEVICE)
+        n for n, p in zip(shape.numels, placements, strict=True)
+        if p.state_tier != Tier.DEVICE and not p.remote)  # the node updates remote ones
     update_cpu = cpu_params * shape.optim_cpu_cost / hw.cpu_adam_params_per_s
     update_disk = update_read / hw.disk_read_Bps + update_write / hw.disk_write_Bps
-    update = update_cpu + update_disk
+    node = node_times(shape, train, hw, placements)
+    # the remote updates run on the same update worker, which waits for each
+    update = update_cpu + update_disk + sum(node.values())
     if hw.device_is_cpu:
         # no separate copy engines or GPU: copies and compute share the cores
         sweep = compute + h2d + d2h + sweep_disk + (net_lane - compute)
@@ -235,6 +286,7 @@ def _times(
         "update_window": window,
         "update_stall": step - sweep,
         "step": step,
+        **node,
     }
 
 
@@ -351,7 +403,8 @@ def _bottleneck(t: dict[str, float]) -> str:
     stall = t["update_stall"] - t["writeback_wait"]  # the rest waits for the drive
     ready = t["update_ready"]  # the CPU work and the disk work the forward waits for
     share = stall / ready if ready > 0 else 0.0
-    ready_disk = ready - t["cpu_update"]
+    node = sum(t.get(k, 0.0) for k in ("node_send", "node_cpu", "node_recv"))
+    ready_disk = ready - t["cpu_update"] - node
     # the net lane includes the compute: named where the sends outlast what hides them, after
     # whichever of its two parts adds more
     net = t["net_lane"] if t["net_lane"] > t["compute"] else 0.0
@@ -364,5 +417,6 @@ def _bottleneck(t: dict[str, float]) -> str:
         "disk": max(t["sweep_disk"] + share * ready_disk + t["writeback_wait"],
                     t["disk"] if t["disk"] >= t["step"] else 0.0),
         "CPU optimizer update": share * t["cpu_update"],
+        "memory node (network and its update)": share * node,
     }
     return max(parts, key=parts.get)  # type: ignore[arg-type]

@@ -139,6 +139,16 @@ def _disk_update_bytes(
     return sum(r for r, _ in moved), sum(w for _, w in moved)
 
 
+def remote_update_bytes(shape: ModelShape, copies: list[int | None], placements
+                        ) -> tuple[int, int]:
+    """Network payload bytes (to the memory node, back from it) of one step's updates of
+    remote segments: each pushes its fp32 gradient and takes back its compute copy (its fp32
+    weights where it has none), as the engine's remote update moves them."""
+    remote = [s for s, p in enumerate(placements) if p.remote]
+    return (sum(GRAD_B * shape.numels[s] for s in remote),
+            sum(MASTER_B * shape.numels[s] if copies[s] is None else copies[s] for s in remote))
+
+
 def readahead_schedule(
     shape: ModelShape, train: TrainShape, placements: list[SegmentPlacement], order: str,
     boundary_host: bool, readahead: ReadAhead | None, actions: list | None = None,
@@ -443,6 +453,11 @@ def _simulate(
     update_read, update_write = _disk_update_bytes(shape, wire, placements, read_ahead)
     ledger.record_move(Link.DISK_READ, update_read)
     ledger.record_move(Link.DISK_WRITE, update_write)
+    # remote segments: the gradient to the memory node, the compute copy back
+    net_send, net_recv = remote_update_bytes(shape, wire, placements)
+    if net_send:
+        ledger.record_move(Link.NET_SEND, net_send)
+        ledger.record_move(Link.NET_RECV, net_recv)
     for t in step.ahead_held:  # written back and freed by the update (`_update_overlap_bytes`)
         store.free(Tier.HOST, TensorClass.STAGING, t)
     update_staging = max([shape.update_staging(s, wire[s], chunk_numel,
