@@ -65,6 +65,10 @@ class Plan:
     pinned_peak_bytes: int = 0
     pinned_arena_bytes: int = 0
     pinned_by_class: dict[str, int] = field(default_factory=dict)
+    # per segment, those whose saved tensors wait in host RAM instead of being recomputed (the
+    # planner's keep / offload / recompute choice: tierlm.plan.search._offload_streamed); ()
+    # where none does
+    offload_graphs: tuple[bool, ...] = ()
 
     @property
     def device_total_bytes(self) -> int:
