@@ -15,6 +15,7 @@ from tierlm.memory.placement import (
     staging_numel,
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
+from tierlm.plan.offload_bytes import offload_sizes, offload_workspace_bytes
 from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.plan.result import Plan, _problems
 from tierlm.plan.timing import _bottleneck, _times, compiled_block_factor, writeback_bytes
@@ -80,11 +81,15 @@ def _update_overlap_bytes(
 
 def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
               chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
-              writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None) -> Plan:
+              writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None,
+              offload: tuple[bool, ...] = ()) -> Plan:
     """`replay`: this placement's `_replay` when the caller has it (the write-back options
-    change neither the sweep's bytes nor its ledger)."""
+    change neither the sweep's bytes nor its ledger); `offload`: per segment, those whose saved
+    tensors wait in host RAM (tierlm.plan.offload; not with `replay`)."""
     ledger, workspace, read_ahead, arena = replay or _replay(
-        shape, train, placements, order, keep, boundary_host, chunk_numel, readahead)
+        shape, train, placements, order, keep, boundary_host, chunk_numel, readahead,
+        offload_sizes(shape, train, offload))
+    workspace += offload_workspace_bytes(shape, train, offload, order)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
     first_group = train.micro_batches if order == "layer-outer" else 1
@@ -123,18 +128,21 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         pinned_peak_bytes=ledger.pinned_peak_bytes, pinned_arena_bytes=arena.total_bytes,
         pinned_by_class={c.value: ledger.pinned_class_peak_bytes[c] for c in TensorClass
                          if ledger.pinned_class_peak_bytes[c]},
+        offload_graphs=tuple(offload) if any(offload) else (),
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
     return plan
 
 
-def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
+def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead,
+            offloaded=()):
     """The sweep's replay (ledger, workspace), the segments it reads ahead and the pinned arena
-    it needs."""
+    it needs (`offloaded`: the offload policy's host buffers per segment)."""
     arena = ArenaReplay()
     ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
-                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena)
+                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena,
+                                     offloaded=offloaded)
     read_ahead = [s for segs in readahead_schedule(
         shape, train, placements, order, boundary_host, readahead).values() for s in segs]
     return ledger, workspace, read_ahead, arena.pinned_bytes()
@@ -154,7 +162,8 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
     evaluates thousands of candidates)."""
     r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
                       p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
-                      writeback=p.writeback)
+                      writeback=p.writeback,
+                      offloaded=offload_sizes(shape, train, p.offload_graphs))
     out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
     for key, lane in SIMULATED_LANES.items():
         out[f"simulated_{key}"] = r.lane_busy_s.get(lane, 0.0)
