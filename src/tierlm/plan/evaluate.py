@@ -31,13 +31,15 @@ if TYPE_CHECKING:
 
 def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
              chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
-             writeback: WriteBack | None = DEFAULT_WRITEBACK) -> Plan:
+             writeback: WriteBack | None = DEFAULT_WRITEBACK,
+             offload: tuple[bool, ...] = ()) -> Plan:
     """Predict memory and time for one given placement (the planner's inner step; also used to
     predict runs whose placement the user chose; `chunk_numel`: the engine's
     staging_chunk_numel; `readahead`: its update read-ahead; `writeback`: its deferred
-    write-back)."""
+    write-back; `offload`: per segment, those whose saved tensors wait in host RAM)."""
     return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host,
-                     chunk_numel=chunk_numel, readahead=readahead, writeback=writeback)
+                     chunk_numel=chunk_numel, readahead=readahead, writeback=writeback,
+                     offload=offload)
 
 
 def _update_overlap_bytes(

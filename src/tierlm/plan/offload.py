@@ -46,10 +46,11 @@ def offload_streamed(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
     which a device full of kept graphs has no room for: the earliest streamed block that keeps
     its graph is also tried offloaded instead. Not for candidates that recompute every segment
     or park boundary inputs on the host (an offloaded graph holds its input on the device), a
-    LoRA base (its streamed segments recompute: tierlm.runtime.plan), nor plans whose step the
-    simulator does not price (`simulation_gap`)."""
+    LoRA base (its streamed segments recompute: tierlm.runtime.plan), plans whose step the
+    simulator does not price (`simulation_gap`), nor a CPU profile (its device tier is host
+    RAM: an offload would move saved tensors from RAM to RAM)."""
     if (not candidate.fits or candidate.keep_resident_activations is False
-            or candidate.boundary_on_host or shape.frozen
+            or candidate.boundary_on_host or shape.frozen or hw.device_is_cpu
             or simulation_gap(shape, train, hw) is not None):
         return candidate
     n = len(shape.names)
