@@ -192,7 +192,8 @@ def test_a_planned_run_on_the_simulated_gpu_takes_the_plan_s_simulated_step(
 
 
 @pytest.mark.parametrize(("kind", "order", "precision"), [
-    ("disk", "microbatch-outer", "fp32"), ("tiered", "layer-outer", "bf16")])
+    ("disk", "microbatch-outer", "fp32"), ("tiered", "layer-outer", "bf16"),
+    ("device", "layer-outer", "fp32")])
 def test_offloaded_activations_share_it_too(kind, order, precision, tmp_path):
     """Streamed blocks whose saved tensors the planner offloads (its per-segment choice, in
     `offload_graphs`): their copies out after each forward, back ahead of each backward and
