@@ -29,7 +29,7 @@ from tierlm.plan.evaluate import evaluate, simulated_times
 from tierlm.plan.policy import Auto
 from tierlm.plan.search import plan
 from tierlm.runtime.options import EngineOptions
-from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.shapes import ModelShape, TrainShape, block_saved_storage_bytes
 
 STEPS, M, B, T, CLIP = 2, 2, 2, 16, 0.05
 ORDER = "microbatch-outer"
@@ -70,11 +70,15 @@ def test_the_planner_offloads_where_host_ram_holds_them_and_the_link_has_slack(c
     # the simulated step it chose is faster than the same plan recomputing those blocks
     recompute = _recomputing(shape, train, SLOW, p)
     assert recompute.fits and p.times_s["step"] < recompute.times_s["simulated_step"]
-    # the byte model: the offloaded blocks' buffers (one micro-batch in flight) pinned on the
-    # host, and one block's saved tensors more on the device while the next come back
+    # the byte model: the offloaded blocks' buffers (one micro-batch in flight; a buffer per
+    # saved storage) pinned on the host, and one block's saved tensors more on the device
+    # while the next come back
+    storages = block_saved_storage_bytes(shape.model_config, "fp32", B, T)
     block = int(shape.saved_bytes_per_token("fp32") * B * T)
-    assert p.pinned_by_class["activation"] == 3 * footprint_bytes(block)
-    assert p.pinned_peak_bytes - recompute.pinned_peak_bytes == 3 * footprint_bytes(block)
+    assert sum(storages) == block
+    one = sum(footprint_bytes(n) for n in storages)
+    assert p.pinned_by_class["activation"] == 3 * one
+    assert p.pinned_peak_bytes - recompute.pinned_peak_bytes == 3 * one
     assert p.host_peak_bytes - recompute.host_peak_bytes == 3 * block
     assert p.workspace_bytes - recompute.workspace_bytes == block
     text = describe(p, shape, train, SLOW)
@@ -159,12 +163,13 @@ def test_the_engine_runs_the_planners_choice_exactly(case, tmp_path):
         offloaded = led.pinned_class_peak_bytes[TensorClass.ACTIVATION]
         assert offloaded == sum(footprint_bytes(n) for s in (1, 2, 3)
                                 for n in eng.plan.offload_bytes[s])
-        # the planner's byte model: a block's saved tensors, the bytes the engine measured (its
-        # pinned estimate differs by the 4 KiB units of the storages under one unit)
-        block = int(shape.saved_bytes_per_token("fp32") * B * T)
-        assert all(sum(eng.plan.offload_bytes[s]) == block for s in (1, 2, 3))
-        assert 0 <= offloaded - p.pinned_by_class["activation"] <= 3 * 4096 * len(
-            eng.plan.offload_bytes[1])
+        # `tierlm plan`'s own estimate: the storages the engine measured, the same pinned peak
+        # and arena
+        assert all(eng.plan.offload_bytes[s] == block_saved_storage_bytes(
+            shape.model_config, "fp32", B, T) for s in (1, 2, 3))
+        assert p.pinned_by_class["activation"] == offloaded
+        assert p.pinned_peak_bytes == led.pinned_peak_bytes
+        assert p.pinned_arena_bytes == arena.capacity_bytes
     finally:
         eng.close()
     # the same plan without its offload choice: the three blocks recompute, the same math

@@ -12,9 +12,9 @@ shortest), as many as host RAM holds (the budget the plan leaves, its pinned are
 and keeps that choice, or fewer of them, only where the replay of the engine's step
 (tierlm.plan.replay) runs faster than with every one of them recomputing.
 
-The byte model: one micro-batch's offloaded buffers of a block are its saved tensors
-(`ModelShape.saved_bytes_per_token` x tokens, one buffer), cut from the pinned arena at the
-forward and given back after the backward (tierlm.runtime.byte_replay counts them in the host
+The byte model: one micro-batch's offloaded buffers of a block are its saved storages (one
+block run on fake tensors, as tierlm.runtime.shapes measures it), cut from the pinned arena at
+the forward and given back after the backward (tierlm.runtime.byte_replay counts them in the host
 ledger and the arena); on the device, a backward holds its own saved tensors brought back and
 the next offloaded segment's on their way (tierlm.plan.offload_bytes). The engine measures the
 exact buffers once before the first step (tierlm.runtime.pinned.offload_sizes) and sizes its

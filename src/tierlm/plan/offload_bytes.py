@@ -5,19 +5,26 @@ adds in the backward."""
 from __future__ import annotations
 
 from tierlm.runtime.schedule import micro_batches_in_flight
-from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.shapes import ModelShape, TrainShape, block_saved_storage_bytes
 
 
 def offload_sizes(shape: ModelShape, train: TrainShape, offload: tuple[bool, ...]
                   ) -> tuple[tuple[int, ...], ...]:
     """Per segment but the head, the host buffers (bytes, in order) the `offload` policy takes
-    for one micro-batch by the planner's byte model: a block's saved tensors as one buffer; ()
-    where a segment does not offload (the embedding saves only its token ids: nothing)."""
+    for one micro-batch by the planner's byte model: a block's saved storages, as one block
+    run on fake tensors saves them (tierlm.runtime.shapes.block_saved_storage_bytes; without
+    the model's config, its saved bytes as one buffer); () where a segment does not offload
+    (the embedding saves only its token ids: nothing)."""
     if not any(offload):
         return ()
     last = len(shape.names) - 1
-    block = int(shape.saved_bytes_per_token(train.precision) * train.batch_size * train.seq_len)
-    return tuple((block,) if offload[s] and 0 < s < last else () for s in range(last))
+    if shape.model_config is not None:  # each storage, as the engine's probe measures them
+        block = block_saved_storage_bytes(shape.model_config, train.precision,
+                                          train.batch_size, train.seq_len)
+    else:
+        block = (int(shape.saved_bytes_per_token(train.precision) * train.batch_size
+                     * train.seq_len),)
+    return tuple(block if offload[s] and 0 < s < last else () for s in range(last))
 
 
 def offload_workspace_bytes(shape: ModelShape, train: TrainShape, offload: tuple[bool, ...],
