@@ -13,9 +13,8 @@ what follows; the engine asks for the host-to-device copies one segment ahead of
 so they overlap the backward of the segment before, and the backward waits for the last of them
 before it runs (one wait: the copies of one stream land in order). The simulated timeline and
 the planner's replay (tierlm.plan.replay) issue the same copies with the same waits. On a
-CPU-only
-machine the "device" is the CPU and the copies are plain memcpys, still counted as D2H/H2D so the
-ledger shows what a GPU run would move.
+CPU-only machine the "device" is the CPU and the copies are plain memcpys, still counted as
+D2H/H2D so the ledger shows what a GPU run would move.
 """
 
 from __future__ import annotations
