@@ -183,3 +183,33 @@ def test_the_engine_runs_the_planners_choice_exactly(case, tmp_path):
     assert rec.activation_policies == ["keep", "full", "full", "full", "keep"]
     assert calls["block.0"] == calls["block.2"] == 2 * M * STEPS
     assert torch.is_tensor(w["model.embed_tokens.weight"])
+
+
+@pytest.fixture(scope="module")
+def reference(case):
+    base = case[0]
+    steps = batches(STEPS, M, B, T)
+    return steps, *reference_run(copy.deepcopy(base), steps, [OPTIM.lr] * STEPS, CLIP)
+
+
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_keep_offload_and_recompute_side_by_side_match_the_reference(
+        case, reference, placement, order, tmp_path):
+    """A plan's flags per segment (activations None: planned) on every streamed placement and
+    order: the recomputed segments run their forward twice per micro-batch, the offloaded and
+    kept ones once; losses and weights are the reference trainer's."""
+    base = case[0]
+    steps, ref_recs, ref_w = reference
+    eng = new_engine(copy.deepcopy(base), tmp_path, policy=placement, microbatch_order=order,
+                     grad_clip=CLIP, micro_batches=M,
+                     keep_resident_activations=(False, False, False, False, True, False),
+                     offload_graphs=(False, False, True, True, False, False))
+    assert eng.activation_policies == ["full", "full", "offload", "offload", "keep"]
+    calls = count_forwards(eng)
+    recs = [eng.step(b, OPTIM.lr) for b in steps]
+    w = eng.weights()
+    eng.close()
+    assert calls == {"embed": 2 * M * STEPS, "block.0": 2 * M * STEPS, "block.1": M * STEPS,
+                     "block.2": M * STEPS, "block.3": M * STEPS, "head": M * STEPS}
+    assert_close_run([r["loss"] for r in recs], [r["loss"] for r in ref_recs], w, ref_w)
