@@ -4,9 +4,16 @@
 For the 7B design point (`tierlm plan --model-size 7b --hardware rtx4090 --host-memory 64GiB
 --disk-budget 200GiB --batch-size 4 --seq-len 2048 --grad-accum-steps 8`, bf16 and fp8) and 13B
 at 128 GiB of host memory, the planner's plan is simulated (tierlm.plan.replay, the engine's
-operations on a timing device) with three activation choices on the same placement:
+operations on a timing device) with these activation choices on the same placement:
 
-- `recompute`: the planner's rule today, every streamed block recomputes its forward;
+- `recompute`: every block that does not keep on the planner's rule recomputes its forward
+  (the plan before the keep / offload / recompute choice);
+- `planner's choice`: the plan as `tierlm plan` makes it, with its keep / offload / recompute
+  choice per streamed block (tierlm.plan.offload: offload where host RAM holds the saved
+  tensors and the simulated step is faster);
+- `offload all recomputing (oracle, host RAM ignored)`: every block the plan recomputes holds
+  its saved tensors in host RAM instead, boundary inputs on the device (an offloaded graph holds
+  its input): whether the links have the slack to carry the copies, whatever the memory;
 - `keep where room`: `--grad-checkpointing none`'s engine rule (tierlm.activations.spec
   `keep_streamed`) applied with the planner's byte model: streamed blocks keep their graph,
   last first, while the plan's device peak plus the saved tensors stays within the device
@@ -62,13 +69,16 @@ def keep_where_room(shape, train, p) -> tuple[bool, ...]:
     return tuple(keep)
 
 
-def simulate(shape, train, hw, p, keep: tuple[bool, ...]):
+def simulate(shape, train, hw, p, keep: tuple[bool, ...], offload: tuple[bool, ...] = (),
+             boundary_host: bool | None = None):
+    boundary = p.boundary_on_host if boundary_host is None else boundary_host
     q = evaluate(shape, train, hw, p.placements, p.order, keep, p.budgets,
-                 p.boundary_on_host, readahead=p.readahead, writeback=p.writeback)
+                 boundary, readahead=p.readahead, writeback=p.writeback, offload=offload)
     step = simulated_times(shape, train, hw, q)["simulated_step"]
     last = len(keep) - 1
-    acts = activation_workspace_bytes(shape, train, list(keep[:last]), p.order)
-    return step, acts, sum(not k for k in keep[1:last])
+    acts = q.workspace_bytes
+    off = sum(offload[1:last]) if offload else 0
+    return step, acts, sum(not k for k in keep[1:last]) - off, off, q.host_peak_bytes
 
 
 def rows(model: str, precision: str, host: int, disk: int) -> list[list[str]]:
@@ -88,18 +98,24 @@ def rows(model: str, precision: str, host: int, disk: int) -> list[list[str]]:
                             p.boundary_on_host, readahead=p.readahead, writeback=p.writeback)
     ceiling = tokens / no_recompute.times_s["compute"] / bound_tps
     out = []
-    choices = (("recompute (planner today)", keeps_graph(p.placements,
-                                                         p.keep_resident_activations)),
-               ("keep where room", keep_where_room(shape, train, p)),
-               ("keep all (oracle, memory ignored)", keep_all))
-    for name, keep in choices:
-        step, acts, recomputed = simulate(shape, train, hw, p, tuple(keep))
+    planned = tuple(keeps_graph(p.placements, p.keep_resident_activations))
+    recomputing = tuple(not k for k in planned[:-1]) + (False,)
+    choices = (("recompute (no offload)", planned, (), None),
+               ("planner's choice", planned, p.offload_graphs, None),
+               ("keep where room", keep_where_room(shape, train, p), (), None),
+               ("offload all recomputing (oracle, host RAM ignored)", planned,
+                tuple(r and 0 < s < blocks + 1 for s, r in enumerate(recomputing)), False),
+               ("keep all (oracle, memory ignored)", keep_all, (), None))
+    for name, keep, offload, boundary in choices:
+        step, acts, recomputed, offloaded, host_peak = simulate(
+            shape, train, hw, p, tuple(keep), offload, boundary)
         tps = tokens / step
         out.append([
             f"{model} {precision} {host} GiB", f"{p.order}; {len(p.resident_names())} resident",
-            name, f"{recomputed}/{blocks}", f"{step:.1f} s", f"{tps:,.0f}",
+            name, f"{recomputed}/{offloaded}/{blocks}", f"{step:.1f} s", f"{tps:,.0f}",
             f"{tps / bound_tps:.2f}", f"{acts / GiB:.1f} GiB of {p.budgets['device'] / GiB:.1f}"
             f" (state {p.device_peak_bytes / GiB:.1f})",
+            f"{host_peak / GiB:.1f} GiB of {p.budgets['host'] / GiB:.1f}",
             f"{ceiling:.2f}",
         ])
     out[-1][-1] += f" ({time.perf_counter() - t0:.0f} s)"
@@ -119,8 +135,9 @@ def main() -> None:
     print(f"rtx4090 profile, 8 x 4 x 2048 tokens per step; MATMUL_EFFICIENCY "
           f"{MATMUL_EFFICIENCY}; simulated step: the replay's second of two steps")
     print()
-    head = ["case", "plan", "activations", "blocks recomputing", "simulated step", "tokens/s",
-            "x 6N bound", "device activations (budget; plan's state)",
+    head = ["case", "plan", "activations", "blocks recomputing/offloaded/all",
+            "simulated step", "tokens/s", "x 6N bound",
+            "device activations (budget; plan's state)", "host peak (budget)",
             "time model's ceiling (x 6N)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")

@@ -73,9 +73,14 @@ def _engine_ops(preset, kind, order, precision, tmp_path, **options):
             ops.append(sim.step_ops)
         direct = eng.store.disk.direct if kind == "disk" else True
         disk_options = {"readahead": eng.opts.readahead, "writeback": eng.opts.writeback}
+        _PLANNED["offload_bytes"] = eng.plan.offload_bytes
+        _PLANNED["policies"] = eng.activation_policies
     finally:
         eng.close()
     return ops, placements, boundary == Tier.HOST, direct, disk_options
+
+
+_PLANNED: dict = {}  # the last engine's plan: its offload buffers and policies
 
 
 def _key(op):
@@ -184,3 +189,32 @@ def test_a_planned_run_on_the_simulated_gpu_takes_the_plan_s_simulated_step(
     assert len(steady) == 2
     for step_s in steady:
         assert step_s == pytest.approx(p.times_s["simulated_step"], rel=REL)
+
+
+@pytest.mark.parametrize(("kind", "order", "precision"), [
+    ("disk", "microbatch-outer", "fp32"), ("tiered", "layer-outer", "bf16"),
+    ("device", "layer-outer", "fp32")])
+def test_offloaded_activations_share_it_too(kind, order, precision, tmp_path):
+    """Streamed blocks whose saved tensors the planner offloads (its per-segment choice, in
+    `offload_graphs`): their copies out after each forward, back ahead of each backward and
+    the backward's wait are the same operations at the same times in the engine on the
+    simulated GPU and in the replay given the plan's measured host buffers."""
+    model = _model("tiny")
+    n = len(model.model.layers) + 2
+    flags = tuple(0 < s < n - 1 for s in range(n))
+    engine, placements, boundary_host, direct, disk = _engine_ops(
+        "tiny", kind, order, precision, tmp_path, offload_graphs=flags)
+    sizes = _PLANNED["offload_bytes"]
+    assert _PLANNED["policies"] == ["full"] + ["offload"] * (n - 2)
+    assert all(sizes[s] for s in range(1, n - 1)) and not sizes[0]
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    replay = simulate_step(shape, TrainShape(B, T, M, precision), placements, order, False,
+                           boundary_host, ReplayConfig(hw=HW, direct=direct, steps=STEPS),
+                           offloaded=sizes, **disk)
+    offload_ops = [o for o in replay.step_ops[-1] if o.name == "offload"]
+    assert {o.lane for o in offload_ops} >= {"D2H", "H2D"}
+    for k, (got, want) in enumerate(zip(replay.step_ops, engine, strict=True)):
+        assert [_key(o) for o in got] == [_key(o) for o in want], f"step {k}"
+        bad = next((i for i, (a, b) in enumerate(zip(got, want, strict=True))
+                    if not _same(a, b)), None)
+        assert bad is None, (f"step {k}, op {bad}: replay {got[bad]} != engine {want[bad]}")

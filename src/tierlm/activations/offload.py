@@ -6,12 +6,15 @@ host buffer (`HostPool`). In an engine the buffers are cut from the run's pinned
 the forward and given back after the backward, so the arena, allocated once per run, is what
 lives across steps; the plan's replay (tierlm.runtime.byte_replay) cuts the same sizes in the
 same order, measured before the first step by running each offloaded segment once
-(`offloaded_sizes`). Under CUDA the copies run on the copy streams: the device-to-host copy
-starts when the tensor is produced and overlaps the rest of the forward; the engine asks for the
-host-to-device copy one segment ahead of the backward, so it overlaps the backward of the
-segment before. On a CPU-only
-machine the "device" is the CPU and the copies are plain memcpys, still counted as D2H/H2D so the
-ledger shows what a GPU run would move.
+(`offloaded_sizes`). Under CUDA the copies run on the copy streams: the device-to-host copies are
+issued once the segment's forward has been issued (`OffloadScope.copy_out`, called by the engine
+after the forward's compute region), so each waits for the forward that wrote it and overlaps
+what follows; the engine asks for the host-to-device copies one segment ahead of the backward,
+so they overlap the backward of the segment before, and the backward waits for the last of them
+before it runs (one wait: the copies of one stream land in order). The simulated timeline and
+the planner's replay (tierlm.plan.replay) issue the same copies with the same waits. On a
+CPU-only machine the "device" is the CPU and the copies are plain memcpys, still counted as
+D2H/H2D so the ledger shows what a GPU run would move.
 """
 
 from __future__ import annotations
@@ -170,17 +173,27 @@ class OffloadScope(SavedTensorScope):
         self.device = weights.device
         self._copies: dict[int, _HostCopy] = {}  # storage key -> its copy (the latest)
         self._all: list[_HostCopy] = []
+        # storages packed and not yet copied out (held until `copy_out`), with their copies
+        self._pending: list[tuple[torch.Tensor, _HostCopy]] = []
         self.device_bytes = 0  # brought back and not yet released
 
     def pack_activation(self, t: torch.Tensor, key: int, first: bool) -> object:
         if first:
             src = _bytes_view(t)
             host = self.pool.take(src.numel(), self.segment, len(self._all))
-            written = self.copier.to_host(host, src)
-            self.ledger.record_move(Link.D2H, src.numel())
-            self._copies[key] = _HostCopy(host, written)
+            self._copies[key] = _HostCopy(host, None)
             self._all.append(self._copies[key])
+            self._pending.append((src, self._copies[key]))
         return _Offloaded(self._copies[key], t)
+
+    def copy_out(self) -> None:
+        """Issue the copies to the host of what the forward saved, in the order it saved them:
+        called once the forward's compute is issued, so each copy waits for the forward that
+        wrote its tensor (on a simulated device: for the forward's compute region)."""
+        pending, self._pending = self._pending, []
+        for src, c in pending:
+            c.written = self.copier.to_host(c.host, src)
+            self.ledger.record_move(Link.D2H, src.numel())
 
     def sizes(self) -> tuple[int, ...]:
         """The bytes of each host buffer this run took, in order."""
@@ -191,7 +204,21 @@ class OffloadScope(SavedTensorScope):
         for c in self._all:
             self._to_device(c)
 
+    def arrive(self) -> None:
+        """Before the backward: every activation on its way back, and the compute stream
+        waiting for the last copy issued (the copies of one stream complete in order), so the
+        backward's unpacks find them there."""
+        self.bring_back()
+        last = None
+        for c in self._all:
+            if c.event is not None:
+                last, c.event = c.event, None
+        if last is not None:
+            self.copier.ready(None, last)
+
     def _to_device(self, c: _HostCopy) -> torch.Tensor:
+        if self._pending:  # used before the engine issued them (a policy run on its own)
+            self.copy_out()
         if c.device_copy is None:
             c.device_copy, c.event = self.copier.to_device(c.host, self.device, c.written)
             n = c.host.numel()
@@ -213,6 +240,7 @@ class OffloadScope(SavedTensorScope):
 
     def release(self) -> None:
         """After the backward: host buffers back to the pool, device copies dropped."""
+        self._pending.clear()
         for c in self._all:
             self.pool.give(c.host)
             c.device_copy = c.event = None

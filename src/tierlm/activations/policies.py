@@ -94,6 +94,9 @@ class ActivationPolicy:
     ) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
+    def forward_done(self, handle: Any) -> None:
+        """The forward's compute has been issued: start what follows it (the copies out)."""
+
     def bring_back(self, handle: Any) -> None:
         """The backward of this segment comes next: start moving what it needs back."""
 
@@ -228,11 +231,16 @@ class Offload(ActivationPolicy):
         scope.ledger.hold_activation(scope.segment, "offloaded", host.bytes)
         return out.detach(), _Graph(out, leaf, xin, host.bytes, host)
 
+    def forward_done(self, handle):
+        handle.extra.copy_out()
+
     def bring_back(self, handle):
         if self.copier.asynchronous:  # a synchronous copy gains nothing by going early
             handle.extra.bring_back()
 
     def backward(self, handle, run, w, x, gout, grad, scope):
+        if self.copier.asynchronous:
+            handle.extra.arrive()
         dx = handle.backward(w, gout, grad)
         handle.extra.release()
         scope.ledger.release_activation(scope.segment, "offloaded", handle.held_bytes)

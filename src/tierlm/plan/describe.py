@@ -101,9 +101,15 @@ def describe(
     keeps = keeps_graph(p.placements, p.keep_resident_activations)
     streamed = [s for s, q in enumerate(p.placements[:-1]) if not q.resident]
     streamed_keep = sum(keeps[s] for s in streamed)
+    offloaded = sum(s < len(p.offload_graphs) and p.offload_graphs[s] for s in streamed)
     lines.append(f"activations: resident segments "
                  f"{'keep their graph' if p.keep_resident_activations else 'recompute'}, "
-                 + ("streamed segments recompute from their boundary input" if not streamed_keep
+                 + (f"of {len(streamed)} streamed segments {streamed_keep} keep their graph, "
+                    f"{offloaded} offload their saved tensors to host RAM, "
+                    f"{len(streamed) - streamed_keep - offloaded} recompute from their boundary "
+                    "input (the choice per segment by the simulated step)" if offloaded
+                    else "streamed segments recompute from their boundary input"
+                    if not streamed_keep
                     else f"{streamed_keep} of {len(streamed)} streamed segments keep theirs "
                     "(the last; the others recompute from their boundary input)")
                  + "; boundary activations wait on the "

@@ -16,6 +16,7 @@ from tierlm.memory.placement import (
 )
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.node.transport import CHUNK_BYTES, INFLIGHT
+from tierlm.plan.offload_bytes import offload_sizes, offload_workspace_bytes
 from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.plan.result import Plan, _problems
 from tierlm.plan.timing import _bottleneck, _times, compiled_block_factor, writeback_bytes
@@ -33,13 +34,15 @@ NODE_STAGING_BYTES = INFLIGHT * CHUNK_BYTES  # a memory node's receive staging
 
 def evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
              chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
-             writeback: WriteBack | None = DEFAULT_WRITEBACK) -> Plan:
+             writeback: WriteBack | None = DEFAULT_WRITEBACK,
+             offload: tuple[bool, ...] = ()) -> Plan:
     """Predict memory and time for one given placement (the planner's inner step; also used to
     predict runs whose placement the user chose; `chunk_numel`: the engine's
     staging_chunk_numel; `readahead`: its update read-ahead; `writeback`: its deferred
-    write-back)."""
+    write-back; `offload`: per segment, those whose saved tensors wait in host RAM)."""
     return _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host,
-                     chunk_numel=chunk_numel, readahead=readahead, writeback=writeback)
+                     chunk_numel=chunk_numel, readahead=readahead, writeback=writeback,
+                     offload=offload)
 
 
 def _update_overlap_bytes(
@@ -83,11 +86,15 @@ def _update_overlap_bytes(
 
 def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=False, *,
               chunk_numel: int = STAGING_CHUNK_NUMEL, readahead: ReadAhead | None = None,
-              writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None) -> Plan:
+              writeback: WriteBack | None = DEFAULT_WRITEBACK, replay=None,
+              offload: tuple[bool, ...] = ()) -> Plan:
     """`replay`: this placement's `_replay` when the caller has it (the write-back options
-    change neither the sweep's bytes nor its ledger)."""
+    change neither the sweep's bytes nor its ledger); `offload`: per segment, those whose saved
+    tensors wait in host RAM (tierlm.plan.offload; not with `replay`)."""
     ledger, workspace, read_ahead, arena = replay or _replay(
-        shape, train, placements, order, keep, boundary_host, chunk_numel, readahead)
+        shape, train, placements, order, keep, boundary_host, chunk_numel, readahead,
+        offload_sizes(shape, train, offload))
+    workspace += offload_workspace_bytes(shape, train, offload, order)
     device_peak = ledger.peak_tier_bytes[Tier.DEVICE]
     host_persistent = ledger.tier_bytes(Tier.HOST)
     first_group = train.micro_batches if order == "layer-outer" else 1
@@ -127,6 +134,7 @@ def _evaluate(shape, train, hw, placements, order, keep, budgets, boundary_host=
         pinned_by_class={c.value: ledger.pinned_class_peak_bytes[c] for c in TensorClass
                          if ledger.pinned_class_peak_bytes[c]},
         remote_bytes=remote_held_bytes(ledger.peak_tier_bytes[Tier.REMOTE]),
+        offload_graphs=tuple(offload) if any(offload) else (),
     )
     plan.problems = _problems(plan, budgets)
     plan.fits = not plan.problems
@@ -140,12 +148,14 @@ def remote_held_bytes(state_bytes: int) -> int:
     return state_bytes + NODE_STAGING_BYTES if state_bytes else 0
 
 
-def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead):
+def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead,
+            offloaded=()):
     """The sweep's replay (ledger, workspace), the segments it reads ahead and the pinned arena
-    it needs."""
+    it needs (`offloaded`: the offload policy's host buffers per segment)."""
     arena = ArenaReplay()
     ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
-                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena)
+                                     chunk_numel=chunk_numel, readahead=readahead, arena=arena,
+                                     offloaded=offloaded)
     read_ahead = [s for segs in readahead_schedule(
         shape, train, placements, order, boundary_host, readahead).values() for s in segs]
     return ledger, workspace, read_ahead, arena.pinned_bytes()
@@ -172,7 +182,8 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
     evaluates thousands of candidates)."""
     r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
                       p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
-                      writeback=p.writeback)
+                      writeback=p.writeback,
+                      offloaded=offload_sizes(shape, train, p.offload_graphs))
     out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
     for key, lane in simulated_lanes(hw).items():
         out[f"simulated_{key}"] = r.lane_busy_s.get(lane, 0.0)

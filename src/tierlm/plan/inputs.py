@@ -195,11 +195,14 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     placements = engine.report.placements
     # the engine's own choice per segment (`none` keeps streamed graphs where the budget holds
     # them); the head keeps as the planner's rule says
-    keep = (*(not p.recomputes for p in engine.policies),
+    # (an offloaded segment's graph waits in host RAM: counted there, not kept on the device)
+    offload = tuple(name == "offload" for name in engine.activation_policies) + (False,)
+    keep = (*(not p.recomputes and not off for p, off in zip(engine.policies, offload,
+                                                             strict=False)),
             placements[-1].resident and engine.opts.keep_resident_activations)
     return evaluate(
         shape, train_shape(cfg, precision), hw, placements,
         engine.opts.microbatch_order, keep,
         usable_budgets(hw), engine.host_boundaries, readahead=engine.opts.readahead,
-        writeback=engine.opts.writeback,
+        writeback=engine.opts.writeback, offload=offload if any(offload) else (),
     )

@@ -38,6 +38,7 @@ class Auto(Planned):
         return replace(
             options, policy=self, microbatch_order=p.order,
             keep_resident_activations=p.keep_resident_activations,
+            offload_graphs=p.offload_graphs,
             boundary_tier=Tier.HOST if p.boundary_on_host else Tier.DEVICE,
             readahead=p.readahead, writeback=p.writeback,
             # no activation policy asked for: keep or recompute resident segments as planned

@@ -14,6 +14,13 @@ step's one host read (the global norm), and the update (`Engine._finish_step`, `
 `_update_disk`): device-tier updates as zero-FLOP compute regions, the others on the update
 worker, inline on its own host clock, CPU priced at `numel x optimizer cpu_cost` parameters.
 
+Segments whose activations are offloaded (`offloaded`: per segment, the host buffers the
+`offload` policy takes for one micro-batch, in order; tierlm.activations.offload) copy their
+saved tensors to the host after each forward's compute (on the D2H engine), and back ahead of
+their backward when the action before it begins (on the H2D engine, each after its copy out and
+the compute queued so far), the backward waiting for the last of them: the engine's
+`Offload.forward_done`, `bring_back` and `backward`.
+
 `simulate_step` runs two steps on one timeline: the first fills the stream cache and runs its
 update, the second is the steady state. tests/plan/test_replay.py holds the replay's
 operations equal to the engine's on `SimDevice` for the configurations it names.
@@ -21,6 +28,7 @@ operations equal to the engine's on `SimDevice` for the configurations it names.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -81,9 +89,12 @@ class ReplayConfig:
 
 def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                   keep_resident: KeepGraphs, boundary_host: bool, config: ReplayConfig, *,
-                  readahead=None, writeback=None) -> StepTiming:
+                  readahead=None, writeback=None,
+                  offloaded: Sequence[Sequence[int]] = ()) -> StepTiming:
     """`config.steps` steps of the engine on `placements`, replayed over byte counts on a
-    `TimingDevice`; the last one's timing."""
+    `TimingDevice`; the last one's timing. `offloaded`: per segment but the head, the host
+    buffers (bytes, in order) its `offload` policy takes per micro-batch (() where it does
+    not offload: it keeps or recomputes as `keep_resident` says)."""
     dev = TimingDevice(config.hw, train.precision, tf32=train.tf32)
     ledger = Ledger()
     store = _timing_store(ledger, dev, config.direct)
@@ -103,6 +114,9 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                          block=0 < s < last, frozen=frozen) for s in range(n)]
     tokens = train.batch_size * train.seq_len
     keep = keeps_graph(placements, keep_resident)
+    sizes = [tuple(offloaded[s]) if s < len(offloaded) else () for s in range(n)]
+    # the engine's policy names (tierlm.runtime.plan: kept graphs, offloaded ones, recomputed)
+    policy = ["keep" if keep[s] else "offload" if sizes[s] else "full" for s in range(n)]
     hidden = tokens * shape.hidden_size
     worker = dev.worker("update")
     lander = dev.worker("landing", overlaps_device=True)  # Engine._lander
@@ -115,7 +129,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                                      if not p.resident),
                         lambda s: start_load(store, states[s], chunk),
                         ready=lambda s: s not in updates or updates[s].done(),
-                        reusable=lambda s: s >= last or not keep[s])
+                        reusable=lambda s: s >= last or policy[s] == "full")
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead,
                                actions)
@@ -127,8 +141,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     rules = StepRules(
         micro_batches=train.micro_batches,
         # the engine's rule, read from its module at each call (a test changes it there)
-        parked=schedule.parked_inputs(["keep" if k else "full" for k in keep[:last]],
-                                      boundary_host),
+        parked=schedule.parked_inputs(policy[:last], boundary_host),
         tied_owners=tied_owners, tied_trained=bool(tied_owners) and not frozen,
         state_tiers=[p.state_tier for p in placements], first_trained=not frozen)
 
@@ -139,6 +152,20 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
 
     class TimedStep(_CountingStep):
         """The byte replay's backend with the engine's operations on the timing device."""
+
+        # (micro-batch, segment) -> its offloaded storages: [host buffer, copy out's event,
+        # copy back's event (None until brought back)], in the order the forward saved them
+        off: dict[tuple[int, int], list[list]]
+
+        def begin(self, k: int, a: Any) -> None:  # _TensorStep.begin: Engine._bring_back
+            super().begin(k, a)
+            for b in self.actions[k + 1:k + 2]:
+                if b.kind == "bwd":
+                    for i in b.mbs:
+                        self.bring_back(i, b.seg)
+
+        def bring_back(self, i: int, s: int) -> None:
+            self.bring_back_all(self.off.get((i, s), []))
 
         def weights(self, k: int, s: int) -> None:  # Engine._weights
             wait_update(s)
@@ -164,11 +191,19 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             ahead_reads[s] = CopiesRead(store, states[s], states[s].state_copies)
 
         def forward(self, a: Any, w: None, xs: list):
-            for _ in xs:  # each output is held (and parked) before the next micro-batch runs
-                with dev.compute(f"forward {shape.names[a.seg]}",
-                                 costs[a.seg].forward(tokens, train.seq_len, shape.hidden_size),
-                                 block=costs[a.seg].block):
-                    pass
+            s = a.seg
+            for i, _ in zip(a.mbs, xs, strict=True):  # each output is held (and parked)
+                # before the next micro-batch runs
+                with dev.compute(f"forward {shape.names[s]}",
+                                 costs[s].forward(tokens, train.seq_len, shape.hidden_size),
+                                 block=costs[s].block):
+                    held = [store.alloc(Tier.HOST, TensorClass.ACTIVATION, nbytes, torch.uint8,
+                                        pinned=True) for nbytes in sizes[s]]
+                if held:  # OffloadScope.copy_out, once the forward's compute is issued
+                    self.off[(i, s)] = [
+                        [h, dev.copy(h, _Bytes(h.numel(), 1), Link.D2H, "offload"), None]
+                        for h in held]
+                    store.ledger.record_move(Link.D2H, sum(h.numel() for h in held))
                 yield self.act
 
         def head(self, k, a, i, w, x, grad, tied):
@@ -181,10 +216,22 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         def backward(self, a, i, w, x, gout, grad):
             s = a.seg
             flops = costs[s].backward(tokens, train.seq_len, shape.hidden_size,
-                                      recompute=not keep[s])
+                                      recompute=policy[s] == "full")
             with dev.compute(f"backward {shape.names[s]}", flops, block=costs[s].block):
-                pass
+                copies = self.off.pop((i, s), [])
+                if copies:  # Offload.backward: OffloadScope.arrive, then release
+                    self.bring_back_all(copies)
+                    dev.wait(copies[-1][2], "offload")
+                    for c in copies:
+                        store.free(Tier.HOST, TensorClass.ACTIVATION, c[0])
             return self.act
+
+        def bring_back_all(self, copies: list[list]) -> None:  # OffloadScope.bring_back
+            for c in copies:
+                if c[2] is None:
+                    c[2] = dev.copy(_Bytes(c[0].numel(), 1), c[0], Link.H2D, "offload",
+                                    after=[c[1], dev.mark()])
+                    store.ledger.record_move(Link.H2D, c[0].numel())
 
         def park(self, s: int, x):
             host = store.alloc(Tier.HOST, TensorClass.ACTIVATION, x.numel(), pinned=True)
@@ -338,6 +385,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             step = TimedStep(shape, placements, store, cache, actions, hidden, chunk,
                              lambda k, phase, a: None, ring)
             step.in_flight = None
+            step.off = {}
             try:
                 walk_step(step, actions, rules, ahead)
             finally:

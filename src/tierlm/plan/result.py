@@ -68,6 +68,10 @@ class Plan:
     # what a memory node holds for the remote segments (tierlm.node: their master, slots,
     # gradient sum and compute copy, and its receive staging); 0: no remote segment
     remote_bytes: int = 0
+    # per segment, those whose saved tensors wait in host RAM instead of being recomputed (the
+    # planner's keep / offload / recompute choice: tierlm.plan.search._offload_streamed); ()
+    # where none does
+    offload_graphs: tuple[bool, ...] = ()
 
     @property
     def device_total_bytes(self) -> int:

@@ -2,8 +2,9 @@
 a plan. Under the device/host/disk budgets less a safety margin it chooses which segments keep
 their compute weights (and whole state) on the device, where every other segment's state lives
 (host RAM, spilling the last blocks to disk first), whether streamed segments keep their forward
-graph, the micro-batch order and the disk read-ahead/write-back, and ranks the variants that fit
-by their simulated step."""
+graph (or, where the simulated step gains, hold their saved tensors in host RAM:
+tierlm.plan.offload), the micro-batch order and the disk read-ahead/write-back, and ranks the
+variants that fit by their simulated step."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tierlm.plan.evaluate import (
     simulated_times,
     simulation_gap,
 )
+from tierlm.plan.offload import offload_streamed
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.runtime.byte_replay import activation_workspace_bytes
 from tierlm.runtime.readahead import ReadAhead
@@ -108,6 +110,8 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
     variants = [(order, keep, host, fill) for order, keep, host in variants for fill in fills]
     for order, keep, host, fill in variants:
         candidate = _grow_variant(shape, train, hw, order, keep, host, fill, replays)
+        if simulate:  # the blocks still recomputing: offloaded where the simulated step gains
+            candidate = offload_streamed(shape, train, hw, candidate, fill)
         candidate.budgets = budgets  # (the node's unused: its memory is still there)
         if candidate.fits:
             fitting.append(candidate)
@@ -117,7 +121,8 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
             fallback = candidate
     if best is not None and simulate and len(fitting) > 1:
         for candidate in fitting:
-            candidate.times_s.update(simulated_times(shape, train, hw, candidate))
+            if "simulated_step" not in candidate.times_s:  # (offload_streamed simulated some)
+                candidate.times_s.update(simulated_times(shape, train, hw, candidate))
         # ties (equal simulated steps) go to the formula's order
         return min(fitting, key=lambda c: (c.times_s["simulated_step"], c.step_s))
     if best is not None:

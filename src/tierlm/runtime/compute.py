@@ -143,6 +143,9 @@ class SegmentCompute:
                     with torch.no_grad(), self.opts.autocast():
                         mb.ctx = self.adapter.context(mb.ids, out, mb.positions,
                                                       ring=self.opts.sequence_share.ring)
+            # after the region: what follows the forward waits for its compute (the offload's
+            # copies out)
+            self.policies[s].forward_done(mb.saved[s])
             yield out
 
     def _head(

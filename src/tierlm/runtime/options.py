@@ -75,6 +75,10 @@ class EngineOptions:
     keep_resident_activations (True: resident segments keep their graph, streamed ones
     recompute; False: every segment recomputes; a flag per segment: those that keep)."""
     keep_resident_activations: KeepGraphs = True
+    offload_graphs: tuple[bool, ...] = ()
+    """With the planner's choice (`activations` None): per segment, those whose saved tensors
+    wait in host RAM from the forward to the backward (the `offload` policy) instead of being
+    recomputed; () or False: as `keep_resident_activations` says (tierlm.plan.search)."""
     boundary_tier: Tier = Tier.DEVICE
     """Where a segment's boundary input waits between its forward and its backward: on the
     device, or in host RAM (copied there as it is produced, dropped from the device once the

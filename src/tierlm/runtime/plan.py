@@ -142,6 +142,8 @@ def plan_step(
         # full-parameter segments only, so their kept graphs are not measured)
         boundary_bytes=boundary_bytes, planned=planned or parts.frozen_base,
     )
+    if planned and not parts.frozen_base:  # the planner's offloaded segments, where it chose
+        policies = planned_offload(policies, options.offload_graphs)
     # the host buffers offloaded saved tensors take, measured as dynamic's costs are (a LoRA
     # base's segments are not probed: the engine measures them in its first step and grows its
     # arena after it, Engine._learn_offload_sizes)
@@ -160,3 +162,13 @@ def plan_step(
                     park_recomputed=dynamic, activation_costs=costs,
                     activation_reserve_bytes=reserve, offload_bytes=offload_bytes)
 
+
+def planned_offload(policies: list[str], offload: tuple[bool, ...]) -> list[str]:
+    """`policies` with the segments the planner offloads (`offload`, a flag per segment, the
+    head's included) on `offload`; only segments that would recompute take it (a kept graph
+    stays on the device)."""
+    if len(offload) not in (0, len(policies) + 1):
+        raise ValueError(f"offload_graphs: a flag per segment ({len(policies) + 1}), got "
+                         f"{len(offload)}")
+    return ["offload" if off and p == "full" else p
+            for p, off in zip(policies, offload, strict=False)] + policies[len(offload):]

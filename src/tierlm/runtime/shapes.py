@@ -287,7 +287,15 @@ def _base_bytes(model, layouts, lora, base_format: str,
 
 
 def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
-    """Bytes autograd saves for one block's forward over `tokens` tokens under `precision`,
+    """Bytes autograd saves for one block's forward over `tokens` tokens under `precision`
+    (`_fake_block_saved_storages`, summed)."""
+    return sum(_fake_block_saved_storages(config, precision, tokens))
+
+
+def _fake_block_saved_storages(config: Any, precision: str, tokens: int, batch: int = 1
+                               ) -> list[int]:
+    """Bytes of each storage autograd saves for one block's forward over `batch` rows of
+    `tokens` tokens under `precision`, in the order it first saves them,
     counted as the runtime counts them (tierlm.activations.saved): per storage, without the
     segment's weights, its boundary input and the micro-batch context (rotary tables, masks),
     which the step holds anyway. The block runs on fake CPU tensors (shapes and dtypes, no
@@ -305,8 +313,8 @@ def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
                               torch.device("cpu"), log=lambda line: None)
         seg = ModelAdapter(model).segments[1]
         views = {n: p for n, p, _ in seg.params}
-        x = torch.empty(1, tokens, model.config.hidden_size, requires_grad=True)
-        pos = torch.arange(tokens).unsqueeze(0)
+        x = torch.empty(batch, tokens, model.config.hidden_size, requires_grad=True)
+        pos = torch.arange(tokens).unsqueeze(0).expand(batch, tokens)
         pe = None
         if hasattr(model, "model") and hasattr(model.model, "rotary_emb"):
             pe = model.model.rotary_emb(x, position_ids=pos)
@@ -331,7 +339,29 @@ def _fake_block_saved_bytes(config: Any, precision: str, tokens: int) -> int:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             out = seg.forward(views, x, ctx)
         del out
-    return sum(seen.values())
+    return list(seen.values())
+
+
+@functools.lru_cache(maxsize=32)
+def _saved_storages_cached(config_json: str, precision: str, batch: int, tokens: int
+                           ) -> tuple[int, ...]:
+    config = _CONFIGS[config_json]
+    rows = _fake_block_saved_storages(config, precision, tokens, batch)
+    longer = _fake_block_saved_storages(config, precision, 2 * tokens, batch)
+    if len(rows) != len(longer):  # not the same storages at twice the tokens: one buffer
+        return (int(_saved_bytes_per_token(config, precision, tokens) * batch * tokens),)
+    # what does not grow with the sequence (bf16, fp8: casts of fp32 weights, which a compute
+    # copy of the run's own precision does not make) is left out, as the slope leaves it out
+    return tuple(n for n, m in zip(rows, longer, strict=True) if m != n)
+
+
+def block_saved_storage_bytes(config: Any, precision: str, batch: int, tokens: int
+                              ) -> tuple[int, ...]:
+    """Each storage one block's forward saves over `batch` x `tokens` tokens, in the order it
+    saves them: what the `offload` policy copies to the host, one buffer per storage."""
+    key = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+    _CONFIGS[key] = config
+    return _saved_storages_cached(key, precision, batch, tokens)
 
 
 @functools.lru_cache(maxsize=32)
