@@ -85,6 +85,11 @@ class ReplayConfig:
     chunk_numel: int = STAGING_CHUNK_NUMEL
     direct: bool = True  # the disk tier moves whole 4 KiB blocks (O_DIRECT)
     steps: int = STEPS
+    # An oracle, not an engine feature: issue each disk-tier segment's update at its gradient's
+    # final landing, with the clipping coefficient taken as 1, instead of after the global
+    # norm (the engine would write the new state beside the old and keep it only where the
+    # norm says the coefficient is 1). bench/simulated_step.py measures what it would gain.
+    speculative_disk_updates: bool = False
 
 
 def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
@@ -261,6 +266,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 done = dev.mark()
                 self.in_flight = (lander.submit(add_to_host, store, self.ring, st.grad, dgrad,
                                                 chunk, what, after=[done]), grad)
+                self.speculate(s, final)
                 return
             if path.ring_numel(st.numel, chunk):
                 self.ring.hold()
@@ -291,6 +297,12 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                     file_pass(ps)
 
             self.in_flight = (lander.submit(file_passes), grad)
+            self.speculate(s, final)
+
+        def speculate(self, s: int, final: bool) -> None:  # the oracle (ReplayConfig)
+            if config.speculative_disk_updates and final and states[s].tier == Tier.DISK:
+                landed = self.in_flight[0]
+                updates[s] = worker.submit(lambda: (landed.result(), update(s)))
 
     cpu_cost = optimizer.cpu_cost
 
@@ -373,7 +385,8 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 with dev.compute(f"update {shape.names[s]}"):
                     pass
             else:
-                updates[s] = worker.submit(update, s)
+                if s not in updates:  # (the oracle issued it at its final landing)
+                    updates[s] = worker.submit(update, s)
                 if st.placement.resident:
                     st.device_stale = True
 
