@@ -30,9 +30,12 @@ from tests.runtime_helpers import (
 )
 from tierlm.checkpoint.format import verify_checkpoint
 from tierlm.cli import main
+from tierlm.memory.layout import FlatLayout
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Link, Tier
 from tierlm.models import build_model, preset_config
+from tierlm.node.protocol import SegmentSpec
+from tierlm.node.server import NodeOptions, Session
 from tierlm.precision.linear import Fp32Linear, PrecisionLinear
 from tierlm.runtime.placement import place
 from tierlm.runtime.state import as_tensor, step_net_bytes
@@ -358,3 +361,20 @@ def test_a_wrong_token_is_refused_naming_the_token_file(node, tmp_path, capsys):
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "--memory-node-token-file" in lines[0] and node.address in lines[0], lines[0]
     node.wait_log("wrong token")
+
+
+def test_the_node_keeps_a_copy_asked_for_in_its_own_kinds():
+    """The engine names the kinds of every copy it fetches: the node re-encodes only when they
+    differ from the copy's (a list compared with a tuple once made every fetch reallocate and
+    re-encode the copy)."""
+    layout = FlatLayout([("w", (64, 32), True), ("b", (64,), False)])
+    session = Session(None, NodeOptions(host="127.0.0.1", port=1, memory_bytes=2**30,
+                                        token=TOKEN), "test")
+    session._configure({"optim": {}, "segments": [
+        SegmentSpec.of("s", layout, ["bf16", "fp32"]).to_json()]})
+    seg = session.segments["s"]
+    _, (first,) = session._get_compute_copy({"segment": "s", "kinds": ["bf16", "fp32"]})
+    _, (again,) = session._get_compute_copy({"segment": "s", "kinds": ["bf16", "fp32"]})
+    assert again is first is seg.wire
+    _, (other,) = session._get_compute_copy({"segment": "s", "kinds": ["fp32", "fp32"]})
+    assert other is seg.master  # fp32 throughout: the master itself
