@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.node.test_memory_node import TOKEN, Node, _env
+from tests.node.test_memory_node import TOKEN, Node, _env, _token_file
 from tests.runtime_helpers import (
     InfGrad,
     batches,
@@ -242,7 +242,9 @@ def test_offload_policy_remote_keeps_only_resident_segments_local():
     (["--offload-policy", "host", "--memory-node", "10.0.0.2:29600",
       "--memory-node-token-file", "t"], "choose the segments with --remote"),
     (["--offload-policy", "auto", "--remote", "block.*", "--memory-node", "10.0.0.2:29600",
-      "--memory-node-token-file", "t"], "not supported yet"),
+      "--memory-node-token-file", "t"], "the planner chooses the segments the node holds"),
+    (["--memory-node", "10.0.0.2:29600", "--memory-node-token-file", "t"],
+     "--memory-node with --offload-policy none"),
     (["--offload-policy", "host", "--remote", "block.*", "--memory-node", "10.0.0.2:29600",
       "--memory-node-token-file", "t", "--nproc", "2"], "not supported yet"),
     (["--offload-policy", "host", "--remote", "block.*", "--memory-node", "10.0.0.2:29600",
@@ -378,3 +380,39 @@ def test_the_node_keeps_a_copy_asked_for_in_its_own_kinds():
     assert again is first is seg.wire
     _, (other,) = session._get_compute_copy({"segment": "s", "kinds": ["fp32", "fp32"]})
     assert other is seg.master  # fp32 throughout: the master itself
+
+
+def test_auto_plans_the_node_and_each_step_moves_the_plans_network_bytes(node, tmp_path):
+    """`--offload-policy auto` with a memory node: the planner, given the node's memory (capped
+    by what the handshake reported) and its link, puts state host RAM cannot hold on the node
+    before the disk; the run places exactly the plan's segments there, on a simulated rtx4090
+    whose time model has the node's link, and every step moves on the network exactly the bytes
+    the plan counts, each way."""
+    from transformers import AutoConfig
+
+    from tierlm.cli import build_parser, config_from_args
+    from tierlm.plan.inputs import plan_auto
+
+    flags = ["--model-size", "tiny", "--seq-len", "32", "--batch-size", "2",
+             "--data.vocab_size", "1024", "--grad-accum-steps", "2", "--precision", "fp32",
+             "--device", "sim:rtx4090", "--offload-policy", "auto", "--device-budget", "6MiB",
+             "--host-budget", "8MiB", "--memory-node-memory", "1GiB", "--net-bandwidth",
+             "100Gbit", "--eval-every", "0", "--train.sample_tokens", "0",
+             "--memory-node", node.address, "--memory-node-token-file",
+             str(_token_file(tmp_path)), "--memory-node-timeout", "30"]
+    run = tmp_path / "run"
+    assert main(["train", *flags, "--max-steps", "2", "--out", str(run)]) == 0
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r and "step" in r]
+    cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+    hello = SimpleNamespace(memory_bytes=2**30, link_up_bytes_per_s=None,
+                            link_down_bytes_per_s=None)  # the node's --memory; the link given
+    # the model as the run built it (its vocabulary from the data), as its export wrote it
+    plan = plan_auto(cfg, AutoConfig.from_pretrained(run / "hf"), "fp32", node=hello)
+    assert any(p.remote for p in plan.placements), plan.placements
+    up, down = plan.moved_bytes["net_send"], plan.moved_bytes["net_recv"]
+    assert up > 0 and down > 0
+    assert len(steps) == 2
+    for r in steps:
+        assert (r["net_send_bytes"], r["net_recv_bytes"]) == (up, down), r
+

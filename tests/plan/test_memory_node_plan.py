@@ -232,8 +232,8 @@ def test_train_refuses_the_plan_only_node_flags(capsys):
     rc = main(["train", "--model-size", "tiny", "--max-steps", "1", "--memory-node-memory",
                "128GiB", "--net-bandwidth", "25Gbit"])
     assert rc == 2
-    assert "not supported yet: --memory-node-memory on a training run" in (
-        capsys.readouterr().err)
+    assert "--memory-node-memory on a training run describes its memory node: name the node " \
+        "with --memory-node" in capsys.readouterr().err
 
 
 def test_predicted_timeline_draws_the_remote_updates_on_the_node_lanes(plans):

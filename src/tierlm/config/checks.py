@@ -187,12 +187,13 @@ def _check_memory_node(cfg: Config) -> None:
     plan_flags = [flag for flag, value in (("--memory-node-memory", mem.memory_node_memory),
                                            ("--net-bandwidth", mem.net_bandwidth))
                   if value is not None]
-    # `tierlm plan` takes these (tierlm.plan.inputs.check_trainable leaves them out): the size
-    # and link of a node that is not there yet; a run measures its node at the handshake
-    if plan_flags:
-        raise NotSupportedYet(f"{plan_flags[0]} on a training run (a node's size and link are "
-                              "measured at its handshake)", "`tierlm plan` takes it to plan a "
-                              "node that is not there yet; train with --memory-node")
+    # `tierlm plan` takes these alone (tierlm.plan.inputs.check_trainable leaves them out): the
+    # size and link of a node that is not there yet. A run with a node measures both at the
+    # handshake; given, they cap the node's memory the plan fills and replace the measured link
+    if plan_flags and mem.memory_node is None:
+        raise ConfigError(f"{plan_flags[0]} on a training run describes its memory node: name "
+                          "the node with --memory-node ADDRESS:PORT, or use `tierlm plan` to "
+                          "plan a node that is not there yet")
     if mem.memory_node is None:
         if wants:
             raise ConfigError(f"{wants} puts model state on a memory node: name it with "
@@ -207,15 +208,19 @@ def _check_memory_node(cfg: Config) -> None:
             re.compile(mem.remote)
         except re.error as exc:
             raise ConfigError(f"--remote: {mem.remote!r} is not a regex: {exc}") from None
-    if wants is None:
+    if mem.offload_policy == "none":
+        raise ConfigError("--memory-node with --offload-policy none: the reference trainer "
+                          "keeps every byte on the device; use --offload-policy auto, host, "
+                          "tiered, disk or remote")
+    if mem.offload_policy == "auto":  # the planner chooses what goes to the node
+        if mem.remote is not None:
+            raise ConfigError("--remote with --offload-policy auto: the planner chooses the "
+                              "segments the node holds; drop --remote, or choose them with "
+                              "--offload-policy host, tiered or disk")
+    elif wants is None:
         raise ConfigError(f"--memory-node {mem.memory_node}: no state goes to it; choose the "
-                          "segments with --remote REGEX, or --offload-policy remote")
-    if mem.offload_policy in ("none", "auto"):
-        raise NotSupportedYet(
-            f"--remote with --offload-policy {mem.offload_policy}",
-            "use --offload-policy host, tiered, disk or remote" + (
-                " (the planner's remote tier is being built)"
-                if mem.offload_policy == "auto" else ""))
+                          "segments with --remote REGEX, --offload-policy remote, or let the "
+                          "planner choose with --offload-policy auto")
     dist = cfg.distributed
     if dist.nproc > 1 or dist.backend == "fsdp" or dist.context_parallel > 1:
         raise NotSupportedYet("a memory node with --nproc > 1, --context-parallel or "

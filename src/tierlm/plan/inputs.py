@@ -175,9 +175,11 @@ def check_trainable(cfg: Config, precision: str) -> None:
     check_compile(run, precision)
 
 
-def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
-    """`--offload-policy auto`: the planner's choice, or a PlacementError saying what fits."""
-    hw = hardware_for(cfg)
+def plan_auto(cfg: Config, model_config: Any, precision: str, *,
+              node: NodeHello | None = None) -> Plan:
+    """`--offload-policy auto`: the planner's choice, or a PlacementError saying what fits;
+    `node`: what the run's memory node reported at its handshake (`hardware_for`)."""
+    hw = hardware_for(cfg, node=node)
     p, _, _ = make_plan(cfg, model_config, hw, precision)
     if not p.fits:
         raise PlacementError(
@@ -186,9 +188,11 @@ def plan_auto(cfg: Config, model_config: Any, precision: str) -> Plan:
     return p
 
 
-def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str) -> Plan:
-    """The planner's prediction for the placement the engine actually runs."""
-    hw = hardware_for(cfg)
+def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str, *,
+                       node: NodeHello | None = None) -> Plan:
+    """The planner's prediction for the placement the engine actually runs (`node`: as in
+    `plan_auto`)."""
+    hw = hardware_for(cfg, node=node)
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                    base_format=base_format_of(cfg, precision),
                                    precision=precision)

@@ -9,7 +9,7 @@ wait, read-ahead, write-back) into the engine's options in one place (`engine_op
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tierlm.config import Config
 from tierlm.memory.placement import SegmentPlacement
@@ -18,6 +18,9 @@ from tierlm.plan.inputs import plan_auto
 from tierlm.plan.result import Plan
 from tierlm.runtime.placement import PlacementPolicy, Planned, placement_policy
 from tierlm.runtime.plan import EngineOptions
+
+if TYPE_CHECKING:
+    from tierlm.node.client import NodeHello
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,13 @@ class Auto(Planned):
         )
 
 
-def offload_policy(cfg: Config, model_config: Any, precision: str) -> PlacementPolicy:
+def offload_policy(cfg: Config, model_config: Any, precision: str, *,
+                   node: NodeHello | None = None) -> PlacementPolicy:
     """The policy `--offload-policy` names: the runtime's by name (PLACEMENT_POLICIES), or for
     `auto` the planner's plan for this model and precision (a PlacementError saying what fits
-    when none does)."""
+    when none does), on the memory node the run connected to (`node`, its handshake) if any."""
     if cfg.memory.offload_policy == Auto.name:  # the one policy that needs a plan made
-        return Auto(plan_auto(cfg, model_config, precision))
+        return Auto(plan_auto(cfg, model_config, precision, node=node))
     return placement_policy(cfg.memory.offload_policy)
 
 

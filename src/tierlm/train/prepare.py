@@ -70,12 +70,18 @@ from tierlm.models.init import preset_skeleton
 from tierlm.models.load import CheckpointWeights
 from tierlm.monitor.metrics import MetricsLog, build_monitor, check_monitor_deps
 from tierlm.monitor.step_trace import build_step_trace, build_tracer
-from tierlm.node.client import NodeClient
+from tierlm.node.client import NodeClient, NodeHello
 from tierlm.node.protocol import NodeError
 from tierlm.optim import model_state_nbytes
 from tierlm.paths import cache_dir
 from tierlm.plan.checks import check
-from tierlm.plan.inputs import cap_gpu_memory, hardware_for, predict_for_engine, train_shape
+from tierlm.plan.inputs import (
+    cap_gpu_memory,
+    hardware_for,
+    memory_node_for,
+    predict_for_engine,
+    train_shape,
+)
 from tierlm.plan.policy import auto_plan, offload_policy
 from tierlm.plan.predictions import plan_start_lines, predicted_rates
 from tierlm.plan.result import Plan
@@ -248,7 +254,8 @@ def _build(cfg: Config, log: Callable[[str], None], opened: list[NodeClient]) ->
 
     # the plan: --offload-policy as a typed policy (auto: the planner's plan for this model as
     # built, LoRA and precision included)
-    policy = offload_policy(cfg, model.config, precision)
+    hello = None if node is None else node.hello  # the node's memory and measured link
+    policy = offload_policy(cfg, model.config, precision, node=hello)
     # the stepper, and what several processes wrap it in
     tracer = build_tracer(cfg, device, world.is_main)
     stepper = build_stepper(cfg, world, model, device, precision, run_dir=run_dir,
@@ -257,12 +264,12 @@ def _build(cfg: Config, log: Callable[[str], None], opened: list[NodeClient]) ->
                             chunk_loss=compiled.chunk_loss, node=node)
     plan = auto_plan(policy)
     if plan is None and stepper.engine is not None:  # what the engine's own placement predicts
-        plan = predict_for_engine(cfg, model.config, stepper.engine, precision)
+        plan = predict_for_engine(cfg, model.config, stepper.engine, precision, node=hello)
 
     # the observers
     step_trace = build_step_trace(
         cfg, tracer, stepper, plan,
-        functools.partial(_predicted_step, cfg, model.config, precision, plan), run_dir, log)
+        functools.partial(_predicted_step, cfg, model.config, precision, plan, hello), run_dir, log)
     fp8.attach(stepper)  # the monitor's fp8 probe reads it
     memory_watch.trim()  # the model as built went to the runtime
     # a tiered run on a CPU: the device tier is host RAM, its compute buffers torch's heap
@@ -568,6 +575,8 @@ def single_stepper(
         options.sequence_share = sequence_share
     options = policy.engine_options(options)  # the placement policy's (or the plan's) choices
     profile = sim_profile(cfg.run.device)
+    if profile is not None and node is not None:  # the node's link and memory, as planned
+        profile = profile.with_overrides(memory_node=memory_node_for(cfg, node.hello))
     engine_device = device if profile is None else SimDevice(
         profile, precision, tf32=cfg.precision.tf32, tracer=tracer)
     return build_engine(model, cfg.optim, options, device=engine_device,
@@ -613,12 +622,14 @@ def trained_share(seqs: object, rows_at_a_time: int = 4096, max_rows: int = 6553
     return trained / max(1, len(rows) * seqs.seq_len)
 
 
-def _predicted_step(cfg: Config, model_config: Any, precision: str,
-                    plan: Plan | None) -> list[TraceEvent]:
-    """The planner's timeline of one step, drawn beside the measured one in trace.json."""
+def _predicted_step(cfg: Config, model_config: Any, precision: str, plan: Plan | None,
+                    node: NodeHello | None) -> list[TraceEvent]:
+    """The planner's timeline of one step, drawn beside the measured one in trace.json (`node`:
+    the memory node's handshake, whose link the plan priced)."""
     if plan is None:
         return []
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                    base_format=base_format_of(cfg, precision),
                                    precision=precision)
-    return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg), plan)
+    return predicted_timeline(shape, train_shape(cfg, precision), hardware_for(cfg, node=node),
+                              plan)
