@@ -416,3 +416,30 @@ def test_auto_plans_the_node_and_each_step_moves_the_plans_network_bytes(node, t
     for r in steps:
         assert (r["net_send_bytes"], r["net_recv_bytes"]) == (up, down), r
 
+
+
+def test_plan_and_probe_measure_the_node_at_its_handshake(node, tmp_path, capsys):
+    """`tierlm plan --memory-node` connects for the handshake (the node's memory and the link
+    measured) and plans on it, leaving the node free; `tierlm probe --memory-node` prints the
+    rate each way and the plan flags; a missing token file is one error line naming its flag."""
+    token = str(_token_file(tmp_path))
+    args = ["--model-size", "tiny", "--seq-len", "32", "--batch-size", "2",
+            "--grad-accum-steps", "2", "--precision", "fp32", "--device", "sim:rtx4090",
+            "--offload-policy", "auto", "--device-budget", "16MiB", "--host-budget", "20MiB",
+            "--memory-node", node.address, "--memory-node-token-file", token,
+            "--net-bandwidth", "100Gbit",  # a fast link: loopback on loaded cores is not one
+            "--no-optimizer-table"]
+    assert main(["plan", *args]) == 0
+    out, err = capsys.readouterr()
+    assert f"memory node {node.address}: holds up to 1.00 GiB" in err
+    # its memory as the node reported it (1 GiB, less the plan's 10% margin), state placed there
+    assert "of its usable 921.60 MiB" in out and "memory node: state of" in out, out
+    assert main(["probe", "--memory-node", node.address, "--memory-node-token-file",
+                 token]) == 0
+    out = capsys.readouterr().out
+    assert "to node GB/s" in out and "--net-bandwidth" in out and "--memory-node-memory 1.00GiB" \
+        in out, out
+    with node.connect("socket") as client:  # neither left a session behind
+        assert client.hello.memory_bytes == 2**30
+    assert main(["probe", "--memory-node", node.address]) == 2
+    assert "--memory-node-token-file" in capsys.readouterr().err

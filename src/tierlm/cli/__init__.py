@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "whose block is timed (default: small on a CPU, 1b on a GPU)")
     probe.add_argument("--seq-len", type=int, default=None, help="with --compile segments: "
                        "tokens per row (default: 256 on a CPU, 2048 on a GPU)")
+    probe.add_argument("--memory-node", default=None, metavar="ADDRESS:PORT",
+                       help="measure the link to this memory node instead (its `tierlm "
+                       "memory-node --listen`): its memory and the rate each way, and the "
+                       "--memory-node-memory and --net-bandwidth to plan with")
+    probe.add_argument("--memory-node-token-file", default=None,
+                       help="with --memory-node: the file holding the node's secret")
+    probe.add_argument("--memory-node-transport", default="socket", choices=["socket", "gloo"],
+                       help="with --memory-node: how tensors cross (as `tierlm train` would)")
     from tierlm.node.cli import add_memory_node_parser  # its flags and logic live in node/
 
     add_memory_node_parser(sub)
@@ -165,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "train":
             check_supported(cfg)
+        if args.command == "probe" and args.memory_node and not args.memory_node_token_file:
+            raise ConfigError("tierlm probe --memory-node needs --memory-node-token-file: the "
+                              "file holding the secret the node was started with")
         if args.command == "probe" and args.compile == "off" and (args.model_size or args.seq_len):
             raise ConfigError("tierlm probe: --model-size and --seq-len choose the block "
                               "--compile segments times; add --compile segments")

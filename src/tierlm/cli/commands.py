@@ -5,6 +5,7 @@ print-config and the config's own errors have answered."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from tierlm.precision import Fp8ScaleError
 from tierlm.progress import open_progress
 from tierlm.runtime.compile import check_compile
 from tierlm.train import run_training
+from tierlm.train.node import connect_node, probe_node
 from tierlm.train.rundir import precheck_run_dir
 from tierlm.train.safety import ReliabilityError
 
@@ -71,6 +73,9 @@ def _export(args: argparse.Namespace, cfg: Config | None, argv: list[str]) -> in
 
 
 def _probe(args: argparse.Namespace, cfg: Config | None, argv: list[str]) -> int:
+    if args.memory_node:  # the link to a memory node, not this machine
+        return probe_node(args.memory_node, args.memory_node_token_file,
+                          transport=args.memory_node_transport)
     run_probe(args.dir, probe_path(), compile=args.compile, compile_size=args.model_size,
               compile_seq_len=args.seq_len, cache_dir=cache_dir() / "inductor")
     return 0
@@ -78,7 +83,13 @@ def _probe(args: argparse.Namespace, cfg: Config | None, argv: list[str]) -> int
 
 def _plan(args: argparse.Namespace, cfg: Config | None, argv: list[str]) -> int:
     assert cfg is not None  # resolved by tierlm.cli
-    return print_plan(cfg, as_json=args.json, optimizer_table=not args.no_optimizer_table)
+    hello = None
+    if cfg.memory.memory_node is not None:  # its memory and link, measured at the handshake
+        client = connect_node(cfg, lambda line: print(line, file=sys.stderr))
+        hello = client.hello
+        client.close()  # the node frees the session: the plan holds nothing there
+    return print_plan(cfg, as_json=args.json, optimizer_table=not args.no_optimizer_table,
+                      node=hello)
 
 
 def _train(args: argparse.Namespace, cfg: Config | None, argv: list[str]) -> int:

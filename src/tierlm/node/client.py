@@ -174,6 +174,12 @@ class NodeClient:
         down = nbytes / (time.perf_counter() - t0)
         return up, down
 
+    @_one_at_a_time
+    def measure_link(self, nbytes: int) -> tuple[float, float]:
+        """Payload bytes per second to the node and back, moving `nbytes` once each way
+        (`tierlm probe --memory-node`)."""
+        return self._probe(nbytes)
+
     # -- the session ----
 
     @_one_at_a_time

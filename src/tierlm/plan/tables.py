@@ -3,7 +3,7 @@ fine-tuning methods and optimizers that would fit beside it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierlm.config import Config
 from tierlm.memory.hardware import HardwareProfile
@@ -24,13 +24,17 @@ from tierlm.plan.timing import compiled_block_factor, compiled_block_source
 from tierlm.precision.choice import PrecisionChoice, finetune_precision, resolve_precision
 from tierlm.runtime.shapes import ModelShape, _lora_layout
 
+if TYPE_CHECKING:
+    from tierlm.node.client import NodeHello
 
-def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = True) -> int:
+def print_plan(cfg: Config, *, as_json: bool = False, optimizer_table: bool = True,
+               node: NodeHello | None = None) -> int:
     """`tierlm plan`: 0 when a plan fits, 3 when nothing does (the output says what would).
-    `optimizer_table`: also what each --opt would change (the run planned once per optimizer)."""
+    `optimizer_table`: also what each --opt would change (the run planned once per optimizer);
+    `node`: what --memory-node said at its handshake (its memory, the link measured)."""
     import json
 
-    hw = hardware_for(cfg)
+    hw = hardware_for(cfg, node=node)
     choice = resolve_precision(cfg.precision, None, hw, backend=cfg.distributed.backend,
                                compiled=cfg.run.compile != "off",
                                context_parallel=cfg.distributed.context_parallel)

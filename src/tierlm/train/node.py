@@ -15,6 +15,14 @@ from tierlm.node.client import NodeClient
 from tierlm.node.protocol import NodeError
 from tierlm.train.safety import ReliabilityError
 
+# payload sizes `probe_node` moves each way, each the best of PROBE_REPEATS (the node takes
+# probes of at most 64 MiB: tierlm.node.server)
+PROBE_MIB = (4, 16, 64)
+PROBE_REPEATS = 2
+# TCP over Ethernet at a 1500-byte MTU carries 1448 payload bytes per 1538 on the wire: the
+# planner takes --net-bandwidth as the line rate (tierlm.plan.inputs.TCP_PAYLOAD_SHARE)
+_PAYLOAD_SHARE = 1448 / 1538
+
 
 class MemoryNodeError(ReliabilityError):
     """The memory node refused the trainer, or was lost during the run."""
@@ -78,3 +86,45 @@ def node_failure(exc: NodeError, step: int, address: str,
         f"{exc}. Training stopped at step {step}; {kept}. Restart the memory node at "
         f"{address}, then continue with --resume RUN_DIR (the node's state is pushed back "
         "from the checkpoint)")
+
+
+def probe_node(address: str, token_file: str, *, transport: str = "socket",
+               print_fn: Callable[[str], None] = print) -> int:
+    """`tierlm probe --memory-node`: the node's memory and the payload rate each way at a few
+    sizes (the best of PROBE_REPEATS), and the `tierlm plan` flags that plan on it; 0, or 2 when
+    the node cannot be reached or refuses (one error line naming the node)."""
+    try:
+        token = load_token(token_file)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("--token-file", "--memory-node-token-file", 1)) from None
+    try:
+        client = NodeClient(address, token, transport=transport)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    except NodeError as e:
+        raise MemoryNodeError(str(e)) from None
+    try:
+        with client:
+            return _measure(client, print_fn)
+    except NodeError as e:
+        raise MemoryNodeError(str(e)) from None
+
+
+def _measure(client: NodeClient, print_fn: Callable[[str], None]) -> int:
+    """`probe_node`'s measurement on an open session."""
+    hello = client.hello
+    print_fn(f"memory node {hello.address}: holds up to {gib(hello.memory_bytes)} "
+             f"({hello.transport} transport)")
+    print_fn("     MiB  to node GB/s  from node GB/s")
+    up = down = 0.0
+    sizes = [m for m in PROBE_MIB if (m << 20) * 4 <= hello.memory_bytes] or [1]
+    for mib in sizes:
+        rates = [client.measure_link(mib << 20) for _ in range(PROBE_REPEATS)]
+        up, down = max(r[0] for r in rates), max(r[1] for r in rates)
+        print_fn(f"  {mib:6d}  {up / 1e9:12.2f}  {down / 1e9:14.2f}")
+    line_gbit = min(up, down) / _PAYLOAD_SHARE * 8 / 1e9  # the slower way, as a line rate
+    print_fn(f"plan on it with: tierlm plan ... --memory-node-memory "
+             f"{hello.memory_bytes / 2**30:.2f}GiB --net-bandwidth {line_gbit:.2f}Gbit "
+             "(the slower direction at the largest size; `tierlm plan --memory-node "
+             f"{hello.address} --memory-node-token-file FILE` measures it itself)")
+    return 0
