@@ -443,3 +443,32 @@ def test_plan_and_probe_measure_the_node_at_its_handshake(node, tmp_path, capsys
         assert client.hello.memory_bytes == 2**30
     assert main(["probe", "--memory-node", node.address]) == 2
     assert "--memory-node-token-file" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_remote_segments_holds_one_parameter_at_a_time(node, tmp_path):
+    """What a checkpoint writes of a remote segment is fetched a parameter at a time (a ranged
+    `get_state`), as a disk segment's is read: host staging never holds a segment's copies
+    (at 7B a block's master and AdamW slots are 2.4 GB), only the part being written."""
+    from tierlm.memory.tiers import TensorClass
+    from tierlm.runtime.state import opened
+
+    with node.connect("socket") as client:
+        eng = new_engine(copy.deepcopy(tiny_model("llama_tied_gqa", layers=3)),
+                         tmp_path / "off", placements=REMOTE, microbatch_order="layer-outer",
+                         micro_batches=M, grad_clip=CLIP, node=client)
+        eng.step(batches(1, M, seed=3)[0], LR)
+        eng.synchronize()
+        key = (Tier.HOST, TensorClass.STAGING)
+        before = eng.ledger.current_bytes[key]
+        largest = max(4 * p.numel for st in eng.states if st.placement.remote
+                      for p in st.layout.slots)
+        seen, parts = 0, 0
+        for name, weights, optim in eng.state_shards():
+            remote = eng.states[[st.seg.name for st in eng.states].index(name)].placement.remote
+            for t in (*weights.values(), *optim.values()):
+                with opened(t):
+                    if remote:
+                        parts += 1
+                        seen = max(seen, eng.ledger.current_bytes[key] - before)
+        eng.close()
+    assert parts and 0 < seen <= largest, (seen, largest)

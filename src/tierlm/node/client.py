@@ -204,12 +204,17 @@ class NodeClient:
 
     @_one_at_a_time
     def get_state(self, segment: str, copies: Sequence[str] | None = None,
-                  out: Mapping[str, torch.Tensor] | None = None,
+                  out: Mapping[str, torch.Tensor] | None = None, *,
+                  lo: int | None = None, count: int | None = None,
                   ) -> tuple[dict[str, torch.Tensor], list[float]]:
         """A segment's state (default: master and every optimizer slot) and its per-group step
-        counts; into `out`'s buffers where given, fresh tensors otherwise."""
-        answer = self._call({"op": "get_state", "segment": segment,
-                             "copies": None if copies is None else list(copies)})
+        counts; into `out`'s buffers where given, fresh tensors otherwise. `lo`, `count`: only
+        elements [lo, lo + count) of each flat copy (a checkpoint takes a parameter at a time)."""
+        header = {"op": "get_state", "segment": segment,
+                  "copies": None if copies is None else list(copies)}
+        if lo is not None:
+            header.update(lo=int(lo), count=int(count))
+        answer = self._call(header)
         names = answer["copies"]
         got = self._take(answer, None if out is None else [out[c] for c in names])
         return dict(zip(names, got, strict=True)), [float(s) for s in answer["steps"]]

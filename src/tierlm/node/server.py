@@ -263,8 +263,18 @@ class Session:
         if unknown:
             raise SessionError(f"segment {seg.spec.name} has no copies {unknown} (has "
                                f"{list(copies)})")
+        lo, count = header.get("lo"), header.get("count")
+        if lo is None:
+            return ({"copies": names, "steps": [step_count(s) for s in seg.steps]},
+                    [copies[c] for c in names])
+        # a range of elements of each copy (a checkpoint streams a parameter at a time)
+        lo, count = int(lo), int(count)
+        short = [c for c in names if not 0 <= lo <= lo + count <= copies[c].numel()]
+        if short:
+            raise SessionError(f"segment {seg.spec.name}: elements [{lo}, {lo + count}) are past "
+                               f"the end of {short}")
         return ({"copies": names, "steps": [step_count(s) for s in seg.steps]},
-                [copies[c] for c in names])
+                [copies[c].view(-1)[lo:lo + count] for c in names])
 
     def _push_grad(self, header: dict):
         seg = self._seg(header)

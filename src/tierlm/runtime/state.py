@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -510,9 +511,43 @@ class DiskTensor:
             self.store.free(Tier.HOST, TensorClass.STAGING, buf)
 
 
+class RemoteTensor(DiskTensor):
+    """One parameter's part of a remote segment's copy on the memory node, fetched only when
+    opened (`get_state` of its element range): a checkpoint of a remote segment holds one
+    parameter at a time in host RAM, as one of a disk segment does. `offset` and `numel` count
+    elements of the node's flat copy."""
+
+    def __init__(self, store: Store, node: Any, segment: str, copy: str, offset: int,
+                 numel: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(store, copy, offset, numel, shape, dtype)
+        self.node, self.segment, self.copy = node, segment, copy
+
+    @classmethod
+    def of(cls, store: Store, st: SegmentState, copy: str, node: Any = None
+           ) -> dict[str, RemoteTensor]:
+        """Parameter name -> its part of copy `copy` on `node` (parameters owning none left
+        out)."""
+        slot, layout = st.slot(copy), st.layout
+        return {p.name: cls(store, node, st.seg.name, copy, off, slot.param_numel(p),
+                            slot.param_shape(p), slot.dtype)
+                for p, off in zip(layout.slots, slot.offsets(layout), strict=True)
+                if slot.param_numel(p)}
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[torch.Tensor]:
+        """The part's values, fetched from the node into staging freed on exit."""
+        buf = self.store.alloc(Tier.HOST, TensorClass.STAGING, self._numel, self.dtype)
+        try:
+            self.node.get_state(self.segment, [self.copy], out={self.copy: buf},
+                                lo=self.offset, count=self._numel)
+            yield buf.view(self.shape)
+        finally:
+            self.store.free(Tier.HOST, TensorClass.STAGING, buf)
+
+
 def as_tensor(t: torch.Tensor | DiskTensor) -> torch.Tensor:
-    """A tensor of a state shard as a tensor of its own (a DiskTensor read into fresh memory):
-    for the few callers that keep it, e.g. a collective."""
+    """A tensor of a state shard as a tensor of its own (a DiskTensor or RemoteTensor read into
+    fresh memory): for the few callers that keep it, e.g. a collective."""
     if isinstance(t, DiskTensor):
         with t.open() as values:
             return values.clone()
@@ -521,7 +556,8 @@ def as_tensor(t: torch.Tensor | DiskTensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def opened(t: torch.Tensor | DiskTensor) -> Iterator[torch.Tensor]:
-    """A tensor of a state shard, as values (a DiskTensor is read for the duration)."""
+    """A tensor of a state shard, as values (a DiskTensor or RemoteTensor is read for the
+    duration)."""
     if isinstance(t, DiskTensor):
         with t.open() as values:
             yield values

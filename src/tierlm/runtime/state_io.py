@@ -14,6 +14,7 @@ from tierlm.optim.flat import step_count
 from tierlm.runtime.state import (
     DiskTensor,
     LookupOnce,
+    RemoteTensor,
     SegmentState,
     fetch_compute_copy,
     free_copies,
@@ -155,15 +156,21 @@ class StateIO:
                                     st.slot(c).dtype) for c in copies}
         try:
             _, counts = self.opts.node.get_state(st.seg.name, copies, out=bufs)
+            self._check_remote_counts(st, counts)
         except BaseException:
             self._free_state(st, bufs)
             raise
+        return bufs
+
+    def _check_remote_counts(self, st: SegmentState, counts: list[float] | None = None) -> None:
+        """The node has counted the trainer's optimizer steps for remote segment `st` (asked
+        for with an empty range where `counts` is not given)."""
+        if counts is None:
+            _, counts = self.opts.node.get_state(st.seg.name, ["master"], lo=0, count=0)
         mine = [step_count(c) for c in st.steps]
         if counts != mine:
-            self._free_state(st, bufs)
             raise RuntimeError(f"memory node {self.opts.node.address}: segment {st.seg.name} "
                                f"has counted {counts} optimizer steps, the trainer {mine}")
-        return bufs
 
     def _free_state(self, st: SegmentState, bufs: dict[str, torch.Tensor]) -> None:
         if st.placement.remote:
@@ -185,6 +192,14 @@ class StateIO:
                 weights = DiskTensor.of(self.store, st, "master")
                 optim = {f"{name}.{c}": t for c in slots
                          for name, t in DiskTensor.of(self.store, st, c).items()}
+                yield st.seg.name, weights, {**optim, **self._step_counters(st)}
+                continue
+            if st.placement.remote:  # fetched from the node parameter by parameter, likewise
+                self._check_remote_counts(st)
+                node = self.opts.node
+                weights = RemoteTensor.of(self.store, st, "master", node)
+                optim = {f"{name}.{c}": t for c in slots
+                         for name, t in RemoteTensor.of(self.store, st, c, node).items()}
                 yield st.seg.name, weights, {**optim, **self._step_counters(st)}
                 continue
             bufs = self._read_state(st, st.state_copies)
