@@ -88,6 +88,22 @@ def node_failure(exc: NodeError, step: int, address: str,
         "from the checkpoint)")
 
 
+def node_use_line(node: NodeClient, report: PlacementReport) -> str:
+    """What the run keeps on its memory node: the segments whose state it holds and their
+    bytes against its memory, or that it holds nothing (the plan fits this machine, or found
+    the node's link slower than the disk), so an idle node is never a surprise."""
+    remote = [i for i, p in enumerate(report.placements) if p.remote]
+    where = f"memory node {node.address}"
+    if not remote:
+        return (f"{where}: holds no state of this run (the placement keeps every segment on "
+                "this machine: --offload-policy auto found it fits here, or that the node's link "
+                "is slower than the disk; --remote REGEX with --offload-policy host or tiered "
+                "places segments there by hand)")
+    return (f"{where}: holds the master and optimizer state of {len(remote)} of "
+            f"{len(report.placements)} segments, {gib(report.remote_bytes)} of its "
+            f"{gib(node.hello.memory_bytes)}")
+
+
 def probe_node(address: str, token_file: str, *, transport: str = "socket",
                print_fn: Callable[[str], None] = print) -> int:
     """`tierlm probe --memory-node`: the node's memory and the payload rate each way at a few

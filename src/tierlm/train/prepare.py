@@ -97,7 +97,12 @@ from tierlm.runtime.shapes import ModelShape
 from tierlm.runtime.state import InitialWeights, module_weights
 from tierlm.runtime.stepper import Stepper
 from tierlm.trace import NO_TRACER, NoTracer, TraceEvent, Tracer
-from tierlm.train.node import MemoryNodeError, check_node_capacity, connect_node
+from tierlm.train.node import (
+    MemoryNodeError,
+    check_node_capacity,
+    connect_node,
+    node_use_line,
+)
 from tierlm.train.preflight import Preflight, resolve_offload_dir
 from tierlm.train.rundir import OffloadDir, open_run_dir
 from tierlm.train.safety import MemoryWatch, check_token_stream, map_large_buffers
@@ -265,6 +270,8 @@ def _build(cfg: Config, log: Callable[[str], None], opened: list[NodeClient]) ->
     plan = auto_plan(policy)
     if plan is None and stepper.engine is not None:  # what the engine's own placement predicts
         plan = predict_for_engine(cfg, model.config, stepper.engine, precision, node=hello)
+    if node is not None and stepper.engine is not None:
+        log(node_use_line(node, stepper.engine.report))
 
     # the observers
     step_trace = build_step_trace(
