@@ -382,7 +382,8 @@ def test_the_node_keeps_a_copy_asked_for_in_its_own_kinds():
     assert other is seg.master  # fp32 throughout: the master itself
 
 
-def test_auto_plans_the_node_and_each_step_moves_the_plans_network_bytes(node, tmp_path):
+def test_auto_plans_the_node_and_each_step_moves_the_plans_network_bytes(node, tmp_path,
+                                                                          capsys):
     """`--offload-policy auto` with a memory node: the planner, given the node's memory (capped
     by what the handshake reported) and its link, puts state host RAM cannot hold on the node
     before the disk; the run places exactly the plan's segments there, on a simulated rtx4090
@@ -402,6 +403,7 @@ def test_auto_plans_the_node_and_each_step_moves_the_plans_network_bytes(node, t
              str(_token_file(tmp_path)), "--memory-node-timeout", "30"]
     run = tmp_path / "run"
     assert main(["train", *flags, "--max-steps", "2", "--out", str(run)]) == 0
+    said = capsys.readouterr().out
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r and "step" in r]
     cfg = config_from_args(build_parser().parse_args(["train", *flags]))
@@ -415,6 +417,9 @@ def test_auto_plans_the_node_and_each_step_moves_the_plans_network_bytes(node, t
     assert len(steps) == 2
     for r in steps:
         assert (r["net_send_bytes"], r["net_recv_bytes"]) == (up, down), r
+    held = sum(p.remote for p in plan.placements)
+    assert f"memory node {node.address}: holds the master and optimizer state of {held} of " \
+        f"{len(plan.placements)} segments" in said, said
 
 
 
