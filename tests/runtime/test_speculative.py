@@ -1,0 +1,94 @@
+"""Speculative disk-tier updates (EngineOptions.speculative_updates): each disk-tier segment's
+update runs at its gradient's final landing with the clipping coefficient taken as 1, into the
+spare generation of its files, and is kept (coefficient exactly 1), redone (below 1) or dropped
+(a skipped step) once the global norm is read. Whatever happens, the run is bit for bit the run
+without the option: losses, gradient norms, weights and optimizer state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.runtime_helpers import InfGrad, batches, bf16_autocast, bf16_model, tiny_model
+from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.tiers import Tier
+from tierlm.runtime.readahead import ReadAhead
+
+STEPS, M, LR = 3, 2, 1e-2
+DISK = [SegmentPlacement(False, Tier.DISK)] * 4
+# embed on the device, a resident disk block holding its gradient on the host, a streamed disk
+# block with a gradient file, the head streamed from host state; bf16: the disk blocks' compute
+# files
+TIERED = [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.DISK, Tier.HOST),
+          SegmentPlacement(False, Tier.DISK), SegmentPlacement(False, Tier.HOST)]
+# clip: 1e9 keeps the coefficient at 1 (every speculation is kept), 1e-3 below (each redone);
+# "skip": an infinite gradient on the second step, the others kept
+REGIMES = {"commit": (1e9, None), "redo": (1e-3, None), "skip": (1e9, 1)}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama_untied", layers=2)
+
+
+def _run(base, placements, order, regime, tmp_path, *, speculative, bf16, **options):
+    clip, skip = REGIMES[regime]
+    model = copy.deepcopy(base)
+    hook = InfGrad()
+    model.model.layers[1].mlp.register_forward_hook(hook)
+    kw = dict(options)
+    if bf16:
+        model = bf16_model(model)
+        kw["autocast"] = bf16_autocast
+    from tests.runtime_helpers import new_engine
+
+    eng = new_engine(model, tmp_path / f"off-{speculative}", placements=placements,
+                     microbatch_order=order, micro_batches=M, grad_clip=clip,
+                     speculative_updates=speculative, **kw)
+    assert eng.report.placements == placements
+    recs = []
+    for i, b in enumerate(batches(STEPS, M, seed=5)):
+        hook.armed = i == skip
+        recs.append(eng.step(b, LR))
+        assert recs[-1]["skipped"] == (i == skip)
+    eng.synchronize()
+    out = {"losses": [r["loss"] for r in recs], "norms": [r["grad_norm"] for r in recs],
+           "weights": eng.weights(), "state": eng.optimizer_state(),
+           "generations": [st.generation for st in eng.states if st.tier == Tier.DISK],
+           "spare_files": sorted(n for n in eng.store._disk_files if ".spare." in n)}
+    eng.close()
+    return out
+
+
+def _assert_equal_runs(got, ref):
+    assert got["losses"] == ref["losses"]
+    # (a skipped step's norm is NaN on both)
+    assert torch.equal(torch.tensor(got["norms"]).nan_to_num(7.0),
+                       torch.tensor(ref["norms"]).nan_to_num(7.0)), (got["norms"], ref["norms"])
+    assert got["weights"].keys() == ref["weights"].keys()
+    for k, v in ref["weights"].items():
+        assert torch.equal(got["weights"][k], v), k
+    assert got["state"].keys() == ref["state"].keys()
+    for k, v in ref["state"].items():
+        assert torch.equal(got["state"][k], v), k
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_speculative_updates_are_exact(base, placed, order, regime, tmp_path):
+    """On vs off, bit for bit; the speculations ran (the spare files exist) and each kept one
+    flipped its segment's generation (3 steps kept: odd; one skipped: even; redone: none)."""
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    # the disk case crosses staging in chunks (the chunked update's writes go to the spare
+    # files); the tiered one reads its disk blocks' state ahead during the backward
+    kw = ({"staging_chunk_numel": 8192} if placed == "disk"
+          else {"readahead": ReadAhead(extra_bytes=1 << 30)})
+    ref = _run(base, placements, order, regime, tmp_path, speculative=False, bf16=bf16, **kw)
+    got = _run(base, placements, order, regime, tmp_path, speculative=True, bf16=bf16, **kw)
+    _assert_equal_runs(got, ref)
+    assert ref["spare_files"] == [] and got["spare_files"]
+    kept = {"commit": STEPS, "redo": 0, "skip": STEPS - 1}[regime]
+    assert got["generations"] == [kept % 2] * len(got["generations"])
