@@ -300,14 +300,17 @@ def step_net_bytes(placements: list[SegmentPlacement], numels: list[int],
 
 def persistent_bytes(
     placement: SegmentPlacement, numel: int, slot_bytes: int, copy_bytes: int | None, *,
-    frozen: bool = False, base_copy: bool = False,
+    frozen: bool = False, base_copy: bool = False, spare: bool = False,
 ) -> list[tuple[Tier, TensorClass, int]]:
     """(tier, class, bytes) a segment's state holds for the whole run, as `init_state` and the
     compute copies' `attach` allocate it: the fp32 master on its tier, the optimizer's slots
     (`slot_bytes`) and the gradient (on its gradient tier) unless the weights are frozen; for
     state off the device its compute copy (`copy_bytes`; None: the master serves) in host RAM or
     in its file, and a resident segment's device copy. A frozen base held in its own copy
-    (`base_copy`: NF4 or bf16, tierlm.runtime.frozen) has that copy as all its state."""
+    (`base_copy`: NF4 or bf16, tierlm.runtime.frozen) has that copy as all its state.
+    `spare`: speculative updates (EngineOptions.speculative_updates): disk-tier state that
+    trains holds a second generation of its master, slots and compute copy files
+    (`reserve_spare`)."""
     tier = placement.state_tier
     if placement.remote:
         return _remote_bytes(placement, numel, slot_bytes, copy_bytes, frozen=frozen)
@@ -323,6 +326,9 @@ def persistent_bytes(
     if tier != Tier.DEVICE and placement.resident:
         out.append((Tier.DEVICE, TensorClass.COMPUTE,
                     4 * numel if copy_bytes is None else copy_bytes))
+    if spare and tier == Tier.DISK and not frozen and not base_copy:
+        out += [(tier, cls, nbytes) for t, cls, nbytes in out
+                if t == Tier.DISK and cls != TensorClass.GRAD]
     return out
 
 
