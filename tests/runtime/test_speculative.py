@@ -13,7 +13,7 @@ import torch
 
 from tests.runtime_helpers import InfGrad, batches, bf16_autocast, bf16_model, tiny_model
 from tierlm.memory.placement import SegmentPlacement
-from tierlm.memory.tiers import Tier
+from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.runtime.readahead import ReadAhead
 
 STEPS, M, LR = 3, 2, 1e-2
@@ -92,3 +92,52 @@ def test_speculative_updates_are_exact(base, placed, order, regime, tmp_path):
     assert ref["spare_files"] == [] and got["spare_files"]
     kept = {"commit": STEPS, "redo": 0, "skip": STEPS - 1}[regime]
     assert got["generations"] == [kept % 2] * len(got["generations"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
+    """With speculative updates the plan's disk bytes (its byte replay plus the spare files,
+    `with_speculation`) and the engine's placement report equal what the engine's ledger holds
+    on disk, class by class; two steps later too (the spare files are reserved up front)."""
+    from tests.runtime_helpers import OPTIM
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.models import build_model, preset_config
+    from tierlm.plan.evaluate import evaluate, with_speculation
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime import EngineOptions, build_engine
+    from tierlm.runtime.shapes import ModelShape, TrainShape
+
+    hw = PROFILES["rtx4090"]
+    torch.manual_seed(0)
+    model = build_model(preset_config("tiny"))
+    extra = {}
+    if precision == "bf16":
+        model = bf16_model(model)
+        extra = {"autocast": bf16_autocast}
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    n = len(shape.names)
+    # streamed disk blocks with gradient files, resident ones holding theirs on the host
+    blocks = [SegmentPlacement(False, Tier.DISK), SegmentPlacement(True, Tier.DISK, Tier.HOST)]
+    placements = ([SegmentPlacement(True, Tier.DEVICE)] + [blocks[s % 2] for s in range(n - 2)]
+                  + [SegmentPlacement(False, Tier.HOST)])
+    train = TrainShape(1, 8, M, precision)
+    plain = evaluate(shape, train, hw, placements, "layer-outer", False, usable_budgets(hw))
+    predicted = with_speculation(shape, train, hw, plain)
+    assert predicted.speculative and predicted.disk_bytes > plain.disk_bytes
+    eng = build_engine(model, OPTIM, EngineOptions(
+        policy="auto", placements=placements, microbatch_order="layer-outer",
+        keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=1, seq_len=8,
+        micro_batches=M, speculative_updates=True, grad_clip=0.0, **extra),
+        device=torch.device("cpu"))
+    try:
+        led = eng.ledger
+        assert eng.report.disk_bytes == led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+        for b in batches(2, M, 1, 8):
+            eng.step(b, 1e-3)
+        eng.synchronize()
+        assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+        by_class = {c.value: led.current_bytes[(Tier.DISK, c)] for c in TensorClass
+                    if led.current_bytes[(Tier.DISK, c)]}
+        assert by_class == predicted.disk_by_class
+    finally:
+        eng.close()
