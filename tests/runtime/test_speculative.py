@@ -141,3 +141,91 @@ def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
         assert by_class == predicted.disk_by_class
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_a_checkpoint_mid_run_resumes_to_the_uninterrupted_run(base, placed, tmp_path):
+    """With speculative updates kept, a checkpoint after an odd number of steps reads the
+    spare generation's files (the current one then); a new engine loading it and running
+    on reaches the uninterrupted run's losses, weights and optimizer state, bit for bit."""
+    from tests.runtime_helpers import new_engine
+    from tierlm.runtime.state import as_tensor
+
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    data = batches(STEPS, M, seed=7)
+
+    def engine(where: str):
+        model = copy.deepcopy(base)
+        kw = {}
+        if bf16:
+            model = bf16_model(model)
+            kw["autocast"] = bf16_autocast
+        return new_engine(model, tmp_path / where, placements=placements, micro_batches=M,
+                          microbatch_order="layer-outer", grad_clip=1e9,
+                          speculative_updates=True, **kw)
+
+    whole = engine("whole")
+    ref = [whole.step(b, LR)["loss"] for b in data]
+    whole.synchronize()
+    ref_weights, ref_state = whole.weights(), whole.optimizer_state()
+    whole.close()
+
+    first = engine("first")
+    losses = [first.step(data[0], LR)["loss"]]
+    first.synchronize()
+    assert {st.generation for st in first.states if st.tier == Tier.DISK} == {1}
+    weights, optim = {}, {}
+    for _, w, o in first.state_shards():  # as a checkpoint writes them
+        weights.update({k: as_tensor(v).clone() for k, v in w.items()})
+        optim.update({k: as_tensor(v).clone() for k, v in o.items()})
+    first.close()
+    resumed = engine("resumed")
+    resumed.load(weights, optim)
+    losses += [resumed.step(b, LR)["loss"] for b in data[1:]]
+    resumed.synchronize()
+    got = {"losses": losses, "norms": [0.0], "weights": resumed.weights(),
+           "state": resumed.optimizer_state()}
+    resumed.close()
+    _assert_equal_runs(got, {"losses": ref, "norms": [0.0], "weights": ref_weights,
+                             "state": ref_state})
+
+
+def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
+    """`plan` under --speculative-update auto takes them on a plan with disk-tier state when
+    the simulated step gains and the disk budget holds the spare files, and not when it does
+    not; on and off force the choice; `Auto` passes it to the engine and `tierlm plan` says
+    it in one line."""
+    from tests.runtime_helpers import OPTIM
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.models import preset_config
+    from tierlm.plan.describe import describe
+    from tierlm.plan.policy import Auto
+    from tierlm.plan.result import SAFETY_MARGIN
+    from tierlm.plan.search import plan
+    from tierlm.runtime import EngineOptions
+    from tierlm.runtime.shapes import ModelShape, TrainShape
+
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    train = TrainShape(2, 32, 2, "fp32")
+    hw = PROFILES["rtx4090"]
+
+    def planned(speculative, profile=hw):
+        return plan(shape, train, profile, device_budget=32 << 20, host_budget=6 << 20,
+                    speculative=speculative, advise=False)
+
+    auto, on, off = planned(None), planned(True), planned(False)
+    assert auto.fits and auto.speculative and on.speculative and not off.speculative
+    assert any(p.state_tier == Tier.DISK for p in off.placements)
+    assert auto.times_s["simulated_step"] < auto.times_s["simulated_step_plain"] == \
+        off.times_s["simulated_step"]
+    assert auto.disk_bytes > off.disk_bytes
+    assert Auto(auto).engine_options(EngineOptions()).speculative_updates
+    assert not Auto(off).engine_options(EngineOptions()).speculative_updates
+    text = describe(auto, shape, train, hw)
+    assert sum(line.startswith("speculative updates: on") for line in text.split("\n")) == 1
+    # a disk budget between the two: the spare files do not fit, auto keeps them off
+    between = (off.disk_bytes + auto.disk_bytes) // 2
+    tight = hw.with_overrides(disk_budget_bytes=int(between / (1 - SAFETY_MARGIN)))
+    kept = planned(None, tight)
+    assert kept.fits and not kept.speculative and kept.disk_bytes == off.disk_bytes
+    assert "simulated_step_speculative" in kept.times_s
