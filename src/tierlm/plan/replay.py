@@ -193,6 +193,8 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 store.free(Tier.DEVICE, TensorClass.GRAD, grad)
 
         def read_ahead(self, s: int) -> None:  # _TensorStep.read_ahead
+            if s in speculated:
+                return
             writer.wait(s)  # the last update's write-back of them has landed
             ahead_reads[s] = CopiesRead(store, states[s], states[s].state_copies)
 

@@ -453,6 +453,8 @@ class _TensorStep:
 
     def read_ahead(self, s: int) -> None:
         eng = self.eng
+        if s in eng._speculated:  # its speculation has read them already: nothing to read
+            return
         st = eng.states[s]
         eng._writer.wait(s)  # the last update's write-back of them has landed
         eng._readahead[s] = CopiesRead(eng.store, st, st.state_copies)
