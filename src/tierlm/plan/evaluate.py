@@ -218,13 +218,12 @@ def spare_disk_bytes(shape: ModelShape, train: TrainShape,
 def with_speculation(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
                      ) -> Plan:
     """`p` with speculative disk-tier updates: the spare files in its disk bytes (and its
-    budget check), its simulated step the replay's with the engine's speculation."""
-    spare = spare_disk_bytes(shape, train, p.placements)
-    by_class = dict(p.disk_by_class)
-    for cls, nbytes in spare.items():
-        by_class[cls] = by_class.get(cls, 0) + nbytes
-    q = replace(p, speculative=True, disk_bytes=p.disk_bytes + sum(spare.values()),
-                disk_by_class=by_class, times_s=dict(p.times_s), problems=[])
+    budget check; by class as one class of their own, `spare`: the other classes stay each
+    segment's one copy), its simulated step the replay's with the engine's speculation."""
+    spare = sum(spare_disk_bytes(shape, train, p.placements).values())
+    q = replace(p, speculative=True, disk_bytes=p.disk_bytes + spare,
+                disk_by_class={**p.disk_by_class, "spare": spare}, times_s=dict(p.times_s),
+                problems=[])
     q.problems = _problems(q, q.budgets)
     q.fits = not q.problems
     q.times_s.update(simulated_times(shape, train, hw, q))
