@@ -400,12 +400,16 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         cache.drop_all()
         if frozen:
             return
+        spec = [s for s in range(len(states)) if s in speculated]
+        for s in spec:  # kept (the coefficient taken as 1), before the other updates
+            updates[s] = worker.submit(resolve, s)
         for s, st in enumerate(states):
             if st.tier == Tier.DEVICE:
                 with dev.compute(f"update {shape.names[s]}"):
                     pass
-            else:  # a speculated segment's is kept (the coefficient taken as 1)
-                updates[s] = worker.submit(resolve if s in speculated else update, s)
+            else:
+                if s not in spec:
+                    updates[s] = worker.submit(update, s)
                 if st.placement.resident:
                     st.device_stale = True
 

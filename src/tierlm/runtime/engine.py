@@ -404,6 +404,14 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             self._readahead.clear()
             return loss, grad_norm, True
         host_coef = torch.tensor(coef_value, dtype=coef.dtype)  # exact: an fp32 value
+        # The speculations (each resolved on the worker, behind it): kept at coefficient 1, a
+        # commit that moves nothing, queued before the other updates so that no segment's
+        # weights wait for an unrelated update to be free; redone below 1, in forward order
+        # with the others, as without them.
+        speculated = [st.index for st in self.trainable if st.index in self._speculated]
+        if coef_value == 1.0:
+            for s in speculated:
+                self._updates[s] = self._worker.submit(self._resolve, s, host_coef, lr)
         for st in self.trainable:
             if st.tier == Tier.DEVICE:
                 with self.clock.measure(f"update {st.seg.name}"):
@@ -411,11 +419,12 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             else:
                 if st.placement.remote:  # its network bytes, counted in this step
                     self._count_remote(st)
-                if st.index in self._speculated:  # kept (coefficient 1) or redone, behind it
-                    fut = self._worker.submit(self._resolve, st.index, host_coef, lr)
-                else:
-                    fut = self._worker.submit(self._update, st, host_coef, lr)
-                self._updates[st.index] = fut
+                if st.index not in speculated:
+                    self._updates[st.index] = self._worker.submit(self._update, st, host_coef,
+                                                                  lr)
+                elif coef_value != 1.0:
+                    self._updates[st.index] = self._worker.submit(self._resolve, st.index,
+                                                                  host_coef, lr)
                 if st.placement.resident:
                     st.device_stale = True
         return loss, grad_norm, False
