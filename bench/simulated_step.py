@@ -17,10 +17,13 @@ at 128 GiB of host memory (400 GiB of disk), and prints per case:
 - for each copy lane, the share of its busy time that overlaps compute (the issue's target:
   at least 90%).
 
+- whether the planner took speculative disk-tier updates (EngineOptions.speculative_updates:
+  each disk-tier update issued at its gradient's final landing into a second set of files,
+  kept where the clipping coefficient is 1), with the simulated step of the variant it did not
+  take;
 - an oracle: the same plan with each disk-tier update issued at its gradient's final landing
   instead of after the global norm (the clipping coefficient taken as 1), the step that exact
-  global-norm clipping costs (what a speculative update, kept where the coefficient is 1 and
-  redone where it is not, would gain).
+  global-norm clipping costs (where the planner took speculative updates, the plan's own).
 
 The issue's targets (after its item 3): bf16 at most 1.15x its compute bound, each copy lane
 at least 90% under compute. It runs the planner only (about a minute per case on 2 cores).
@@ -36,6 +39,7 @@ import time
 
 from tierlm.memory.hardware import resolve
 from tierlm.models import preset_config
+from tierlm.plan.evaluate import spare_disk_bytes
 from tierlm.plan.replay import ReplayConfig, simulate_step
 from tierlm.plan.search import plan
 from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -74,8 +78,21 @@ def row(model: str, precision: str, host: int, disk: int) -> list[str]:
         f"{t['simulated_transfer_wait']:.1f} s",
         " / ".join(share(t, k) for k in ("h2d", "d2h", "disk")),
         f"{took:.0f} s",
+        speculation(shape, train, p),
         oracle(shape, train, hw, p, bound),
     ]
+
+
+def speculation(shape, train, p) -> str:
+    """The planner's choice of speculative updates (with the disk its spare files take) and
+    the simulated step of the variant it did not take."""
+    t = p.times_s
+    spare = sum(spare_disk_bytes(shape, train, p.placements).values()) / GiB
+    if p.speculative:
+        return f"on (+{spare:.1f} GiB disk; {t['simulated_step_plain']:.1f} s without)"
+    if "simulated_step_speculative" in t:
+        return f"off ({t['simulated_step_speculative']:.1f} s with, +{spare:.1f} GiB disk)"
+    return "-"
 
 
 def oracle(shape, train, hw, p, bound: float) -> str:
@@ -98,6 +115,7 @@ def main() -> None:
             "simulated step", "compute bound (compute lane busy)", "ratio",
             "lanes busy s: H2D / D2H / disk / CPU update / CPU adds",
             "compute waiting for copies", "under compute: H2D / D2H / disk", "plan took",
+            "speculative updates (the planner's choice)",
             "oracle: disk updates at their final landing (x compute bound)"]
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")

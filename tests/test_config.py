@@ -135,6 +135,7 @@ EXAMPLE_VALUES = {
     "--disk-budget": "200GiB",
     "--disk-endurance-tbw": "1200",
     "--boundary-activations": "host",
+    "--speculative-update": "on",
     "--export-dtype": "bfloat16",
     "--memory-node": "10.0.0.2:29600",
     "--memory-node-token-file": "/etc/tierlm/node.token",
@@ -154,7 +155,7 @@ NEEDS_FP8 = {
 # Flags of the tiered runtime only make sense with an offload policy.
 NEEDS_OFFLOAD = {
     "--microbatch-order", "--resident", "--device-budget", "--host-budget", "--offload-dir",
-    "--boundary-activations",
+    "--boundary-activations", "--speculative-update",
 }
 
 

@@ -112,12 +112,29 @@ def test_the_disk_options_share_it_too(readahead, writeback, tmp_path):
            writeback=writeback)
 
 
+@pytest.mark.parametrize(("order", "precision", "readahead", "writeback"), [
+    ("microbatch-outer", "fp32", None, None),
+    ("layer-outer", "bf16", ReadAhead(extra_bytes=1 << 30), WriteBack(segments=2)),
+    ("microbatch-outer", "bf16", None, WriteBack(segments=1)),
+    ("layer-outer", "fp32", ReadAhead(extra_bytes=1 << 30), None)])
+def test_speculative_updates_share_it_too(order, precision, readahead, writeback, tmp_path):
+    """EngineOptions.speculative_updates (each disk-tier update issued at its gradient's final
+    landing into the spare files, kept at the norm read: no clipping, coefficient 1) and the
+    replay's mirror of it; the speculation's writes go to the spare generation's files."""
+    engine = _check("tiny", "disk", order, precision, tmp_path, speculative_updates=True,
+                    grad_clip=0.0, readahead=readahead, writeback=writeback)
+    assert any(".spare.bin" in o.name for step in engine for o in step)
+
+
 def _check(preset, kind, order, precision, tmp_path, **options):
     engine, placements, boundary_host, direct, disk = _engine_ops(
         preset, kind, order, precision, tmp_path, **options)
     shape = ModelShape.from_config(preset_config(preset), optim=OPTIM)
     replay = simulate_step(shape, TrainShape(B, T, M, precision), placements, order, False,
-                           boundary_host, ReplayConfig(hw=HW, direct=direct, steps=STEPS),
+                           boundary_host, ReplayConfig(
+                               hw=HW, direct=direct, steps=STEPS,
+                               speculative_disk_updates=options.get("speculative_updates",
+                                                                    False)),
                            **disk)
     for k, (got, want) in enumerate(zip(replay.step_ops, engine, strict=True)):
         pairs = enumerate(zip(got, want, strict=False))  # the lengths are compared below
@@ -127,6 +144,7 @@ def _check(preset, kind, order, precision, tmp_path, **options):
     computes = [o for o in replay.ops if o.lane == "compute" and o.end_s > o.start_s]
     assert computes  # the step computed in virtual time
     assert replay.step_s >= replay.compute_s > 0
+    return engine
 
 
 def test_the_simulated_step_is_the_plan_s():

@@ -43,6 +43,7 @@ SEED_FLAGS: dict[str, str] = {
     "--compile": "run.compile",
     "--microbatch-order": "memory.microbatch_order",
     "--boundary-activations": "memory.boundary_activations",
+    "--speculative-update": "memory.speculative_update",
     "--resident": "memory.resident",
     "--device-budget": "memory.device_budget",
     "--host-budget": "memory.host_budget",

@@ -127,6 +127,16 @@ def validate(cfg: Config) -> None:
                 "--boundary-activations host needs the tiered runtime; add "
                 "--offload-policy tiered, host or disk"
             )
+        if cfg.memory.speculative_update == "on":
+            raise ConfigError(
+                "--speculative-update on needs disk-tier state; add --offload-policy auto, "
+                "tiered or disk"
+            )
+    if cfg.memory.speculative_update == "on" and cfg.distributed.nproc > 1:
+        raise ConfigError(
+            "--speculative-update on needs one process (a speculation reads the gradient "
+            "before the sync across ranks averages it); pass --speculative-update off"
+        )
     elif cfg.memory.boundary_activations == "host" and (
         cfg.activations.policy not in ("full", "dynamic")
         or (cfg.activations.overrides and cfg.activations.policy != "dynamic")

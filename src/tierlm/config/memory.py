@@ -44,6 +44,13 @@ class MemoryConfig:
     backward), so layer-outer holds one segment's micro-batches on the device, not every
     segment's; host needs --grad-checkpointing full, or dynamic, which parks the inputs of the
     segments it recomputes (--boundary-activations; auto decides)."""
+    speculative_update: Literal["auto", "on", "off"] = "auto"
+    """Tiered runtime: start each disk-tier segment's update as soon as its gradient is
+    complete, with the clipping coefficient taken as 1, writing its new state beside the old
+    (a second set of its files on disk), and keep it once the global norm says the coefficient
+    is 1 (else it is redone as usual); exact either way. auto: where the planner finds it
+    faster and the disk budget holds the second set (--offload-policy auto; off otherwise); on:
+    every disk-tier segment (--speculative-update)."""
     resident: str | None = None
     """Regex of segment names (embed, block.N, head) whose weights stay on the device, e.g.
     'embed|head|block.3[01]' (--resident)."""

@@ -10,7 +10,12 @@ from tierlm.memory.placement import (
     gib,
     keeps_graph,
 )
-from tierlm.plan.evaluate import SIMULATED_LANES, simulated_lanes, simulation_gap
+from tierlm.plan.evaluate import (
+    SIMULATED_LANES,
+    simulated_lanes,
+    simulation_gap,
+    spare_disk_bytes,
+)
 from tierlm.plan.result import SAFETY_MARGIN, Plan
 from tierlm.plan.timing import compiled_block_source, grad_sync_bytes, ring_kv_bytes
 from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -98,6 +103,9 @@ def describe(
               f"behind the step, up to {p.writeback.segments} segments pending")
         lines.append(f"disk tier: gradients of {host_grads} of {counts['disk']} segments held in "
                      f"host RAM; update read-ahead: {ra}; master and slots written back {wb}")
+        spec = _speculation_line(p, shape, train)
+        if spec:
+            lines.append(spec)
     keeps = keeps_graph(p.placements, p.keep_resident_activations)
     streamed = [s for s, q in enumerate(p.placements[:-1]) if not q.resident]
     streamed_keep = sum(keeps[s] for s in streamed)
@@ -232,3 +240,20 @@ def ledger_prediction(p: Plan) -> dict[str, int]:
         "predicted_host_peak_bytes": p.host_peak_bytes,
         "predicted_disk_bytes": p.disk_bytes,
     }
+
+
+def _speculation_line(p: Plan, shape: ModelShape, train: TrainShape) -> str | None:
+    """What the plan chose for speculative disk-tier updates, and the simulated step of the
+    variant it did not take (None where it did not try them)."""
+    t = p.times_s
+    spare = sum(spare_disk_bytes(shape, train, p.placements).values())
+    if p.speculative:
+        other = t.get("simulated_step_plain")
+        return ("speculative updates: on, each disk-tier update issued at its gradient's final "
+                f"landing into a second set of files ({gib(spare)} on disk), kept where the "
+                "clipping coefficient is 1" + (
+                    "" if other is None else f" (simulated step {other:.2f} s without)"))
+    if "simulated_step_speculative" in t:
+        return (f"speculative updates: off (with them, {gib(spare)} more on disk, the "
+                f"simulated step would be {t['simulated_step_speculative']:.2f} s)")
+    return None

@@ -4,6 +4,7 @@ variants that fit, from the simulated step (tierlm.plan.replay)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tierlm.memory.arena import ArenaReplay
@@ -24,6 +25,7 @@ from tierlm.runtime import schedule
 from tierlm.runtime.byte_replay import _compute_copies, _simulate, readahead_schedule
 from tierlm.runtime.schedule import micro_batches_in_flight
 from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.state import persistent_bytes
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
 
 if TYPE_CHECKING:
@@ -181,7 +183,9 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
     candidates by `_times` (a replay in virtual time costs ~0.3-2 s at 7B; the search
     evaluates thousands of candidates)."""
     r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
-                      p.boundary_on_host, ReplayConfig(hw=hw), readahead=p.readahead,
+                      p.boundary_on_host,
+                      ReplayConfig(hw=hw, speculative_disk_updates=p.speculative),
+                      readahead=p.readahead,
                       writeback=p.writeback,
                       offloaded=offload_sizes(shape, train, p.offload_graphs))
     out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
@@ -190,6 +194,40 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
     for key in ("h2d", "d2h", "disk"):
         out[f"simulated_{key}_overlap"] = r.overlap_s.get(SIMULATED_LANES[key], 0.0)
     return out
+
+
+def spare_disk_bytes(shape: ModelShape, train: TrainShape,
+                     placements: list[SegmentPlacement]) -> dict[str, int]:
+    """By class, the disk bytes of speculative updates' second set of files (master, slots and
+    compute copy of each disk-tier segment that trains: `persistent_bytes(..., spare=True)`
+    beyond the first set, as the engine's `reserve_spare` reserves them)."""
+    if shape.frozen:
+        return {}
+    copies = _compute_copies(shape, train.precision, placements)
+    out: dict[str, int] = {}
+    for s, p in enumerate(placements):
+        if p.state_tier != Tier.DISK:
+            continue
+        args = (p, shape.numels[s], shape.optim_state_bytes[s], copies[s])
+        first = persistent_bytes(*args)
+        for _, cls, nbytes in persistent_bytes(*args, spare=True)[len(first):]:
+            out[cls.value] = out.get(cls.value, 0) + nbytes
+    return out
+
+
+def with_speculation(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
+                     ) -> Plan:
+    """`p` with speculative disk-tier updates: the spare files in its disk bytes (and its
+    budget check; by class as one class of their own, `spare`: the other classes stay each
+    segment's one copy), its simulated step the replay's with the engine's speculation."""
+    spare = sum(spare_disk_bytes(shape, train, p.placements).values())
+    q = replace(p, speculative=True, disk_bytes=p.disk_bytes + spare,
+                disk_by_class={**p.disk_by_class, "spare": spare}, times_s=dict(p.times_s),
+                problems=[])
+    q.problems = _problems(q, q.budgets)
+    q.fits = not q.problems
+    q.times_s.update(simulated_times(shape, train, hw, q))
+    return q
 
 
 def parked_bytes(shape: ModelShape, train: TrainShape, order: str, on_host: bool) -> int:

@@ -122,6 +122,10 @@ def train_shape(cfg: Config, precision: str) -> TrainShape:
     )
 
 
+# --speculative-update as the planner's `speculative`: its choice, always, never
+SPECULATIVE_UPDATE: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 def make_plan(
     cfg: Config, model_config: Any, hw: HardwareProfile, precision: str,
     shape: ModelShape | None = None, *, advise: bool = True,
@@ -144,6 +148,7 @@ def make_plan(
         park_boundaries=cfg.activations.policy == "dynamic" or (
             cfg.activations.policy in ("none", "full") and not cfg.activations.overrides),
         advise=advise,
+        speculative=SPECULATIVE_UPDATE[mem.speculative_update],
     )
     return p, shape, train
 

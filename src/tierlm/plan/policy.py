@@ -3,7 +3,8 @@ rules (tierlm.runtime.placement: AllDevice, HostState, DiskState, Tiered).
 
 `Auto` lives here, above the runtime, because it reads a `Plan`: it places as the plan says
 and turns the plan's other choices (micro-batch order, kept graphs, where boundary inputs
-wait, read-ahead, write-back) into the engine's options in one place (`engine_options`).
+wait, read-ahead, write-back, speculative updates) into the engine's options in one place
+(`engine_options`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Auto(Planned):
             keep_resident_activations=p.keep_resident_activations,
             offload_graphs=p.offload_graphs,
             boundary_tier=Tier.HOST if p.boundary_on_host else Tier.DEVICE,
-            readahead=p.readahead, writeback=p.writeback,
+            readahead=p.readahead, writeback=p.writeback, speculative_updates=p.speculative,
             # no activation policy asked for: keep or recompute resident segments as planned
             activations=None if planned_graphs else acts,
             # the plan checked the budgets; the engine's coarser check would refuse its choice

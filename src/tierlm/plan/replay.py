@@ -85,10 +85,10 @@ class ReplayConfig:
     chunk_numel: int = STAGING_CHUNK_NUMEL
     direct: bool = True  # the disk tier moves whole 4 KiB blocks (O_DIRECT)
     steps: int = STEPS
-    # An oracle, not an engine feature: issue each disk-tier segment's update at its gradient's
-    # final landing, with the clipping coefficient taken as 1, instead of after the global
-    # norm (the engine would write the new state beside the old and keep it only where the
-    # norm says the coefficient is 1). bench/simulated_step.py measures what it would gain.
+    # The engine's speculative updates (EngineOptions.speculative_updates): each disk-tier
+    # segment's update issued at its gradient's final landing into its spare file generation,
+    # kept once the norm is read; the replay takes the clipping coefficient as 1 (each one
+    # kept: the commit moves nothing).
     speculative_disk_updates: bool = False
 
 
@@ -128,6 +128,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     writer = Writer(store, (writeback.segments if writeback is not None else 1))
     updates: dict[int, Future] = {}
     ahead_reads: dict[int, Any] = {}
+    speculated: dict[int, tuple[Future, _State]] = {}  # Engine._speculated
 
     cache = StreamCache(store, lambda s: states[s].device_nbytes(),
                         window_bytes(states[s].device_nbytes() for s, p in enumerate(placements)
@@ -192,6 +193,8 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 store.free(Tier.DEVICE, TensorClass.GRAD, grad)
 
         def read_ahead(self, s: int) -> None:  # _TensorStep.read_ahead
+            if s in speculated:
+                return
             writer.wait(s)  # the last update's write-back of them has landed
             ahead_reads[s] = CopiesRead(store, states[s], states[s].state_copies)
 
@@ -299,21 +302,23 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             self.in_flight = (lander.submit(file_passes), grad)
             self.speculate(s, final)
 
-        def speculate(self, s: int, final: bool) -> None:  # the oracle (ReplayConfig)
+        def speculate(self, s: int, final: bool) -> None:  # Engine._speculate
             if config.speculative_disk_updates and final and states[s].tier == Tier.DISK:
-                landed = self.in_flight[0]
-                updates[s] = worker.submit(lambda: (landed.result(), update(s)))
+                to = states[s].spare()
+                ahead = ahead_reads.pop(s, None)
+                speculated[s] = (worker.submit(run_speculation, s, self.in_flight[0], to, ahead),
+                                 to)
 
     cpu_cost = optimizer.cpu_cost
 
-    def step_fn(st: _State):  # Engine._update's `step` on one chunk of the segment
+    def step_fn(st: _State, to: _State):  # Engine._update's `step` on one chunk of the segment
         def step(lo: int, bufs: dict) -> None:
             with dev.cpu_work(f"update {st.seg.name}", params=bufs["grad"].numel() * cpu_cost):
                 pass
             if st.tier == Tier.DISK and st.compute_format is not None:  # the compute file
                 staging = store.alloc(Tier.HOST, TensorClass.STAGING,
                                       st.compute_format.nbytes, torch.uint8)
-                store.write_file(st.file("compute"), staging, TensorClass.COMPUTE).result()
+                store.write_file(to.file("compute"), staging, TensorClass.COMPUTE).result()
                 store.free(Tier.HOST, TensorClass.STAGING, staging)
         return step
 
@@ -326,29 +331,43 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         with dev.net(Link.NET_RECV, st.device_nbytes(), f"copy {name}"):  # its compute copy
             ledger.record_move(Link.NET_RECV, st.device_nbytes())
 
-    def update(s: int) -> None:  # Engine._update, on the update worker
+    def update(s: int, to: _State | None = None, ahead: Any = None) -> None:  # Engine._update
         st = states[s]
         if st.placement.remote:
             update_remote(st)
         elif st.tier == Tier.DISK:
-            update_disk(st, step_fn(st))
+            if to is None:
+                ahead = ahead_reads.pop(s, None)
+            update_disk(st, step_fn(st, to or st), to or st, ahead)
         else:
-            step_fn(st)(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
+            step_fn(st, st)(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
+
+    def run_speculation(s: int, landed: Future, to: _State, ahead: Any) -> None:
+        landed.result()  # Engine._run_speculation
+        update(s, to, ahead)
+
+    def resolve(s: int) -> None:  # Engine._resolve at coefficient 1: the commit
+        fut, to = speculated.pop(s)
+        fut.result()
+        states[s].generation = to.generation
+        stale = ahead_reads.pop(s, None)
+        if stale is not None:
+            for b in stale.buffers().values():
+                store.free(Tier.HOST, TensorClass.STAGING, b)
 
     def update_ranges(st: _State) -> list[tuple[int, int]]:  # Engine._update_ranges
         if st.compute_format is not None:
             return [(0, st.numel)]
         return optimizer.chunk_ranges(st.layout, chunk)
 
-    def update_disk(st: _State, step) -> None:  # Engine._update_disk
+    def update_disk(st: _State, step, to: _State, ahead: Any) -> None:  # Engine._update_disk
         writer.wait(st.index)
-        ahead = ahead_reads.pop(st.index, None)
         held = {} if ahead is None else dict(ahead.buffers())
         if st.grad is not None:
             held["grad"] = st.grad
         ranges = update_ranges(st)
         if writeback is not None and len(ranges) == 1:
-            update_whole(st, step, held)
+            update_whole(st, step, held, to)
             return
         ends = {lo: lo + n for lo, n in ranges}
 
@@ -360,11 +379,12 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
 
         stream_chunks(store, st, ranges,
                       read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
-                      write=tuple(c for c in st.state_copies if c not in held), step=chunk_step)
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk_step,
+                      written=to)
         if ahead is not None:
-            write_back_copies(store, st, ahead.bufs)
+            write_back_copies(store, to, ahead.bufs)
 
-    def update_whole(st: _State, step, held: dict) -> None:  # Engine._update_whole
+    def update_whole(st: _State, step, held: dict, to: _State) -> None:  # Engine._update_whole
         writer.make_room()
         missing = tuple(c for c in (*st.state_copies, "grad") if c not in held)
         bufs = {**read_copies(store, st, missing), **held}
@@ -372,20 +392,23 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         if st.grad is None and "grad" in bufs:
             store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
         later = deferred_copies(st.state_copies, st.compute_format is not None)
-        write_back_copies(store, st, {c: bufs[c] for c in st.state_copies if c not in later})
-        writer.submit(st, {c: bufs[c] for c in later})
+        write_back_copies(store, to, {c: bufs[c] for c in st.state_copies if c not in later})
+        writer.submit(to, {c: bufs[c] for c in later})
 
     def finish_step() -> None:  # Engine._finish_step
         dev.read(_Bytes(1))  # the global norm: the step's one host read
         cache.drop_all()
         if frozen:
             return
+        spec = [s for s in range(len(states)) if s in speculated]
+        for s in spec:  # kept (the coefficient taken as 1), before the other updates
+            updates[s] = worker.submit(resolve, s)
         for s, st in enumerate(states):
             if st.tier == Tier.DEVICE:
                 with dev.compute(f"update {shape.names[s]}"):
                     pass
             else:
-                if s not in updates:  # (the oracle issued it at its final landing)
+                if s not in spec:
                     updates[s] = worker.submit(update, s)
                 if st.placement.resident:
                     st.device_stale = True

@@ -4,6 +4,7 @@ the step's timing read off the timeline (lane busy time, overlap with compute)."
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from tierlm.memory.placement import (
 from tierlm.memory.simulator import COMPUTE, D2H, DISK, H2D, NET_RECV, NET_SEND, NODE_CPU, Op
 from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.runtime.byte_replay import _Bytes, _CountingStore
-from tierlm.runtime.state import GRAD, MASTER
+from tierlm.runtime.state import GRAD, MASTER, generation_file
 
 
 @dataclass
@@ -129,6 +130,7 @@ class _State:
             self.device_weights = _Bytes(self.device_nbytes(), 1)
         self.device_stale = False
         self.grad_written = False
+        self.generation = 0  # SegmentState.generation
 
     @property
     def state_copies(self) -> tuple[str, ...]:
@@ -138,7 +140,12 @@ class _State:
         return self.numel * 4 if self.compute_format is None else self.compute_format.nbytes
 
     def file(self, copy: str) -> str:
-        return f"{self.seg.name}/{copy}.bin"
+        return generation_file(self.seg.name, copy, self.generation)
+
+    def spare(self) -> _State:  # SegmentState.spare
+        other = copy.copy(self)
+        other.generation ^= 1
+        return other
 
     def slot(self, copy: str):
         if copy == "master":

@@ -72,6 +72,10 @@ class Plan:
     # planner's keep / offload / recompute choice: tierlm.plan.search._offload_streamed); ()
     # where none does
     offload_graphs: tuple[bool, ...] = ()
+    # each disk-tier segment's update issued at its gradient's final landing into a second set
+    # of files, kept where the clipping coefficient is 1 (EngineOptions.speculative_updates):
+    # the files are in `disk_bytes`
+    speculative: bool = False
 
     @property
     def device_total_bytes(self) -> int:

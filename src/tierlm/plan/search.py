@@ -29,6 +29,7 @@ from tierlm.plan.evaluate import (
     parked_bytes,
     simulated_times,
     simulation_gap,
+    with_speculation,
 )
 from tierlm.plan.offload import offload_streamed
 from tierlm.plan.result import Plan, usable_budgets
@@ -56,11 +57,15 @@ def plan(
     orders: tuple[str, ...] = ("microbatch-outer", "layer-outer"),
     park_boundaries: bool = True,
     advise: bool = True,
+    speculative: bool | None = None,
 ) -> Plan:
     """The fastest predicted plan that fits; if none fits, the closest one with `fits=False`
     and `problems` saying what would make it fit (`advise`: each budget named there is the
     least at which this search finds a plan, checked at the value printed; off, the problems
-    alone, for callers that only tabulate whether a plan fits)."""
+    alone, for callers that only tabulate whether a plan fits). `speculative`
+    (--speculative-update): speculative disk-tier updates on a plan with disk-tier state
+    where its disk budget holds their spare files and its simulated step is faster (None), on
+    every such plan (True), or never (False)."""
     # the advice searches again under other budgets: the replays (which do not depend on the
     # budgets) are shared, per step shape
     replays: dict[int, tuple[TrainShape, dict]] = {}
@@ -69,7 +74,8 @@ def plan(
                host: int | None, simulate: bool = False) -> Plan:
         cache = replays.setdefault(id(step), (step, {}))[1]
         return _search(shape, step, profile, device, host, orders=orders,
-                       park_boundaries=park_boundaries, replays=cache, simulate=simulate)
+                       park_boundaries=park_boundaries, replays=cache, simulate=simulate,
+                       speculative=speculative)
 
     p = search(train, hw, device_budget, host_budget, simulate=True)
     if not p.fits and advise:
@@ -77,6 +83,7 @@ def plan(
                                                   host_budget)
     if "simulated_step" not in p.times_s:
         p.times_s.update(simulated_times(shape, train, hw, p))
+    p = _speculation(shape, train, hw, p, speculative)
     if simulation_gap(shape, train, hw) is None:
         adopt_simulated(p, train)
     return p
@@ -84,14 +91,16 @@ def plan(
 
 def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
             device_budget: int | None, host_budget: int | None, *, orders: tuple[str, ...],
-            park_boundaries: bool, replays: dict | None = None, simulate: bool = False) -> Plan:
+            park_boundaries: bool, replays: dict | None = None, simulate: bool = False,
+            speculative: bool | None = None) -> Plan:
     """`plan`'s search: the fastest plan that fits, else the one that overshoots least.
     `replays`: `_fill_host`'s cache, shared by searches of one step shape. Each variant (order,
     activations, boundary tier) grows its placement by the formula (`_times`: thousands of
     candidates); `simulate`: the variants that fit are then ranked by their simulated step
     (the replay of the engine's operations, `simulated_times`: one per variant, 0.2-2 s each
-    at 7B), so the plan chosen is the one the simulated GPU runs fastest. Off for the
-    advice's searches, which only ask whether a plan fits."""
+    at 7B), so the plan chosen is the one the simulated GPU runs fastest, each with
+    speculative disk-tier updates where `speculative` lets them gain (`_speculation`). Off
+    for the advice's searches, which only ask whether a plan fits."""
     replays = {} if replays is None else replays
     budgets = usable_budgets(hw, device_budget=device_budget, host_budget=host_budget)
     best: Plan | None = None
@@ -123,6 +132,7 @@ def _search(shape: ModelShape, train: TrainShape, hw: HardwareProfile,
         for candidate in fitting:
             if "simulated_step" not in candidate.times_s:  # (offload_streamed simulated some)
                 candidate.times_s.update(simulated_times(shape, train, hw, candidate))
+        fitting = [_speculation(shape, train, hw, c, speculative) for c in fitting]
         # ties (equal simulated steps) go to the formula's order
         return min(fitting, key=lambda c: (c.times_s["simulated_step"], c.step_s))
     if best is not None:
@@ -147,6 +157,27 @@ def _grow_variant(shape: ModelShape, train: TrainShape, hw: HardwareProfile, ord
             candidate = by_size
     candidate = _disk_options(shape, train, hw, candidate, budgets, replays)
     return _keep_streamed(shape, train, hw, candidate, budgets)
+
+
+def _speculation(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan,
+                 speculative: bool | None) -> Plan:
+    """`p` (simulated) with speculative disk-tier updates where it has disk-tier state that
+    trains and `speculative` is True, or is None and with them it still fits and its simulated
+    step is shorter; else `p`. The step of the variant not taken stays in `times_s`
+    (`simulated_step_speculative`, `simulated_step_plain`) for the plan's description."""
+    tried = "simulated_step_speculative" in p.times_s or "simulated_step_plain" in p.times_s
+    # (one process only: the engine's speculation reads a gradient before a sync across
+    # ranks has averaged it)
+    if speculative is False or p.speculative or tried or shape.frozen or train.nproc > 1 or \
+            not any(pl.state_tier == Tier.DISK for pl in p.placements):
+        return p
+    q = with_speculation(shape, train, hw, p)
+    take = speculative or (q.fits and q.times_s["simulated_step"] < p.times_s["simulated_step"])
+    if take:
+        q.times_s["simulated_step_plain"] = p.times_s["simulated_step"]
+        return q
+    p.times_s["simulated_step_speculative"] = q.times_s["simulated_step"]
+    return p
 
 
 def _keep_streamed(shape: ModelShape, train: TrainShape, hw: HardwareProfile, candidate: Plan,

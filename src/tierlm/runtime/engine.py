@@ -55,6 +55,7 @@ from tierlm.runtime.compute import MicroBatch, SegmentCompute
 from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.engine_schedule import EngineSchedule
 from tierlm.runtime.evaluation import Evaluation, eval_mode
+from tierlm.runtime.grad_sync import NoSync
 from tierlm.runtime.gradients import Gradients
 from tierlm.runtime.landing import LandingRing
 from tierlm.runtime.options import EngineOptions
@@ -69,6 +70,7 @@ from tierlm.runtime.state import (
     SegmentState,
     free_copies,
     module_weights,
+    reserve_spare,
     start_load,
 )
 from tierlm.runtime.state_io import StateIO
@@ -112,6 +114,11 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         self.compute_copies = parts.compute_copies
         self.optimizer = parts.optimizer
         options.grad_sync.check_optimizer(self.optimizer)
+        if options.speculative_updates and not isinstance(options.grad_sync, NoSync):
+            # a speculation reads the landed gradient before the sync across ranks has
+            # averaged it
+            raise ValueError("speculative updates (--speculative-update) need one process: "
+                             "pass --speculative-update off with a gradient sync across ranks")
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         ) or float(getattr(model.config, "attention_dropout", 0) or 0) > 0
@@ -160,6 +167,9 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         self.states, self.trained, self.frozen = place_segments(
             self.store, parts, self.report.placements, initial_weights, device=device,
             update_ranges=self._update_ranges, node=options.node, optim=optim)
+        for st in self.trainable:  # the files a speculation writes, on disk from the start
+            if self._speculates(st):
+                reserve_spare(self.store, st)
         self.cache = StreamCache(
             self.store,
             lambda s: self.states[s].device_nbytes(),  # asked when a slot is taken
@@ -185,6 +195,10 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         self._landing: tuple[Future, torch.Tensor, SegmentState | None] | None = None
         self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
         self._updates: dict[int, Future] = {}
+        # segment -> its speculative update this step: (future, the spare-generation state it
+        # writes, its step counters before it) until `_finish_step` resolves it
+        self._speculated: dict[int, tuple[Future, SegmentState, list[torch.Tensor]]] = {}
+        self._lr = 0.0  # the step's learning rate (a speculation is issued mid-sweep)
         # segment -> its master and slots being read ahead of its update (the read-ahead)
         self._readahead: dict[int, CopiesRead] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
@@ -274,6 +288,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             self.ledger.reset_step()
             self.update_wait_s = 0.0
             self.transfer_wait_s = 0.0
+            self._lr = lr
             self.clock.take()  # drop what evaluation or a checkpoint measured
             m = len(batches)
             mbs = []
@@ -378,7 +393,10 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         if not math.isfinite(grad_norm):
             self.skipped_steps += 1
             for st in self.trainable:
-                if st.grad is not None:
+                if st.index in self._speculated:  # dropped on the worker, behind it
+                    self._updates[st.index] = self._worker.submit(self._resolve, st.index,
+                                                                  None, lr)
+                elif st.grad is not None:
                     st.grad.zero_()
                 st.grad_written = False
             for read in self._readahead.values():  # nothing to update: the reads are dropped
@@ -386,6 +404,14 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             self._readahead.clear()
             return loss, grad_norm, True
         host_coef = torch.tensor(coef_value, dtype=coef.dtype)  # exact: an fp32 value
+        # The speculations (each resolved on the worker, behind it): kept at coefficient 1, a
+        # commit that moves nothing, queued before the other updates so that no segment's
+        # weights wait for an unrelated update to be free; redone below 1, in forward order
+        # with the others, as without them.
+        speculated = [st.index for st in self.trainable if st.index in self._speculated]
+        if coef_value == 1.0:
+            for s in speculated:
+                self._updates[s] = self._worker.submit(self._resolve, s, host_coef, lr)
         for st in self.trainable:
             if st.tier == Tier.DEVICE:
                 with self.clock.measure(f"update {st.seg.name}"):
@@ -393,7 +419,12 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             else:
                 if st.placement.remote:  # its network bytes, counted in this step
                     self._count_remote(st)
-                self._updates[st.index] = self._worker.submit(self._update, st, host_coef, lr)
+                if st.index not in speculated:
+                    self._updates[st.index] = self._worker.submit(self._update, st, host_coef,
+                                                                  lr)
+                elif coef_value != 1.0:
+                    self._updates[st.index] = self._worker.submit(self._resolve, st.index,
+                                                                  host_coef, lr)
                 if st.placement.resident:
                     st.device_stale = True
         return loss, grad_norm, False
@@ -431,6 +462,8 @@ class _TensorStep:
 
     def read_ahead(self, s: int) -> None:
         eng = self.eng
+        if s in eng._speculated:  # its speculation has read them already: nothing to read
+            return
         st = eng.states[s]
         eng._writer.wait(s)  # the last update's write-back of them has landed
         eng._readahead[s] = CopiesRead(eng.store, st, st.state_copies)

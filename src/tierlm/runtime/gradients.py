@@ -54,6 +54,8 @@ class Gradients:
             done = self.dev.mark()
             self._landing = (self._lander.submit(self._add_landing, ring, st.grad, grad, done,
                                                  what), grad, st if final else None)
+            if final and self._speculates(st):  # its update, behind this landing
+                self._speculate(st, self._landing[0])
             return
         self._drain_landings()  # the file path below adds through the ring too
         # Disk: chunk by chunk through host staging. The gradient file holds the sum of this
@@ -74,6 +76,8 @@ class Gradients:
         # the passes into the file, on the landing worker (the backward goes on meanwhile)
         self._landing = (self._lander.submit(self._file_passes, st, grad, ring, passes), grad,
                          None)
+        if final and self._speculates(st):  # its update, behind the file's last pass
+            self._speculate(st, self._landing[0])
 
     def _file_passes(self, st: SegmentState, grad: torch.Tensor, ring: LandingRing,
                      passes: list) -> None:

@@ -115,3 +115,9 @@ class EngineOptions:
     once its compute copy (or, computing from fp32, its master) is on disk; at most
     `segments` write-backs pending (tierlm.runtime.writeback; the planner sets it). None: the
     update writes everything back before it ends."""
+    speculative_updates: bool = False
+    """Issue each disk-tier segment's update as its gradient's final landing of the step is
+    done, with the clipping coefficient taken as 1, writing its master, slots and compute copy
+    to a second set of files; once the global norm is read it is kept where the coefficient is
+    exactly 1, else dropped and the update run as without the option (a skipped step drops it).
+    Exact either way; disk holds one more set of those files per disk-tier segment."""

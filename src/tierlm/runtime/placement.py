@@ -71,7 +71,7 @@ def _account(
     numels: list[int], placements: list[SegmentPlacement], activation_bytes: int = 0, *,
     copy_bytes: list[int | None] | None = None, slot_bytes: list[int] | None = None,
     base_copy: bool = False, whole_update: bool = False, frozen: bool = False,
-    chunk_numel: int = STAGING_CHUNK_NUMEL,
+    chunk_numel: int = STAGING_CHUNK_NUMEL, spare: bool = False,
 ) -> PlacementReport:
     """The bytes each tier holds under `placements`, by the engine's own rules: per segment
     what `init_state` and the compute copies allocate for the run
@@ -87,13 +87,15 @@ def _account(
     `copy_bytes`: per segment, its compute copy off the device (None: the fp32 master serves);
     `slot_bytes`: per segment, its optimizer's state (None: none); `frozen`: the weights are
     never updated (a LoRA run's base: no gradient, no slots, no update); `base_copy`: a frozen
-    base held in its copy where it has one (bf16 or NF4, tierlm.runtime.frozen), no master."""
+    base held in its copy where it has one (bf16 or NF4, tierlm.runtime.frozen), no master;
+    `spare`: speculative updates, whose disk-tier segments hold a second set of files."""
     copies = copy_bytes or [None] * len(numels)
     slots = slot_bytes or [0] * len(numels)
     held = {Tier.DEVICE: activation_bytes, Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}
     for n, c, b, p in zip(numels, copies, slots, placements, strict=True):
         for tier, _, nbytes in persistent_bytes(p, n, b, c, frozen=frozen,
-                                                base_copy=base_copy and c is not None):
+                                                base_copy=base_copy and c is not None,
+                                                spare=spare):
             held[tier] += nbytes
     loads = [load_bytes(p.state_tier, n, c, chunk_numel)
              for n, c, p in zip(numels, copies, placements, strict=True)]
@@ -257,6 +259,7 @@ def place(
     frozen: bool = False,
     chunk_numel: int = STAGING_CHUNK_NUMEL,
     remote: str | None = None,
+    spare: bool = False,
 ) -> PlacementReport:
     """Choose a placement per segment by `policy` (a PlacementPolicy or its name) and check it
     against the budgets; `remote` (--remote): a regex of segments whose state then moves to
@@ -271,13 +274,14 @@ def place(
     `frozen`: the segments are frozen weights (a LoRA run's base: no gradient, no slots, no
     update), whose trained adapters' device bytes come in `activation_bytes`; `base_copy`: the
     frozen base is held in its copy alone where it has one; `chunk_numel`: the engine's staging
-    chunk. `_account` says how these become bytes per tier. Every budget given is checked,
+    chunk; `spare`: speculative updates' second set of disk-tier files. `_account` says how
+    these become bytes per tier. Every budget given is checked,
     whichever the policy (`disk_budget_bytes`: --disk-budget, what the disk tier may hold).
     """
     rule = placement_policy(policy)
     account = functools.partial(_account, copy_bytes=copy_bytes, slot_bytes=slot_bytes,
                                 base_copy=base_copy, whole_update=whole_update, frozen=frozen,
-                                chunk_numel=chunk_numel)
+                                chunk_numel=chunk_numel, spare=spare)
     if placements is None:
         pattern = re.compile(resident) if resident else None
 

@@ -120,6 +120,7 @@ def plan_step(
         whole_update=parts.optimizer.align == 0,
         frozen=parts.frozen_base,
         chunk_numel=options.staging_chunk_numel,
+        spare=options.speculative_updates,
     )
     budget = options.device_budget_bytes
     activation_budget = options.activation_budget_bytes if (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,10 @@ class SegmentState:
     # Frozen weights (a LoRA run's base): the master is all the state there is, read-only, no
     # gradient (no buffer, no file) and no optimizer slots; streamed like any other.
     frozen: bool = False
+    # Which of two sets of files holds the disk-tier state (master, slots, compute copy): a
+    # speculative update (EngineOptions.speculative_updates) writes the other set, and its
+    # commit flips this. The gradient file has one set: no update writes it.
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if self.frozen and self.slots:
@@ -102,7 +106,13 @@ class SegmentState:
         return self.placement.state_tier
 
     def file(self, copy: str) -> str:
-        return f"{self.seg.name}/{copy}.bin"
+        """The disk-tier file of copy `copy` in the current generation: every reader's."""
+        return generation_file(self.seg.name, copy, self.generation)
+
+    def spare(self) -> SegmentState:
+        """This state naming the other generation's files (shared buffers, counters and
+        format): what a speculative update writes through, its reads from this one's."""
+        return replace(self, generation=self.generation ^ 1)
 
     def device_nbytes(self) -> int:
         """Bytes of the segment's weights on the device: its compute copy, or fp32."""
@@ -120,6 +130,25 @@ class SegmentState:
         if self.compute_format is None:
             return self.layout.views(flat)
         return self.compute_format.views(flat)
+
+
+def generation_file(segment: str, copy: str, generation: int) -> str:
+    """A disk-tier copy's file in `generation` (0 or 1); the gradient's has one name."""
+    if copy == "grad" or generation == 0:
+        return f"{segment}/{copy}.bin"
+    return f"{segment}/{copy}.spare.bin"
+
+
+def reserve_spare(store: Store, st: SegmentState) -> None:
+    """Count a speculated disk-tier segment's spare generation on the disk tier up front (its
+    master, slots and compute copy: `persistent_bytes(..., spare=True)`), as `init_state`
+    counts the first."""
+    spare = st.spare()
+    for c in st.state_copies:
+        slot = st.slot(c)
+        store.reserve_file(spare.file(c), slot.nbytes(st.layout), slot.cls)
+    if st.compute_format is not None:
+        store.reserve_file(spare.file("compute"), st.compute_format.nbytes, TensorClass.COMPUTE)
 
 
 class LookupOnce(Mapping[str, torch.Tensor]):
@@ -271,14 +300,17 @@ def step_net_bytes(placements: list[SegmentPlacement], numels: list[int],
 
 def persistent_bytes(
     placement: SegmentPlacement, numel: int, slot_bytes: int, copy_bytes: int | None, *,
-    frozen: bool = False, base_copy: bool = False,
+    frozen: bool = False, base_copy: bool = False, spare: bool = False,
 ) -> list[tuple[Tier, TensorClass, int]]:
     """(tier, class, bytes) a segment's state holds for the whole run, as `init_state` and the
     compute copies' `attach` allocate it: the fp32 master on its tier, the optimizer's slots
     (`slot_bytes`) and the gradient (on its gradient tier) unless the weights are frozen; for
     state off the device its compute copy (`copy_bytes`; None: the master serves) in host RAM or
     in its file, and a resident segment's device copy. A frozen base held in its own copy
-    (`base_copy`: NF4 or bf16, tierlm.runtime.frozen) has that copy as all its state."""
+    (`base_copy`: NF4 or bf16, tierlm.runtime.frozen) has that copy as all its state.
+    `spare`: speculative updates (EngineOptions.speculative_updates): disk-tier state that
+    trains holds a second generation of its master, slots and compute copy files
+    (`reserve_spare`)."""
     tier = placement.state_tier
     if placement.remote:
         return _remote_bytes(placement, numel, slot_bytes, copy_bytes, frozen=frozen)
@@ -294,6 +326,9 @@ def persistent_bytes(
     if tier != Tier.DEVICE and placement.resident:
         out.append((Tier.DEVICE, TensorClass.COMPUTE,
                     4 * numel if copy_bytes is None else copy_bytes))
+    if spare and tier == Tier.DISK and not frozen and not base_copy:
+        out += [(tier, cls, nbytes) for t, cls, nbytes in out
+                if t == Tier.DISK and cls != TensorClass.GRAD]
     return out
 
 
@@ -645,6 +680,7 @@ def _spans(slot: StateSlot, layout: FlatLayout, lo: int, hi: int, block: int) ->
 def stream_chunks(
     store: Store, st: SegmentState, ranges: list[tuple[int, int]], *, read: tuple[str, ...],
     write: tuple[str, ...], step: ChunkStep, pinned: bool = False,
+    written: SegmentState | None = None,
 ) -> None:
     """Run `step` over a disk-tier segment's state chunk by chunk: `ranges` are (first, length)
     in parameter elements (`chunk_ranges`, or the optimizer's `chunk_ranges` where slots are
@@ -663,8 +699,12 @@ def stream_chunks(
 
     `pinned`: `step` copies between the device and the chunk buffers (a gradient's file
     passes), so they come from the pinned arena; an update, a load or a checkpoint's chunks
-    stay on the host and are pageable."""
+    stay on the host and are pageable.
+
+    `written`: the state whose files the `write` copies go to (a speculative update's spare
+    generation, `SegmentState.spare`); default `st`'s own."""
     copies = tuple(dict.fromkeys(read + write))
+    out = written or st
     block = ALIGN_BYTES if store.disk.direct else 1
     spans = [{c: _spans(st.slot(c), st.layout, lo, lo + n, block) for c in copies}
              for lo, n in ranges]
@@ -720,7 +760,7 @@ def stream_chunks(
                     carry[c] = (tail, raw[c][a:b].clone())
                 n = (sp.env_end - sp.env_start) // size[c]
                 writes[k % len(sets)].append(store.write_file(
-                    st.file(c), raw[c][:n], st.slot(c).cls, sp.env_start))
+                    out.file(c), raw[c][:n], st.slot(c).cls, sp.env_start))
         for fs in writes:
             for f in fs:
                 f.result()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -16,8 +17,10 @@ from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.optim.flat import advance, step_count
 from tierlm.precision.streaming import ComputeFormat, slot_kinds
 from tierlm.runtime.state import (
+    CopiesRead,
     SegmentState,
     fetch_compute_copy,
+    free_copies,
     read_copies,
     remote_copy_nbytes,
     stream_chunks,
@@ -39,7 +42,12 @@ class Updates:
             self.tracer.record("wait", f"update {self.states[s].seg.name}", t0, t1,
                                cat="update wait")
 
-    def _update(self, st: SegmentState, coef: torch.Tensor, lr: float) -> None:
+    def _update(self, st: SegmentState, coef: torch.Tensor | None, lr: float, *,
+                to: SegmentState | None = None, ahead: CopiesRead | None = None) -> None:
+        """Segment `st`'s update, its gradient scaled by `coef` (None: a speculative update,
+        by nothing: the held gradient is left exactly as the redo needs it). `to`: a disk-tier
+        segment's state whose files the update writes (a speculation's spare generation, which
+        passes its read-ahead as `ahead`); default `st`'s, its read-ahead taken here."""
         if st.placement.remote:
             self._update_remote(st, coef, lr)
             return
@@ -55,16 +63,19 @@ class Updates:
             """The optimizer on elements [lo, lo + n) of the segment (all of it, off the disk
             tier)."""
             with cpu(bufs["grad"].numel() * self.optimizer.cpu_cost):
-                bufs["grad"].mul_(coef)
+                if coef is not None:
+                    bufs["grad"].mul_(coef)
                 self.optimizer.update_range(st.layout, lo, bufs["master"], bufs["grad"],
                                             {c: bufs[c] for c in slots}, st.steps, lr)
             if st.tier == Tier.DISK and st.compute_format is not None:  # the whole master
-                self.compute_copies.refresh(self.store, st, bufs["master"])
+                self.compute_copies.refresh(self.store, to or st, bufs["master"])
 
         lane = "device update" if st.tier == Tier.DEVICE else "cpu update"
         with self.tracer.span(lane, f"update {st.seg.name}", cat="update", tier=str(st.tier)):
             if st.tier == Tier.DISK:
-                self._update_disk(st, step)
+                if to is None:
+                    ahead = self._readahead.pop(st.index, None)
+                self._update_disk(st, step, to or st, ahead)
             else:
                 step(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
@@ -117,20 +128,21 @@ class Updates:
         st.wire = self.store.alloc(Tier.HOST, TensorClass.COMPUTE, st.compute_format.nbytes,
                                    dtype=torch.uint8, pinned=True)
 
-    def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None]) -> None:
+    def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None],
+                     to: SegmentState, ahead: CopiesRead | None) -> None:
         """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
         slots, a gradient held on the host) are staged in chunks, the next chunk read while this
-        one updates; the gradient is spent, only master and slots go back to their files.
-        An update of one chunk (a compute copy's segment, or a small one) defers their
-        write-back (`_update_whole`)."""
+        one updates; the gradient is spent, only master and slots go back to their files
+        (`to`'s: the current generation's, or a speculative update's spare one, which leaves
+        the held gradient as it is for the redo). An update of one chunk (a compute copy's
+        segment, or a small one) defers their write-back (`_update_whole`)."""
         self._writer.wait(st.index)  # the last step's write-back of its files has landed
-        ahead = self._readahead.pop(st.index, None)
         held = {} if ahead is None else dict(ahead.buffers())
         if st.grad is not None:
             held["grad"] = st.grad
         ranges = self._update_ranges(st)
         if self.opts.writeback is not None and len(ranges) == 1:
-            self._update_whole(st, step, held)
+            self._update_whole(st, step, held, to)
             return
         ends = {lo: lo + n for lo, n in ranges}
 
@@ -142,14 +154,15 @@ class Updates:
 
         stream_chunks(self.store, st, ranges,
                       read=tuple(c for c in (*st.state_copies, "grad") if c not in held),
-                      write=tuple(c for c in st.state_copies if c not in held), step=chunk)
+                      write=tuple(c for c in st.state_copies if c not in held), step=chunk,
+                      written=to)
         if ahead is not None:
-            write_back_copies(self.store, st, ahead.bufs)  # and frees the staging
-        if st.grad is not None:
+            write_back_copies(self.store, to, ahead.bufs)  # and frees the staging
+        if st.grad is not None and to is st:  # a speculation's is zeroed at its commit
             st.grad.zero_()
 
     def _update_whole(self, st: SegmentState, step: Callable[[int, dict], None],
-                      held: dict[str, torch.Tensor]) -> None:
+                      held: dict[str, torch.Tensor], to: SegmentState) -> None:
         """A disk-tier update in one chunk with its write-back deferred: the copies not in RAM
         are read whole, the optimizer runs (and writes the compute file), the fp32 master is
         written now where the forward reads it, and the rest goes to the writer, which frees
@@ -159,13 +172,63 @@ class Updates:
         bufs = {**read_copies(self.store, st, missing), **held}
         step(0, bufs)
         if st.grad is not None:  # held on the host: the next step accumulates into it
-            st.grad.zero_()
+            if to is st:  # (a speculation's is zeroed at its commit)
+                st.grad.zero_()
         elif "grad" in bufs:  # staged from its file: spent
             self.store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
         later = deferred_copies(st.state_copies, st.compute_format is not None)
-        write_back_copies(self.store, st, {c: bufs[c] for c in st.state_copies
+        write_back_copies(self.store, to, {c: bufs[c] for c in st.state_copies
                                            if c not in later})
-        self._writer.submit(st, {c: bufs[c] for c in later})
+        self._writer.submit(to, {c: bufs[c] for c in later})  # to the files it was given
+
+    # -- speculative updates (EngineOptions.speculative_updates) ----
+
+    def _speculates(self, st: SegmentState) -> bool:
+        """Whether `st`'s update is issued at its gradient's final landing: disk-tier state
+        that trains, with the option on."""
+        return self.opts.speculative_updates and st.tier == Tier.DISK and not st.frozen
+
+    def _speculate(self, st: SegmentState, landed: Future) -> None:
+        """On the training thread, at `st`'s gradient's final landing of the step: its update,
+        with the clipping coefficient taken as 1, goes to the update worker behind `landed`
+        (the landing's future), writing the spare generation's files. The counters it advances
+        are saved here (restored on a redo or skip), and its read-ahead, if issued by now, is
+        handed to it here (one issued later stays for a redo, or is dropped at the commit)."""
+        saved = [c.clone() for c in st.steps]
+        to = st.spare()
+        ahead = self._readahead.pop(st.index, None)
+        fut = self._worker.submit(self._run_speculation, st, landed, to, ahead, self._lr)
+        self._speculated[st.index] = (fut, to, saved)
+
+    def _run_speculation(self, st: SegmentState, landed: Future, to: SegmentState,
+                         ahead: CopiesRead | None, lr: float) -> None:
+        landed.result()  # the gradient (held, or its file) is complete
+        self._update(st, None, lr, to=to, ahead=ahead)
+
+    def _resolve(self, s: int, coef: torch.Tensor | None, lr: float) -> None:
+        """On the update worker, after segment `s`'s speculation, once the global norm is read:
+        `coef` None: the step is skipped (the speculation is dropped, its counters restored,
+        its held gradient zeroed); exactly 1: commit (its files become the spare generation's,
+        its held gradient is spent); below 1: drop it and update from the current generation
+        with `coef`, as without the option."""
+        fut, to, saved = self._speculated.pop(s)
+        fut.result()  # a failed speculation re-raises here, then in the training thread
+        st = self.states[s]
+        if coef is not None and float(coef) == 1.0:
+            st.generation = to.generation
+            st.compute_format = to.compute_format  # a layer's switch from fp8 to bf16
+            if st.grad is not None:
+                st.grad.zero_()
+            stale = self._readahead.pop(s, None)  # read from the old generation: not needed
+            if stale is not None:
+                free_copies(self.store, st, stale.buffers())
+            return
+        for counter, value in zip(st.steps, saved, strict=True):
+            counter.copy_(value)
+        if coef is not None:
+            self._update(st, coef, lr)
+        elif st.grad is not None:
+            st.grad.zero_()
 
     def _update_ranges(self, st: SegmentState) -> list[tuple[int, int]]:
         """Chunks in which a disk segment's state is rewritten: the whole segment where it has

@@ -554,6 +554,8 @@ def single_stepper(
     options = EngineOptions(
         microbatch_order=mem.microbatch_order,
         boundary_tier=Tier(mem.boundary_activations),
+        # under --offload-policy auto the plan's choice replaces this (Auto.engine_options)
+        speculative_updates=mem.speculative_update == "on",
         resident=mem.resident,
         device_budget_bytes=parse_bytes(mem.device_budget) if mem.device_budget else None,
         # the budget caps the process: the runtime gets what the rest of the run leaves

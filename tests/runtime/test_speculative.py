@@ -1,0 +1,233 @@
+"""Speculative disk-tier updates (EngineOptions.speculative_updates): each disk-tier segment's
+update runs at its gradient's final landing with the clipping coefficient taken as 1, into the
+spare generation of its files, and is kept (coefficient exactly 1), redone (below 1) or dropped
+(a skipped step) once the global norm is read. Whatever happens, the run is bit for bit the run
+without the option: losses, gradient norms, weights and optimizer state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.runtime_helpers import InfGrad, batches, bf16_autocast, bf16_model, tiny_model
+from tierlm.memory.placement import SegmentPlacement
+from tierlm.memory.tiers import TensorClass, Tier
+from tierlm.runtime.readahead import ReadAhead
+
+STEPS, M, LR = 3, 2, 1e-2
+DISK = [SegmentPlacement(False, Tier.DISK)] * 4
+# embed on the device, a resident disk block holding its gradient on the host, a streamed disk
+# block with a gradient file, the head streamed from host state; bf16: the disk blocks' compute
+# files
+TIERED = [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.DISK, Tier.HOST),
+          SegmentPlacement(False, Tier.DISK), SegmentPlacement(False, Tier.HOST)]
+# clip: 1e9 keeps the coefficient at 1 (every speculation is kept), 1e-3 below (each redone);
+# "skip": an infinite gradient on the second step, the others kept
+REGIMES = {"commit": (1e9, None), "redo": (1e-3, None), "skip": (1e9, 1)}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_model("llama_untied", layers=2)
+
+
+def _run(base, placements, order, regime, tmp_path, *, speculative, bf16, **options):
+    clip, skip = REGIMES[regime]
+    model = copy.deepcopy(base)
+    hook = InfGrad()
+    model.model.layers[1].mlp.register_forward_hook(hook)
+    kw = dict(options)
+    if bf16:
+        model = bf16_model(model)
+        kw["autocast"] = bf16_autocast
+    from tests.runtime_helpers import new_engine
+
+    eng = new_engine(model, tmp_path / f"off-{speculative}", placements=placements,
+                     microbatch_order=order, micro_batches=M, grad_clip=clip,
+                     speculative_updates=speculative, **kw)
+    assert eng.report.placements == placements
+    recs = []
+    for i, b in enumerate(batches(STEPS, M, seed=5)):
+        hook.armed = i == skip
+        recs.append(eng.step(b, LR))
+        assert recs[-1]["skipped"] == (i == skip)
+    eng.synchronize()
+    out = {"losses": [r["loss"] for r in recs], "norms": [r["grad_norm"] for r in recs],
+           "weights": eng.weights(), "state": eng.optimizer_state(),
+           "generations": [st.generation for st in eng.states if st.tier == Tier.DISK],
+           "spare_files": sorted(n for n in eng.store._disk_files if ".spare." in n)}
+    eng.close()
+    return out
+
+
+def _assert_equal_runs(got, ref):
+    assert got["losses"] == ref["losses"]
+    # (a skipped step's norm is NaN on both)
+    assert torch.equal(torch.tensor(got["norms"]).nan_to_num(7.0),
+                       torch.tensor(ref["norms"]).nan_to_num(7.0)), (got["norms"], ref["norms"])
+    assert got["weights"].keys() == ref["weights"].keys()
+    for k, v in ref["weights"].items():
+        assert torch.equal(got["weights"][k], v), k
+    assert got["state"].keys() == ref["state"].keys()
+    for k, v in ref["state"].items():
+        assert torch.equal(got["state"][k], v), k
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_speculative_updates_are_exact(base, placed, order, regime, tmp_path):
+    """On vs off, bit for bit; the speculations ran (the spare files exist) and each kept one
+    flipped its segment's generation (3 steps kept: odd; one skipped: even; redone: none)."""
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    # the disk case crosses staging in chunks (the chunked update's writes go to the spare
+    # files); the tiered one reads its disk blocks' state ahead during the backward
+    kw = ({"staging_chunk_numel": 8192} if placed == "disk"
+          else {"readahead": ReadAhead(extra_bytes=1 << 30)})
+    ref = _run(base, placements, order, regime, tmp_path, speculative=False, bf16=bf16, **kw)
+    got = _run(base, placements, order, regime, tmp_path, speculative=True, bf16=bf16, **kw)
+    _assert_equal_runs(got, ref)
+    assert ref["spare_files"] == [] and got["spare_files"]
+    kept = {"commit": STEPS, "redo": 0, "skip": STEPS - 1}[regime]
+    assert got["generations"] == [kept % 2] * len(got["generations"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
+    """With speculative updates the plan's disk bytes (its byte replay plus the spare files,
+    `with_speculation`) and the engine's placement report equal what the engine's ledger holds
+    on disk, class by class; two steps later too (the spare files are reserved up front)."""
+    from tests.runtime_helpers import OPTIM
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.models import build_model, preset_config
+    from tierlm.plan.evaluate import evaluate, spare_disk_bytes, with_speculation
+    from tierlm.plan.result import usable_budgets
+    from tierlm.runtime import EngineOptions, build_engine
+    from tierlm.runtime.shapes import ModelShape, TrainShape
+
+    hw = PROFILES["rtx4090"]
+    torch.manual_seed(0)
+    model = build_model(preset_config("tiny"))
+    extra = {}
+    if precision == "bf16":
+        model = bf16_model(model)
+        extra = {"autocast": bf16_autocast}
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    n = len(shape.names)
+    # streamed disk blocks with gradient files, resident ones holding theirs on the host
+    blocks = [SegmentPlacement(False, Tier.DISK), SegmentPlacement(True, Tier.DISK, Tier.HOST)]
+    placements = ([SegmentPlacement(True, Tier.DEVICE)] + [blocks[s % 2] for s in range(n - 2)]
+                  + [SegmentPlacement(False, Tier.HOST)])
+    train = TrainShape(1, 8, M, precision)
+    plain = evaluate(shape, train, hw, placements, "layer-outer", False, usable_budgets(hw))
+    predicted = with_speculation(shape, train, hw, plain)
+    assert predicted.speculative and predicted.disk_bytes > plain.disk_bytes
+    eng = build_engine(model, OPTIM, EngineOptions(
+        policy="auto", placements=placements, microbatch_order="layer-outer",
+        keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=1, seq_len=8,
+        micro_batches=M, speculative_updates=True, grad_clip=0.0, **extra),
+        device=torch.device("cpu"))
+    try:
+        led = eng.ledger
+        assert eng.report.disk_bytes == led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+        for b in batches(2, M, 1, 8):
+            eng.step(b, 1e-3)
+        eng.synchronize()
+        assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+        # by class: the plan's one copy per class, the spare files as a class of their own
+        spare = spare_disk_bytes(shape, train, placements)
+        by_class = {c.value: led.current_bytes[(Tier.DISK, c)] - spare.get(c.value, 0)
+                    for c in TensorClass if led.current_bytes[(Tier.DISK, c)]}
+        assert {**by_class, "spare": sum(spare.values())} == predicted.disk_by_class
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_a_checkpoint_mid_run_resumes_to_the_uninterrupted_run(base, placed, tmp_path):
+    """With speculative updates kept, a checkpoint after an odd number of steps reads the
+    spare generation's files (the current one then); a new engine loading it and running
+    on reaches the uninterrupted run's losses, weights and optimizer state, bit for bit."""
+    from tests.runtime_helpers import new_engine
+    from tierlm.runtime.state import as_tensor
+
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    data = batches(STEPS, M, seed=7)
+
+    def engine(where: str):
+        model = copy.deepcopy(base)
+        kw = {}
+        if bf16:
+            model = bf16_model(model)
+            kw["autocast"] = bf16_autocast
+        return new_engine(model, tmp_path / where, placements=placements, micro_batches=M,
+                          microbatch_order="layer-outer", grad_clip=1e9,
+                          speculative_updates=True, **kw)
+
+    whole = engine("whole")
+    ref = [whole.step(b, LR)["loss"] for b in data]
+    whole.synchronize()
+    ref_weights, ref_state = whole.weights(), whole.optimizer_state()
+    whole.close()
+
+    first = engine("first")
+    losses = [first.step(data[0], LR)["loss"]]
+    first.synchronize()
+    assert {st.generation for st in first.states if st.tier == Tier.DISK} == {1}
+    weights, optim = {}, {}
+    for _, w, o in first.state_shards():  # as a checkpoint writes them
+        weights.update({k: as_tensor(v).clone() for k, v in w.items()})
+        optim.update({k: as_tensor(v).clone() for k, v in o.items()})
+    first.close()
+    resumed = engine("resumed")
+    resumed.load(weights, optim)
+    losses += [resumed.step(b, LR)["loss"] for b in data[1:]]
+    resumed.synchronize()
+    got = {"losses": losses, "norms": [0.0], "weights": resumed.weights(),
+           "state": resumed.optimizer_state()}
+    resumed.close()
+    _assert_equal_runs(got, {"losses": ref, "norms": [0.0], "weights": ref_weights,
+                             "state": ref_state})
+
+
+def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
+    """`plan` under --speculative-update auto takes them on a plan with disk-tier state when
+    the simulated step gains and the disk budget holds the spare files, and not when it does
+    not; on and off force the choice; `Auto` passes it to the engine and `tierlm plan` says
+    it in one line."""
+    from tests.runtime_helpers import OPTIM
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.models import preset_config
+    from tierlm.plan.describe import describe
+    from tierlm.plan.policy import Auto
+    from tierlm.plan.result import SAFETY_MARGIN
+    from tierlm.plan.search import plan
+    from tierlm.runtime import EngineOptions
+    from tierlm.runtime.shapes import ModelShape, TrainShape
+
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    train = TrainShape(2, 32, 2, "fp32")
+    hw = PROFILES["rtx4090"]
+
+    def planned(speculative, profile=hw):
+        return plan(shape, train, profile, device_budget=32 << 20, host_budget=6 << 20,
+                    speculative=speculative, advise=False)
+
+    auto, on, off = planned(None), planned(True), planned(False)
+    assert auto.fits and auto.speculative and on.speculative and not off.speculative
+    assert any(p.state_tier == Tier.DISK for p in off.placements)
+    assert auto.times_s["simulated_step"] < auto.times_s["simulated_step_plain"] == \
+        off.times_s["simulated_step"]
+    assert auto.disk_bytes > off.disk_bytes
+    assert Auto(auto).engine_options(EngineOptions()).speculative_updates
+    assert not Auto(off).engine_options(EngineOptions()).speculative_updates
+    text = describe(auto, shape, train, hw)
+    assert sum(line.startswith("speculative updates: on") for line in text.split("\n")) == 1
+    # a disk budget between the two: the spare files do not fit, auto keeps them off
+    between = (off.disk_bytes + auto.disk_bytes) // 2
+    tight = hw.with_overrides(disk_budget_bytes=int(between / (1 - SAFETY_MARGIN)))
+    kept = planned(None, tight)
+    assert kept.fits and not kept.speculative and kept.disk_bytes == off.disk_bytes
+    assert "simulated_step_speculative" in kept.times_s
