@@ -98,7 +98,8 @@ def test_speculative_updates_are_exact(base, placed, order, regime, tmp_path):
 def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
     """With speculative updates the plan's disk bytes (its byte replay plus the spare files,
     `with_speculation`) and the engine's placement report equal what the engine's ledger holds
-    on disk, class by class; two steps later too (the spare files are reserved up front)."""
+    on disk, class by class; two steps later too (the spare files are reserved up front). The
+    host peak stays within the plan's (which adds the speculations' staging)."""
     from tests.runtime_helpers import OPTIM
     from tierlm.memory.hardware import PROFILES
     from tierlm.models import build_model, preset_config
@@ -136,6 +137,8 @@ def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
             eng.step(b, 1e-3)
         eng.synchronize()
         assert led.tier_bytes(Tier.DISK) == predicted.disk_bytes
+        # the speculations stage during the backward: within the plan's bound for them
+        assert led.peak_tier_bytes[Tier.HOST] <= predicted.host_peak_bytes
         # by class: the plan's one copy per class, the spare files as a class of their own
         spare = spare_disk_bytes(shape, train, placements)
         by_class = {c.value: led.current_bytes[(Tier.DISK, c)] - spare.get(c.value, 0)
@@ -194,9 +197,9 @@ def test_a_checkpoint_mid_run_resumes_to_the_uninterrupted_run(base, placed, tmp
 
 def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
     """`plan` under --speculative-update auto takes them on a plan with disk-tier state when
-    the simulated step gains and the disk budget holds the spare files, and not when it does
-    not; on and off force the choice; `Auto` passes it to the engine and `tierlm plan` says
-    it in one line."""
+    the simulated step gains and the disk budget holds the spare files (and host RAM their
+    staging), and not when it does not; on and off force the choice; `Auto` passes it to the
+    engine and `tierlm plan` says it in one line."""
     from tests.runtime_helpers import OPTIM
     from tierlm.memory.hardware import PROFILES
     from tierlm.models import preset_config
@@ -211,8 +214,8 @@ def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
     train = TrainShape(2, 32, 2, "fp32")
     hw = PROFILES["rtx4090"]
 
-    def planned(speculative, profile=hw):
-        return plan(shape, train, profile, device_budget=32 << 20, host_budget=6 << 20,
+    def planned(speculative, profile=hw, host=7 << 20):
+        return plan(shape, train, profile, device_budget=32 << 20, host_budget=host,
                     speculative=speculative, advise=False)
 
     auto, on, off = planned(None), planned(True), planned(False)
@@ -231,3 +234,7 @@ def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
     kept = planned(None, tight)
     assert kept.fits and not kept.speculative and kept.disk_bytes == off.disk_bytes
     assert "simulated_step_speculative" in kept.times_s
+    # nor where host RAM has no room for their staging during the backward
+    short = planned(None, host=6 << 20)
+    assert short.fits and not short.speculative
+    assert "simulated_step_speculative" in short.times_s

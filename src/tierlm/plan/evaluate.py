@@ -219,11 +219,26 @@ def with_speculation(shape: ModelShape, train: TrainShape, hw: HardwareProfile, 
                      ) -> Plan:
     """`p` with speculative disk-tier updates: the spare files in its disk bytes (and its
     budget check; by class as one class of their own, `spare`: the other classes stay each
-    segment's one copy), its simulated step the replay's with the engine's speculation."""
+    segment's one copy), the speculations' staging during the backward in its host peak, its
+    simulated step the replay's with the engine's speculation."""
     spare = sum(spare_disk_bytes(shape, train, p.placements).values())
+    # Host: the speculations stage on the update worker during the backward, one at a time,
+    # beside the write-backs still pending: one update's staging (the largest disk-tier
+    # segment's) on top of the sweep's peak and the limit's largest write-backs.
+    copies = _compute_copies(shape, train.precision, p.placements)
+    pending = sorted(writeback_bytes(shape, p.placements, copies, p.writeback).values(),
+                     reverse=True)
+    limit = 0 if p.writeback is None else p.writeback.segments
+    staging = max((shape.update_staging(s, copies[s], host_grad=pl.host_grad)
+                   for s, pl in enumerate(p.placements) if pl.state_tier == Tier.DISK),
+                  default=0)
+    ledger = _replay(shape, train, p.placements, p.order, p.keep_resident_activations,
+                     p.boundary_on_host, STAGING_CHUNK_NUMEL, p.readahead,
+                     offload_sizes(shape, train, p.offload_graphs))[0]
+    sweep = ledger.peak_tier_bytes[Tier.HOST] + sum(pending[:limit])
     q = replace(p, speculative=True, disk_bytes=p.disk_bytes + spare,
                 disk_by_class={**p.disk_by_class, "spare": spare}, times_s=dict(p.times_s),
-                problems=[])
+                host_peak_bytes=max(p.host_peak_bytes, sweep + staging), problems=[])
     q.problems = _problems(q, q.budgets)
     q.fits = not q.problems
     q.times_s.update(simulated_times(shape, train, hw, q))

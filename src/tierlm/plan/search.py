@@ -172,6 +172,17 @@ def _speculation(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: P
             not any(pl.state_tier == Tier.DISK for pl in p.placements):
         return p
     q = with_speculation(shape, train, hw, p)
+    if not q.fits and speculative is None and q.host_peak_bytes > p.budgets["host"]:
+        # the speculations' staging does not fit beside this placement's host state: the same
+        # device choice with that much host RAM kept free (more state on disk)
+        spilled = _fill_host(shape, train, hw, p.placements, p.order,
+                             p.keep_resident_activations, p.boundary_on_host, p.budgets,
+                             reserve=q.host_peak_bytes - p.host_peak_bytes,
+                             host_grads=any(pl.host_grad for pl in p.placements),
+                             readahead=p.readahead, writeback=p.writeback)
+        if spilled.fits:
+            spilled.times_s.update(simulated_times(shape, train, hw, spilled))
+            q = with_speculation(shape, train, hw, spilled)
     take = speculative or (q.fits and q.times_s["simulated_step"] < p.times_s["simulated_step"])
     if take:
         q.times_s["simulated_step_plain"] = p.times_s["simulated_step"]
