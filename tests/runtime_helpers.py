@@ -159,3 +159,18 @@ class InfGrad:
         if out.requires_grad and self.armed:
             out.register_hook(lambda g: g * float("inf"))
         return out
+
+
+def count_forwards(eng) -> dict[str, int]:
+    """Wrap every segment's forward (the head's too) with a call counter."""
+    calls: dict[str, int] = {}
+    for st in eng.states:
+        seg, forward = st.seg, st.seg.forward
+        calls[seg.name] = 0
+
+        def counted(*args, _name=seg.name, _forward=forward, **kw):
+            calls[_name] += 1
+            return _forward(*args, **kw)
+
+        seg.forward = counted
+    return calls

@@ -15,6 +15,7 @@ from tests.runtime_helpers import (
     OPTIM,
     assert_close_run,
     batches,
+    count_forwards,
     new_engine,
     reference_run,
     tiny_model,
@@ -38,21 +39,6 @@ def engine(model, tmp_path, placement, order, *, budget=None, fallback="full",
     acts = ActivationConfig(policy="none", dynamic_fallback=fallback) if activations else None
     return new_engine(model, tmp_path, policy=placement, microbatch_order=order, grad_clip=CLIP,
                       micro_batches=M, activations=acts, device_budget_bytes=budget)
-
-
-def count_forwards(eng) -> dict[str, int]:
-    """Wrap every segment's forward (the head's too) with a call counter."""
-    calls: dict[str, int] = {}
-    for st in eng.states:
-        seg, forward = st.seg, st.seg.forward
-        calls[seg.name] = 0
-
-        def counted(*args, _name=seg.name, _forward=forward, **kw):
-            calls[_name] += 1
-            return _forward(*args, **kw)
-
-        seg.forward = counted
-    return calls
 
 
 def run_counted(eng, steps):

@@ -17,6 +17,7 @@ from tests.runtime_helpers import (
     OPTIM,
     assert_close_run,
     batches,
+    count_forwards,
     new_engine,
     reference_run,
     tiny_model,
@@ -114,20 +115,6 @@ def keeps(p) -> tuple:
     from tierlm.memory.placement import keeps_graph
 
     return tuple(keeps_graph(p.placements, p.keep_resident_activations))
-
-
-def count_forwards(eng) -> dict[str, int]:
-    calls: dict[str, int] = {}
-    for st in eng.states:
-        seg, forward = st.seg, st.seg.forward
-        calls[seg.name] = 0
-
-        def counted(*args, _name=seg.name, _forward=forward, **kw):
-            calls[_name] += 1
-            return _forward(*args, **kw)
-
-        seg.forward = counted
-    return calls
 
 
 def test_the_engine_runs_the_planners_choice_exactly(case, tmp_path):
