@@ -13,15 +13,13 @@ from tierlm.memory.placement import PlacementReport, gib
 from tierlm.node.auth import load_token
 from tierlm.node.client import NodeClient
 from tierlm.node.protocol import NodeError
-from tierlm.train.safety import ReliabilityError
+from tierlm.plan.inputs import TCP_PAYLOAD_SHARE
+from tierlm.train.safety import ReliabilityError, last_good_text
 
 # payload sizes `probe_node` moves each way, each the best of PROBE_REPEATS (the node takes
 # probes of at most 64 MiB: tierlm.node.server)
 PROBE_MIB = (4, 16, 64)
 PROBE_REPEATS = 2
-# TCP over Ethernet at a 1500-byte MTU carries 1448 payload bytes per 1538 on the wire: the
-# planner takes --net-bandwidth as the line rate (tierlm.plan.inputs.TCP_PAYLOAD_SHARE)
-_PAYLOAD_SHARE = 1448 / 1538
 
 
 class MemoryNodeError(ReliabilityError):
@@ -76,12 +74,7 @@ def node_failure(exc: NodeError, step: int, address: str,
                  last_good: Callable[[], Path | None]) -> MemoryNodeError:
     """The clean stop when the memory node is lost at `step`: what failed, and the newest
     checkpoint (verified), which the lost session cannot have touched."""
-    try:
-        path = last_good()
-        kept = (f"the newest checkpoint {path} is intact and verified" if path is not None
-                else "no checkpoint had been written yet")
-    except Exception as verify_exc:  # verification itself failed: say so, do not hide it
-        kept = f"the checkpoints could not be verified ({verify_exc})"
+    kept = last_good_text(last_good, "the newest checkpoint")
     return MemoryNodeError(
         f"{exc}. Training stopped at step {step}; {kept}. Restart the memory node at "
         f"{address}, then continue with --resume RUN_DIR (the node's state is pushed back "
@@ -138,7 +131,7 @@ def _measure(client: NodeClient, print_fn: Callable[[str], None]) -> int:
         rates = [client.measure_link(mib << 20) for _ in range(PROBE_REPEATS)]
         up, down = max(r[0] for r in rates), max(r[1] for r in rates)
         print_fn(f"  {mib:6d}  {up / 1e9:12.2f}  {down / 1e9:14.2f}")
-    line_gbit = min(up, down) / _PAYLOAD_SHARE * 8 / 1e9  # the slower way, as a line rate
+    line_gbit = min(up, down) / TCP_PAYLOAD_SHARE * 8 / 1e9  # the slower way, as a line rate
     print_fn(f"plan on it with: tierlm plan ... --memory-node-memory "
              f"{hello.memory_bytes / 2**30:.2f}GiB --net-bandwidth {line_gbit:.2f}Gbit "
              "(the slower direction at the largest size; `tierlm plan --memory-node "

@@ -284,6 +284,17 @@ def is_storage_failure(exc: BaseException) -> bool:
     )
 
 
+def last_good_text(last_good: Callable[[], Path | None], name: str) -> str:
+    """What a stopped run says of its newest checkpoint (`last_good` finds and verifies it):
+    `name` PATH is intact and verified, none was written yet, or the verification failed."""
+    try:
+        path = last_good()
+    except Exception as verify_exc:  # verification itself failed: say so, do not hide it
+        return f"the checkpoints could not be verified ({verify_exc})"
+    return (f"{name} {path} is intact and verified" if path is not None
+            else "no checkpoint had been written yet")
+
+
 def storage_failure(
     exc: BaseException, step: int, run_dir: Path, last_good: Callable[[], Path | None]
 ) -> ReliabilityError:
@@ -299,12 +310,7 @@ def storage_failure(
         except OSError:
             free = "an unknown amount"
         what = f"{what} (writing under {where}, {free} free there)"
-    try:
-        path = last_good()
-        kept = (f"the last good checkpoint {path} is intact and verified" if path is not None
-                else "no checkpoint had been written yet")
-    except Exception as verify_exc:  # verification itself failed: say so, do not hide it
-        kept = f"the checkpoints could not be verified ({verify_exc})"
+    kept = last_good_text(last_good, "the last good checkpoint")
     full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
     cls = DiskSpaceError if full else StorageError
     return cls(
