@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 # lanes in the order they are drawn (others follow, alphabetically)
-LANES = ("step", "compute", "wait", "H2D", "D2H", "disk read", "disk write", "cpu update",
-         "device update")
+LANES = ("step", "compute", "wait", "H2D", "D2H", "disk read", "disk write", "disk", "cpu",
+         "cpu landing", "cpu update", "device update")
 MEASURED_PID = 1
 PREDICTED_PID = 2
 

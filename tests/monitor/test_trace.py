@@ -97,9 +97,13 @@ def test_disk_run_traces_every_action_and_transfer(traced):
     schedule = [a.label(seg_names) for a in engine.schedule(M)]
     actions = [e["name"] for e in by_lane["step"] if e["cat"] == "action"]
     assert actions == schedule
-    predicted = [e["name"] for evs in rows.values() for e in evs
-                 if e["pid"] == PREDICTED_PID and e["cat"] == "action"]
-    assert sorted(predicted) == sorted(schedule)
+    # the predicted step is the replay's: one compute region per action and micro-batch
+    kinds = {"fwd": "forward", "bwd": "backward", "head": "head"}
+    predicted = Counter(e["name"] for evs in rows.values() for e in evs
+                        if e["pid"] == PREDICTED_PID and e["args"]["lane"] == "compute"
+                        and e["name"].split(" ")[0] in kinds.values())
+    assert predicted == Counter(f"{kinds[a.kind]} {seg_names[a.seg]}"
+                                for a in engine.schedule(M) for _ in a.mbs)
 
     # one event per copy and per disk request made while armed; bytes as the ledger counted
     rec = next(r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == TRACE_STEP
@@ -182,15 +186,17 @@ def test_report_draws_the_lanes_and_the_placement(traced, tmp_path):
     assert (tmp_path / "trace.png").stat().st_size > 0
 
 
-# -- the predicted timeline: the planner's time model, the update and its write-back included --
+# -- the predicted timeline: the replay's operations (the plan's simulated step), the update and
+# its write-back included --
 
 def _predicted(hw_name, precision, writeback):
-    """All-disk `tiny`, 2 micro-batches: (shape, train, hw, plan, predicted events)."""
+    """All-disk `tiny`, 2 micro-batches: (shape, train, hw, plan, predicted events), the plan's
+    simulated times in its `times_s` (as `tierlm plan` gives them)."""
     from tierlm.memory.hardware import PROFILES
     from tierlm.memory.placement import SegmentPlacement
     from tierlm.memory.tiers import Tier
     from tierlm.models import preset_config
-    from tierlm.plan.evaluate import evaluate
+    from tierlm.plan.evaluate import evaluate, simulated_times
     from tierlm.plan.result import usable_budgets
     from tierlm.plan.timeline import predicted_timeline
     from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -201,6 +207,7 @@ def _predicted(hw_name, precision, writeback):
     placements = [SegmentPlacement(False, Tier.DISK)] * len(shape.names)
     plan = evaluate(shape, train, hw, placements, "microbatch-outer", False, usable_budgets(hw),
                     writeback=writeback)
+    plan.times_s.update(simulated_times(shape, train, hw, plan))
     return shape, train, hw, plan, predicted_timeline(shape, train, hw, plan)
 
 
@@ -216,59 +223,58 @@ def _never_overlap(events):
         assert a.end_s <= b.start_s + 1e-12, (a, b)
 
 
+def _update_disk(events, step, name, link):
+    """The disk requests of `name`'s update (after the step's sweep: the update runs behind
+    the next step's forward) over `link`."""
+    return [e for e in events if e.lane == "disk" and e.start_s >= step.end_s - 1e-12
+            and e.name.startswith(f"{name}/") and e.args["link"] == link]
+
+
 @pytest.mark.parametrize("hw_name", ["cpu", "rtx4090"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("segments", [1, 4])
 def test_predicted_write_back_follows_each_update_on_the_drive(hw_name, precision, segments):
     from tierlm.plan.timing import writeback_bytes
     from tierlm.runtime.byte_replay import _compute_copies
+    from tierlm.runtime.state import generation_file
     from tierlm.runtime.writeback import WriteBack
 
     shape, train, hw, plan, events = _predicted(hw_name, precision, WriteBack(segments=segments))
-    deferred = writeback_bytes(shape, plan.placements,
-                               _compute_copies(shape, precision, plan.placements), plan.writeback)
-    assert deferred and plan.times_s["writeback"] > 0
+    copies = _compute_copies(shape, precision, plan.placements)
+    deferred = writeback_bytes(shape, plan.placements, copies, plan.writeback)
+    assert deferred
     lanes = _lanes(events)
     (step,) = lanes["step"]
-    sweep_s = step.args["sweep_s"]
     updates = {e.name.removeprefix("update "): e for e in lanes["cpu update"]}
     assert list(updates) == shape.names  # one per segment, in forward order
-    written = {e.name.removeprefix("state "): e for e in lanes["disk write"]
-               if e.start_s >= sweep_s and e.name.startswith("state ")}
-    backs = [e for e in lanes["disk write"] if e.name.startswith("write-back ")]
-    # one write-back per deferred segment, on the disk write lane, in update order, each after
-    # its segment's update (and the writes the next forward waits for), first in, first out
-    assert [e.name for e in backs] == [f"write-back {shape.names[s]}" for s in sorted(deferred)]
-    previous_end = 0.0
-    for s, e in zip(sorted(deferred), backs, strict=True):
+    # each deferred segment's write-back: its deferred copies' files on the drive, after its
+    # update, with the bytes the planner counts, in update order (first in, first out)
+    backs = []
+    for s in sorted(deferred):
         name = shape.names[s]
-        ready = written[name].end_s if name in written else updates[name].end_s
-        assert e.start_s == pytest.approx(max(ready, previous_end), abs=1e-12)
-        assert e.args["bytes"] == deferred[s]
-        previous_end = e.end_s
-    # at most `segments` pending: a deferred segment's update waits for an older write-back
+        files = {generation_file(name, c, 0)
+                 for c in deferred_copies(("master", "exp_avg", "exp_avg_sq"),
+                                          copies[s] is not None)}
+        writes = [e for e in _update_disk(events, step, name, "disk_write") if e.name in files]
+        assert {e.name for e in writes} == files
+        assert min(e.start_s for e in writes) >= updates[name].end_s - 1e-12
+        assert sum(e.args["bytes"] for e in writes) == deferred[s]
+        backs.append(writes)
+    for a, b in zip(backs, backs[1:], strict=False):
+        assert max(e.end_s for e in a) <= min(e.start_s for e in b) + 1e-12
+    # at most `segments` pending: a deferred segment's update reads its state only once the
+    # write-back `segments` before it has landed
     for k, s in enumerate(sorted(deferred)):
         if k >= segments:
-            first = lanes["disk read"], updates[shape.names[s]]
-            begin = min([e.start_s for e in first[0] if e.name == f"state {shape.names[s]}"]
-                        + [first[1].start_s])
-            assert begin >= backs[k - segments].end_s - 1e-12
-    # the same model as `_times`: the write-back's total, what the forward waits for, the step
-    assert sum(e.end_s - e.start_s for e in backs) == pytest.approx(plan.times_s["writeback"])
-    update_events = [e for lane in ("disk read", "cpu update", "disk write") for e in lanes[lane]
-                     if e.start_s >= sweep_s and not e.name.startswith("write-back ")]
-    assert sum(e.end_s - e.start_s for e in update_events) == pytest.approx(
-        plan.times_s["update_ready"])
-    assert step.end_s == pytest.approx(sweep_s + step.args["update_stall_s"])
-    if hw.device_is_cpu:  # nothing overlaps in the sweep: the drawn one is the planner's
-        assert step.end_s == pytest.approx(plan.times_s["step"], rel=1e-9)
-        assert step.args["update_stall_s"] == pytest.approx(plan.times_s["update_stall"])
-    # no lane overlaps itself, but the drive's writes: the model lets an update's own writes
-    # share it with an older write-back (drawn as a second row); the write-backs never overlap
-    for lane, evs in lanes.items():
-        if lane != "disk write":
-            _never_overlap(evs)
-    _never_overlap(backs)
+            reads = _update_disk(events, step, shape.names[s], "disk_read")
+            assert min(e.start_s for e in reads) >= max(e.end_s for e in backs[k - segments]) \
+                - 1e-12
+    # the step is the plan's simulated one
+    assert step.start_s == 0.0
+    assert step.end_s == pytest.approx(plan.times_s["simulated_step"], rel=1e-12)
+    # no lane overlaps itself (the drive's reads and writes share it), nor any row drawn
+    for evs in lanes.values():
+        _never_overlap(evs)
     names, rows = _rows(chrome_trace([], 0.0, events))
     for evs in rows.values():
         evs.sort(key=lambda e: e["ts"])
@@ -279,40 +285,58 @@ def test_predicted_write_back_follows_each_update_on_the_drive(hw_name, precisio
 @pytest.mark.parametrize("hw_name", ["cpu", "rtx4090"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_predicted_update_with_the_write_back_inside(hw_name, precision):
-    """Without a deferred write-back the update is drawn as before: per segment its disk read,
-    CPU update and the write of its whole state (and its compute copy), one after another from
-    the end of the sweep; the sweep is the same drawing as with the write-back deferred."""
+    """Without a deferred write-back the update is drawn per segment, in forward order, as its
+    disk reads (state and gradient), its CPU update and the write of its whole state (and its
+    compute copy), one after another, nothing of it on the write-back's thread."""
     from tierlm.runtime.byte_replay import _compute_copies
-    from tierlm.runtime.writeback import WriteBack
 
     shape, train, hw, plan, events = _predicted(hw_name, precision, None)
-    *_, deferred_events = _predicted(hw_name, precision, WriteBack(segments=1))
     copies = _compute_copies(shape, precision, plan.placements)
     assert (precision == "bf16") == any(copies[1:-1])
     lanes = _lanes(events)
     (step,) = lanes["step"]
-    sweep_s = step.args["sweep_s"]
-    assert not [e for e in events if e.name.startswith("write-back ")]
-    t = sweep_s
+    assert "cpu writeback" not in lanes and "cpu writeback wait" not in lanes
+    updates = {e.name.removeprefix("update "): e for e in lanes["cpu update"]}
+    assert list(updates) == shape.names
+    t = step.end_s - 1e-12
     for s, name in enumerate(shape.names):
         read, written = shape.update_disk_bytes(s, copies[s])
-        chain = [e for lane in ("disk read", "cpu update", "disk write") for e in lanes[lane]
-                 if e.start_s >= sweep_s and e.name in (f"state {name}", f"update {name}")]
-        assert [(e.lane, e.args.get("bytes")) for e in chain] == [
-            ("disk read", read), ("cpu update", None), ("disk write", written)]
-        for e in chain:
-            assert e.start_s == pytest.approx(t, abs=1e-12)
-            t = e.end_s
-        assert chain[1].end_s - chain[1].start_s == pytest.approx(
+        reads = _update_disk(events, step, name, "disk_read")
+        writes = _update_disk(events, step, name, "disk_write")
+        assert sum(e.args["bytes"] for e in reads) == read
+        assert sum(e.args["bytes"] for e in writes) == written
+        update = updates[name]
+        assert t <= min(e.start_s for e in reads)
+        assert max(e.end_s for e in reads) <= update.start_s + 1e-12
+        assert update.end_s <= min(e.start_s for e in writes) + 1e-12
+        t = max(e.end_s for e in writes) - 1e-12
+        assert update.end_s - update.start_s == pytest.approx(
             shape.numels[s] / hw.cpu_adam_params_per_s)
     for evs in lanes.values():
         _never_overlap(evs)
-    assert sum(e.end_s - e.start_s for e in events if e.start_s >= sweep_s
-               and e.lane != "step") == pytest.approx(plan.times_s["update"])
-    if hw.device_is_cpu:
-        assert step.end_s == pytest.approx(plan.times_s["step"], rel=1e-9)
+    assert step.end_s == pytest.approx(plan.times_s["simulated_step"], rel=1e-12)
 
-    def sweep(evs):
-        return [e for e in evs if e.end_s <= sweep_s and e.lane != "step"]
 
-    assert sweep(events) == sweep(deferred_events)
+def test_predicted_trace_is_the_step_the_plan_printed():
+    """The planner's own plan (`tierlm plan`: its prediction is the simulated step) of a tiered
+    `tiny`: the predicted trace's step event lasts the printed step, `simulated_step`, and its
+    compute lane is the simulated compute."""
+    from tierlm.memory.hardware import PROFILES
+    from tierlm.memory.tiers import Tier
+    from tierlm.models import preset_config
+    from tierlm.plan.search import plan
+    from tierlm.plan.timeline import predicted_timeline
+    from tierlm.runtime.shapes import ModelShape, TrainShape
+
+    shape = ModelShape.from_config(preset_config("tiny", max_seq_len=32))
+    train = TrainShape(2, 32, M, "bf16")
+    hw = PROFILES["rtx4090"]
+    p = plan(shape, train, hw, device_budget=12 * 2**20, host_budget=10 * 2**20)
+    assert p.fits and Tier.DISK in {pl.state_tier for pl in p.placements}
+    assert not all(pl.resident for pl in p.placements)  # some weights streamed
+    lanes = _lanes(predicted_timeline(shape, train, hw, p))
+    (step,) = lanes["step"]
+    assert (step.start_s, step.end_s) == (0.0, p.times_s["simulated_step"])
+    assert step.end_s == p.step_s  # what `tierlm plan` printed
+    assert sum(e.end_s - e.start_s for e in lanes["compute"]) == pytest.approx(
+        p.times_s["simulated_compute"], rel=1e-9)

@@ -200,8 +200,8 @@ _CAPTIONS = {
              "store's copies, disk read/write one bar per request, cpu update the optimizer per "
              "segment (the step's own updates run after its sweep, behind the next forward). A "
              "lane with work in flight at once is split into numbered rows. The predicted lanes "
-             "lay the planner's time model out per action: compute shared by FLOPs, each move "
-             "at the profile's link rate, overlapped as the planner assumes.",
+             "are the plan's simulated step: the planner's replay of the engine's operations "
+             "on the profile's simulated GPU, its steady-state step op by op.",
     "placement": "Where each segment's state lives: bytes per tier and tensor class (compute "
                  "weights on the device for resident segments; streamed ones visit the device "
                  "only while their action runs).",

@@ -19,6 +19,7 @@ from tierlm.memory.tiers import Link, TensorClass, Tier
 from tierlm.node.transport import CHUNK_BYTES, INFLIGHT
 from tierlm.plan.offload_bytes import offload_sizes, offload_workspace_bytes
 from tierlm.plan.replay import ReplayConfig, simulate_step
+from tierlm.plan.replay_parts import StepTiming
 from tierlm.plan.result import Plan, _problems
 from tierlm.plan.timing import _bottleneck, _times, compiled_block_factor, writeback_bytes
 from tierlm.runtime import schedule
@@ -174,6 +175,19 @@ def simulated_lanes(hw: HardwareProfile) -> dict[str, str]:
     return SIMULATED_LANES if hw.memory_node is None else {**SIMULATED_LANES, **NODE_LANES}
 
 
+def replay_plan(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
+                ) -> StepTiming:
+    """`p`'s step replayed on a timing device (tierlm.plan.replay.simulate_step), as every
+    user of the simulated step runs it: `simulated_times` and the predicted trace
+    (tierlm.plan.timeline)."""
+    return simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
+                         p.boundary_on_host,
+                         ReplayConfig(hw=hw, speculative_disk_updates=p.speculative),
+                         readahead=p.readahead,
+                         writeback=p.writeback,
+                         offloaded=offload_sizes(shape, train, p.offload_graphs))
+
+
 def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Plan
                     ) -> dict[str, float]:
     """`p`'s steady-state step as the replay simulates it (tierlm.plan.replay: the engine's
@@ -182,12 +196,7 @@ def simulated_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p
     (`simulated_<lane>_overlap`). Run for the chosen plan only: the search still ranks
     candidates by `_times` (a replay in virtual time costs ~0.3-2 s at 7B; the search
     evaluates thousands of candidates)."""
-    r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
-                      p.boundary_on_host,
-                      ReplayConfig(hw=hw, speculative_disk_updates=p.speculative),
-                      readahead=p.readahead,
-                      writeback=p.writeback,
-                      offloaded=offload_sizes(shape, train, p.offload_graphs))
+    r = replay_plan(shape, train, hw, p)
     out = {"simulated_step": r.step_s, "simulated_transfer_wait": r.transfer_wait_s}
     for key, lane in simulated_lanes(hw).items():
         out[f"simulated_{key}"] = r.lane_busy_s.get(lane, 0.0)

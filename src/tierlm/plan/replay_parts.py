@@ -31,6 +31,7 @@ class StepTiming:
     lane_busy_s: dict[str, float]  # each lane's busy time within the step
     overlap_s: dict[str, float]  # each copy lane's busy time that overlaps compute's
     transfer_wait_s: float  # compute idle, waiting for copies
+    start_s: float = 0.0  # when the step starts on the timeline (its ops' clock)
     ops: list[Op] = field(default_factory=list, repr=False)  # the step's operations
     steps: list[dict[str, float]] = field(default_factory=list, repr=False)  # end_step's
     step_ops: list[list[Op]] = field(default_factory=list, repr=False)  # every step's ops
@@ -172,7 +173,8 @@ def _timing(dev: TimingDevice, results: list[dict[str, float]]) -> StepTiming:
     overlap = {lane: _overlap([(op.start_s, op.end_s) for op in ops if op.lane == lane],
                               compute) for lane in (H2D, D2H, DISK)}
     return StepTiming(step_s=last["sim_step_s"], lane_busy_s=busy, overlap_s=overlap,
-                      transfer_wait_s=last["sim_transfer_wait_s"], ops=ops, steps=results)
+                      transfer_wait_s=last["sim_transfer_wait_s"],
+                      start_s=dev.step_window_s[0], ops=ops, steps=results)
 
 
 def _overlap(spans: list[tuple[float, float]], under: list[tuple[float, float]]) -> float:

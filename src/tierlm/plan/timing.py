@@ -19,7 +19,6 @@ from tierlm.memory.placement import (
     keeps_graph,
 )
 from tierlm.memory.tiers import Link, Tier
-from tierlm.plan.result import Plan
 from tierlm.precision.nf4 import decode_traffic_bytes
 from tierlm.runtime.byte_replay import _compute_copies, _disk_update_bytes
 from tierlm.runtime.shapes import ModelShape, TrainShape
@@ -52,16 +51,13 @@ def writeback_bytes(
 @dataclass
 class UpdateSpan:
     """One segment's update in `_update_chain` (seconds from the window's start): its disk
-    reads, CPU work and the writes the forward needs, one after another from `start_s`; its
-    deferred write-back (0 s where none) queued on the drive, ending at `writeback_end_s`."""
+    reads, CPU work and the writes the forward needs, one after another from `start_s`."""
 
     seg: int
     start_s: float
     read_s: float
     cpu_s: float
     write_s: float
-    writeback_s: float = 0.0
-    writeback_end_s: float = 0.0
 
     @property
     def ready_s(self) -> float:
@@ -72,7 +68,7 @@ class UpdateSpan:
 def _update_chain(
     shape: ModelShape, hw: HardwareProfile, placements, copies: list[int | None],
     read_ahead: frozenset[int], deferred: dict[int, int], limit: int | None,
-    starts: list[float], late: float, spans: list[UpdateSpan] | None = None,
+    starts: list[float], late: float,
 ) -> float:
     """How long the first forward waits for the updates: the updates run one after another in
     forward order from `late` on (each its disk reads, CPU work and the writes the forward
@@ -81,8 +77,7 @@ def _update_chain(
     write-backs are pending; segment s's forward starts at `starts[s]` (seconds into the
     window) and waits for its update. The write-back shares the drive in pieces, so the
     update's own requests are taken as running at the drive's full rate (the step's disk total
-    bounds both). `spans`, where given, receives each update's times (the predicted trace
-    draws them: tierlm.plan.timeline)."""
+    bounds both)."""
     cpu_s = 0.0 if shape.frozen else shape.optim_cpu_cost / hw.cpu_adam_params_per_s
     t, stall, written = late, 0.0, []
     for s, p in enumerate(placements):
@@ -96,8 +91,6 @@ def _update_chain(
                               _copy_bytes(shape, copies, s) / node.net_Bps)
             t = span.ready_s
             stall = max(stall, t - starts[s])
-            if spans is not None:
-                spans.append(span)
             continue
         if p.state_tier == Tier.DISK:
             read, write = shape.update_disk_bytes(s, copies[s], host_grad=p.host_grad,
@@ -109,12 +102,9 @@ def _update_chain(
                           write / hw.disk_write_Bps)
         t = span.ready_s
         if s in deferred:
-            span.writeback_s = deferred[s] / hw.disk_write_Bps
-            written.append(max(t, written[-1] if written else 0.0) + span.writeback_s)
-            span.writeback_end_s = written[-1]
+            written.append(max(t, written[-1] if written else 0.0)
+                           + deferred[s] / hw.disk_write_Bps)
         stall = max(stall, t - starts[s])
-        if spans is not None:
-            spans.append(span)
     return stall
 
 
@@ -153,21 +143,6 @@ def node_times(shape: ModelShape, train: TrainShape, hw: HardwareProfile, placem
         / node.cpu_params_per_s,
         "node_recv": sum(_copy_bytes(shape, copies, s) for s in remote) / node.net_Bps,
     }
-
-
-def update_spans(shape: ModelShape, train: TrainShape, hw: HardwareProfile, plan: Plan,
-                 chunk_numel: int = STAGING_CHUNK_NUMEL) -> tuple[list[UpdateSpan], float]:
-    """`plan`'s updates as `_times` models them, segment by segment, from the end of the sweep
-    (`_update_chain`'s spans), and the stall they cause the next step's forward."""
-    copies = _compute_copies(shape, train.precision, plan.placements)
-    deferred = writeback_bytes(shape, plan.placements, copies, plan.writeback, chunk_numel)
-    limit = None if plan.writeback is None else plan.writeback.segments
-    spans: list[UpdateSpan] = []
-    stall = _update_chain(shape, hw, plan.placements, copies,
-                          frozenset(plan.readahead_segments), deferred, limit,
-                          forward_starts(shape, plan.times_s["update_window"]),
-                          plan.times_s["update_late"], spans)
-    return spans, stall
 
 
 def forward_starts(shape: ModelShape, window: float) -> list[float]:

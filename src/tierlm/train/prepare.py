@@ -633,8 +633,9 @@ def trained_share(seqs: object, rows_at_a_time: int = 4096, max_rows: int = 6553
 
 def _predicted_step(cfg: Config, model_config: Any, precision: str, plan: Plan | None,
                     node: NodeHello | None) -> list[TraceEvent]:
-    """The planner's timeline of one step, drawn beside the measured one in trace.json (`node`:
-    the memory node's handshake, whose link the plan priced)."""
+    """The plan's simulated step (the replay's steady-state step, op by op), drawn beside the
+    measured one in trace.json (`node`: the memory node's handshake, whose link the plan
+    priced)."""
     if plan is None:
         return []
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
