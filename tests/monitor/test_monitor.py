@@ -201,3 +201,54 @@ def test_tensorboard_flag_writes_events_or_fails_with_the_install_hint(corpus, t
         return
     Trainer(cfg, log=quiet).train()
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+SPECULATION = ["speculated_segments", "speculation_kept", "speculation_redone",
+               "speculation_dropped", "speculation_redo_disk_bytes"]
+
+
+@pytest.mark.parametrize("speculative", ["on", "off"])
+def test_speculation_fields_and_the_redo_line(speculative, corpus, tmp_path, capsys):
+    """A disk-tier run with speculative updates and a clip that always binds: every step's
+    record says its speculations were redone, and the log says so once, at the first; without
+    the option the fields are absent."""
+    cfg = tiny_run_cfg(tmp_path, corpus, policy="disk", max_steps=3)
+    cfg.memory.speculative_update = speculative
+    cfg.optim.grad_clip = 1e-6
+    t = Trainer(cfg, log=quiet)
+    t.train()
+    t.stepper.close()
+    lines = capsys.readouterr().out.split("\n")  # the monitor's view logs the run's lines
+    recs = steps_of(tmp_path)
+    assert len(recs) == 3
+    if speculative == "off":
+        assert not any(k in r for r in recs for k in SPECULATION)
+        assert not [line for line in lines if "speculative" in line]
+        return
+    n = len(t.stepper.engine.states)  # all on disk
+    for r in recs:
+        assert [r[k] for k in SPECULATION[:4]] == [n, 0, n, 0]
+        assert r["speculation_redo_disk_bytes"] > 0
+    said = [line for line in lines if "speculative disk-tier updates were redone" in line]
+    assert len(said) == 1 and said[0].startswith("step 1: gradient clipping was active")
+
+
+def test_the_speculation_notice_names_the_flag_once_most_steps_redo():
+    from tierlm.monitor.probes import SpeculationNotice
+
+    def rec(redone):
+        return {"speculated_segments": 4, "speculation_redone": 4 if redone else 0,
+                "speculation_kept": 0 if redone else 4, "speculation_redo_disk_bytes": 1 << 20}
+
+    notice = SpeculationNotice(window=10)
+    said = [notice.check(rec(i % 3 != 0)) for i in range(30)]  # two steps in three redo
+    assert said[0] is None and "were redone" in said[1]  # the first redo, once
+    assert [i for i, s in enumerate(said) if s] == [1, 9]
+    assert said[9].startswith("speculative updates were redone on 6 of 10 steps") \
+        and said[9].endswith("pass --speculative-update off")
+    # one in three: never most of them
+    notice = SpeculationNotice(window=10)
+    said = [notice.check(rec(i % 3 == 0)) for i in range(30)]
+    assert [i for i, s in enumerate(said) if s] == [0]
+    # nothing speculated: nothing counted
+    assert SpeculationNotice(window=1).check({"step": 1}) is None

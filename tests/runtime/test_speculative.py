@@ -238,3 +238,56 @@ def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
     short = planned(None, host=6 << 20)
     assert short.fits and not short.speculative
     assert "simulated_step_speculative" in short.times_s
+
+
+def _counted(base, placements, regime, tmp_path, *, bf16):
+    """Each step's `Engine.speculation` and the disk bytes the run moved, its updates
+    included, on a speculating engine."""
+    from tests.runtime_helpers import new_engine
+    from tierlm.memory.tiers import Link
+
+    clip, skip = REGIMES[regime]
+    model = copy.deepcopy(base)
+    hook = InfGrad()
+    model.model.layers[1].mlp.register_forward_hook(hook)
+    kw = {}
+    if bf16:
+        model = bf16_model(model)
+        kw["autocast"] = bf16_autocast
+    eng = new_engine(model, tmp_path / regime, placements=placements, micro_batches=M,
+                     microbatch_order="microbatch-outer", grad_clip=clip,
+                     speculative_updates=True, **kw)
+    counts = []
+    for i, b in enumerate(batches(STEPS, M, seed=5)):
+        hook.armed = i == skip
+        eng.step(b, LR)
+        counts.append(eng.speculation.fields())
+    eng.synchronize()
+    moved = eng.ledger.total_moved_bytes
+    disk = moved[Link.DISK_READ] + moved[Link.DISK_WRITE]
+    eng.close()
+    return counts, disk
+
+
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_each_step_counts_its_speculations_kept_redone_or_dropped(base, placed, tmp_path):
+    """The step's record of its speculations (metrics.jsonl's speculation_* fields): a clip
+    that never binds keeps every one, one that always binds redoes every one, at the disk
+    bytes the redos add to the run's (its ledger's, against the run that kept them), and a
+    skipped step drops its own."""
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    n = sum(p.state_tier == Tier.DISK for p in placements)
+
+    def expect(kept=0, redone=0, dropped=0, nbytes=0):
+        return {"speculated_segments": n, "speculation_kept": kept,
+                "speculation_redone": redone, "speculation_dropped": dropped,
+                "speculation_redo_disk_bytes": nbytes}
+
+    commit, commit_disk = _counted(base, placements, "commit", tmp_path, bf16=bf16)
+    assert commit == [expect(kept=n)] * STEPS
+    redo, redo_disk = _counted(base, placements, "redo", tmp_path, bf16=bf16)
+    assert [{**c, "speculation_redo_disk_bytes": 0} for c in redo] == [expect(redone=n)] * STEPS
+    assert all(c["speculation_redo_disk_bytes"] > 0 for c in redo)
+    assert sum(c["speculation_redo_disk_bytes"] for c in redo) == redo_disk - commit_disk
+    skip, _ = _counted(base, placements, "skip", tmp_path, bf16=bf16)
+    assert skip == [expect(kept=n), expect(dropped=n), expect(kept=n)]

@@ -34,6 +34,8 @@ from tierlm.monitor.nvml import NoGpu, open_gpu_sampler
 from tierlm.monitor.probes import (
     LossWindow,
     Probe,
+    Speculation,
+    SpeculationNotice,
     build_probes,
     disk_segment_bytes,
     probe_disk_Bps,
@@ -161,8 +163,10 @@ class Monitor:
         log: Callable[[str], None] = print,
         summaries: list[Callable[[], str | None]] = (),
         phases: Progress = NO_PROGRESS,
+        notices: tuple[Alert, ...] = (),  # the alerts' interface, but not counted as alerts
     ) -> None:
         self.summaries = list(summaries)
+        self.notices = notices  # log lines a record may call for
         self.phases = phases  # the run's progress: its terminal view draws it while open
         self.metrics = metrics
         self.probes = probes
@@ -208,6 +212,10 @@ class Monitor:
             sink.write(rec)
         for name, msg in fired:
             self.log(f"step {rec['step']}: alert {name}: {msg}")
+        for notice in self.notices:
+            line = notice.check(rec)
+            if line:
+                self.log(f"step {rec['step']}: {line}")
         if self.view is not None:
             self.view.update(rec, self.last_eval, self.alerts.counts)
         return rec
@@ -268,9 +276,10 @@ def build_monitor(
     if not isinstance(gpu, NoGpu):
         detectors.append(GpuThrottle())
     sinks = (TensorBoardSink(run_dir / "tensorboard"),) if cfg.monitor.tensorboard else ()
+    notices = (SpeculationNotice(),) if Speculation.speculates(engine) else ()
     monitor = Monitor(metrics, probes, Alerts(detectors), sinks=sinks,
                       every=cfg.monitor.log_every, log=log, summaries=summaries,
-                      phases=phases)
+                      phases=phases, notices=notices)
     if metrics.path.exists():
         monitor.replay(read_metrics(metrics.path))
     return monitor

@@ -215,6 +215,56 @@ class Gpu:
         return self.sampler.sample()
 
 
+class Speculation:
+    """What became of the step's speculative disk-tier updates (`Engine.speculation`:
+    tierlm.runtime.update.SpeculationCounts). Unlike the other probes' fields, these are absent
+    from the records of a run that speculates nothing (`speculates`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def speculates(engine: Any) -> bool:
+        return engine is not None and any(engine._speculates(st) for st in engine.trainable)
+
+    def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return self.engine.speculation.fields()
+
+
+class SpeculationNotice:
+    """The run's log lines about redone speculations, each once: at the first redo (clipping
+    was active, so the speculative updates were done twice), and once more than half of the
+    first `window` steps that speculated (or of every later count of them) redid them, where
+    `--speculative-update off` would do the updates once."""
+
+    def __init__(self, window: int = 10) -> None:
+        self.window = window
+        self.steps = 0  # steps that speculated
+        self.redone_steps = 0
+        self.first_said = False
+        self.off_said = False
+
+    def check(self, rec: dict[str, Any]) -> str | None:
+        if not rec.get("speculated_segments"):
+            return None
+        self.steps += 1
+        redone = rec.get("speculation_redone", 0)
+        self.redone_steps += bool(redone)
+        if redone and not self.first_said:
+            self.first_said = True
+            return (f"gradient clipping was active (coefficient below 1), so {redone} of "
+                    f"{rec['speculated_segments']} speculative disk-tier updates were redone, "
+                    f"moving {rec.get('speculation_redo_disk_bytes', 0) / 2**20:,.1f} MiB more "
+                    "on the disk (their reads and writes again)")
+        if (not self.off_said and self.steps >= self.window
+                and 2 * self.redone_steps > self.steps):
+            self.off_said = True
+            return (f"speculative updates were redone on {self.redone_steps} of {self.steps} "
+                    "steps (clipping binds on most steps), so they cost disk traffic and save "
+                    "nothing: pass --speculative-update off")
+        return None
+
+
 def build_probes(stepper: Stepper, device: torch.device, gpu: GpuSampler, micro_batches: int):
     """The probes for this run, in the order their fields are added."""
     engine = stepper.engine  # the tiered runtime: its schedule plans the stream's fetches
@@ -227,6 +277,7 @@ def build_probes(stepper: Stepper, device: torch.device, gpu: GpuSampler, micro_
         StreamFetches(engine, micro_batches) if engine is not None else NoStream(),
         Fp8Stats(stepper.fp8_stats) if stepper.fp8_stats is not None else NoFp8(),
         Gpu(gpu),
+        *((Speculation(engine),) if Speculation.speculates(engine) else ()),
     ]
 
 

@@ -75,7 +75,7 @@ from tierlm.runtime.state import (
 )
 from tierlm.runtime.state_io import StateIO
 from tierlm.runtime.stepper import Stepper
-from tierlm.runtime.update import Updates
+from tierlm.runtime.update import SpeculationCounts, Updates
 from tierlm.runtime.walk import walk_step
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, Writer
 
@@ -199,6 +199,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         # writes, its step counters before it) until `_finish_step` resolves it
         self._speculated: dict[int, tuple[Future, SegmentState, list[torch.Tensor]]] = {}
         self._lr = 0.0  # the step's learning rate (a speculation is issued mid-sweep)
+        self.speculation = SpeculationCounts()  # the last step's (`_count_speculations`)
         # segment -> its master and slots being read ahead of its update (the read-ahead)
         self._readahead: dict[int, CopiesRead] = {}
         self.update_wait_s = 0.0  # time the step spent waiting for background updates
@@ -390,6 +391,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         grad_norm, coef_value, loss = self.dev.read(
             torch.stack([total.double(), coef.double(), self.loss_sum]))
         self.cache.drop_all()  # every streamed copy is about to be stale
+        self._count_speculations(coef_value if math.isfinite(grad_norm) else None)
         if not math.isfinite(grad_norm):
             self.skipped_steps += 1
             for st in self.trainable:

@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -27,6 +28,23 @@ from tierlm.runtime.state import (
     write_back_copies,
 )
 from tierlm.runtime.writeback import deferred_copies
+
+
+@dataclass(kw_only=True)
+class SpeculationCounts:
+    """What became of one step's speculative disk-tier updates once its global norm was read
+    (the step's record in metrics.jsonl: tierlm.monitor.probes.Speculation)."""
+
+    speculated_segments: int = 0  # issued at their gradient's final landing
+    speculation_kept: int = 0  # committed: the clipping coefficient was exactly 1
+    speculation_redone: int = 0  # clipped (coefficient below 1): updated again, as without
+    speculation_dropped: int = 0  # the step was skipped (a non-finite gradient)
+    # disk bytes the redos move that a commit would not: each one's reads (master, slots, a
+    # gradient file; less what a read-ahead holds) and writes (master, slots, compute copy)
+    speculation_redo_disk_bytes: int = 0
+
+    def fields(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class Updates:
@@ -204,6 +222,33 @@ class Updates:
                          ahead: CopiesRead | None, lr: float) -> None:
         landed.result()  # the gradient (held, or its file) is complete
         self._update(st, None, lr, to=to, ahead=ahead)
+
+    def _count_speculations(self, coef: float | None) -> None:
+        """On the training thread, once the global norm is read and before any speculation is
+        resolved: what becomes of this step's (`coef` None: the step is skipped)."""
+        specs = [st for st in self.trainable if st.index in self._speculated]
+        counts = SpeculationCounts(speculated_segments=len(specs))
+        if coef is None:
+            counts.speculation_dropped = len(specs)
+        elif coef == 1.0:
+            counts.speculation_kept = len(specs)
+        else:
+            counts.speculation_redone = len(specs)
+            counts.speculation_redo_disk_bytes = sum(self._redo_disk_bytes(st) for st in specs)
+        self.speculation = counts
+
+    def _redo_disk_bytes(self, st: SegmentState) -> int:
+        """Disk bytes `_update` moves for a redo of `st` (`_update_disk`): it reads the state
+        copies and a gradient file the read-ahead does not hold, and writes the state copies
+        and the compute copy."""
+        ahead = self._readahead.get(st.index)
+        held = () if ahead is None else ahead.bufs
+        reads = (*st.state_copies, *(("grad",) if st.grad is None else ()))
+        nbytes = sum(st.slot(c).nbytes(st.layout) for c in reads if c not in held)
+        nbytes += sum(st.slot(c).nbytes(st.layout) for c in st.state_copies)
+        if st.compute_format is not None:
+            nbytes += st.compute_format.nbytes
+        return nbytes
 
     def _resolve(self, s: int, coef: torch.Tensor | None, lr: float) -> None:
         """On the update worker, after segment `s`'s speculation, once the global norm is read:
