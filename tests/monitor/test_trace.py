@@ -340,3 +340,34 @@ def test_predicted_trace_is_the_step_the_plan_printed():
     assert step.end_s == p.step_s  # what `tierlm plan` printed
     assert sum(e.end_s - e.start_s for e in lanes["compute"]) == pytest.approx(
         p.times_s["simulated_compute"], rel=1e-9)
+
+
+def test_on_a_simulated_gpu_the_predicted_lanes_are_the_measured_ones(tmp_path):
+    """`--device sim:rtx4090` on the disk tier, step 2 traced: the engine's step on the
+    simulated GPU and the planner's replay of it give the same events, lane, name, start and
+    duration (to the trace's nanosecond), the step's own included."""
+    from tierlm.config import from_dict
+
+    cfg = from_dict({
+        "model": {"size": "tiny"}, "data": {"seq_len": 32, "vocab_size": 512},
+        "memory": {"offload_policy": "disk"},
+        "train": {"max_steps": 2, "batch_size": 2, "grad_accum_steps": M, "eval_every": 0,
+                  "eval_batches": 1, "save_final": False, "sample_tokens": 0},
+        "run": {"out": str(tmp_path), "device": "sim:rtx4090", "seed": 3},
+        "monitor": {"trace_step": 2},
+    })
+    t = Trainer(cfg, log=quiet)
+    t.train()
+    t.stepper.close()
+    trace = json.loads((tmp_path / "trace.json").read_text(encoding="utf-8"))
+
+    def events(pid):
+        return sorted((e["args"]["lane"], e["name"], e["ts"], e["dur"])
+                      for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid)
+
+    measured, predicted = events(MEASURED_PID), events(PREDICTED_PID)
+    assert {lane for lane, *_ in measured} >= {"step", "compute", "H2D", "D2H", "disk",
+                                               "cpu update"}
+    assert [e[:2] for e in predicted] == [e[:2] for e in measured]
+    for p, m in zip(predicted, measured, strict=True):
+        assert p[2:] == pytest.approx(m[2:], abs=2e-3), (p, m)  # µs: the ns rounding

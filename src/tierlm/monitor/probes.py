@@ -225,7 +225,7 @@ class Speculation:
 
     @staticmethod
     def speculates(engine: Any) -> bool:
-        return engine is not None and any(engine._speculates(st) for st in engine.trainable)
+        return engine is not None and engine.speculating
 
     def fields(self, rec: dict[str, Any]) -> dict[str, Any]:
         return self.engine.speculation.fields()

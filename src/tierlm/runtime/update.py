@@ -206,6 +206,12 @@ class Updates:
         that trains, with the option on."""
         return self.opts.speculative_updates and st.tier == Tier.DISK and not st.frozen
 
+    @property
+    def speculating(self) -> bool:
+        """Whether any segment's update is speculative (the step records what became of it:
+        `speculation`)."""
+        return any(self._speculates(st) for st in self.trainable)
+
     def _speculate(self, st: SegmentState, landed: Future) -> None:
         """On the training thread, at `st`'s gradient's final landing of the step: its update,
         with the clipping coefficient taken as 1, goes to the update worker behind `landed`
