@@ -22,9 +22,9 @@ An action, in order:
 - backward, per micro-batch: its input, if parked, brought back (unless the micro-batch before
   brought it back) and waited for; the next parked input the backward reads starts back (one
   micro-batch ahead: its copy runs under this compute); compute, drop the output's gradient,
-  hold the input's (where the segment before has a backward), drop the input and free its host
-  copy; the owner of tied weights adopts the head's buffer as its gradient, or adds it into its
-  own and frees it;
+  hold the input's (where the segment before has a backward), drop the input; the owner of
+  tied weights adopts the head's buffer as its gradient, or adds it into its own and frees it;
+  then the host copies of the inputs it brought back are freed;
 - land the action's gradient (head and backward; final on the step's last micro-batch);
 - start loading the next action's weights, then the read-ahead's reads that follow this action.
 """
@@ -216,6 +216,7 @@ class _Walk:
         micro-batch as its gradient."""
         s = a.seg
         owns_borrowed = s == 0 and bool(self.borrowed)
+        returned = []  # the host copies of the inputs brought back, freed after the loop
         for i in a.mbs:
             # The owner of tied weights sums its own and the head's contribution for this
             # micro-batch first, as autograd does for a tensor used twice in a graph: its backward
@@ -230,13 +231,17 @@ class _Walk:
                 if runs_backward(s - 1, self.rules.first_trained):
                     self.hold_grad(i, s, dx)
                 self.drop_input(i, s)
-                returned = self.returning.pop((i, s), None)
-                if returned is not None:  # its backward has read the device copy
-                    self.b.release_parked(returned[0])
+                if (i, s) in self.returning:
+                    returned.append(self.returning.pop((i, s))[0])
             if owns_borrowed and grad is None:
                 grad = target  # a fresh zeroed gradient plus `target` is `target`
             elif owns_borrowed:
                 self.b.add_grad(grad, target)
+        # after the action's backwards, not between them: freeing a pinned range lets the
+        # simulated device land every copy queued (tierlm.memory.device), which would hide a
+        # missing wait for the next input's copy
+        for copy in returned:
+            self.b.release_parked(copy)
         self.b.land(s, grad, final=final_landing(a, self.rules.micro_batches))
 
     # -- what is held between actions --
