@@ -21,6 +21,11 @@ their backward when the action before it begins (on the H2D engine, each after i
 the compute queued so far), the backward waiting for the last of them: the engine's
 `Offload.forward_done`, `bring_back` and `backward`.
 
+Resident copies an update made stale are refreshed while the action before their first use
+runs, where that update is done (`refresh_ahead`: Engine._refresh_ahead), and parked boundary
+inputs come back one micro-batch ahead of their backward (the walk's `bring_back_next`; `unpark`,
+`arrived` and `release_parked` as `_TensorStep`'s).
+
 `simulate_step` runs two steps on one timeline: the first fills the stream cache and runs its
 update, the second is the steady state. tests/plan/test_replay.py holds the replay's
 operations equal to the engine's on `SimDevice` for the configurations it names.

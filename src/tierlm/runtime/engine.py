@@ -8,9 +8,11 @@ over M micro-batches runs a precomputed list of actions:
 
 `microbatch-outer` repeats the whole list per micro-batch; `layer-outer` runs each segment for all
 micro-batches while its weights are on the device. Because the list is known before the step
-starts, the stream cache evicts by next use and prefetches the next action's weights. The order
-in which an action waits for, holds, parks, drops and lands what it touches is
-tierlm.runtime.walk's, which the planner's replay walks too, over byte counts.
+starts, the stream cache evicts by next use and prefetches the next action's weights, and a
+resident copy an update made stale is refreshed while the action before its first use runs
+(`SegmentCompute._refresh_ahead`). The order in which an action waits for, holds, parks,
+drops and lands what it touches is tierlm.runtime.walk's, which the planner's replay walks too,
+over byte counts.
 
 After the backward sweep the global gradient norm is known: the step is skipped on a non-finite
 norm, otherwise gradients are clipped and each segment is updated on the tier that holds its
