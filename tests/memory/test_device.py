@@ -12,9 +12,12 @@ from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.config import ActivationConfig
 from tierlm.memory.device import SimDevice, sim_profile
 from tierlm.memory.hardware import PROFILES
+from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.simulator import Lane, Rates, Timeline
-from tierlm.memory.tiers import Link
-from tierlm.runtime import EngineOptions, build_engine
+from tierlm.memory.tiers import Link, Tier
+from tierlm.runtime import EngineOptions, build_engine, compute
+from tierlm.runtime.engine import _TensorStep
+from tierlm.runtime.state import refresh_resident, reload_resident
 
 CPU = torch.device("cpu")
 B, T, M, STEPS = 2, 16, 2, 3
@@ -80,13 +83,13 @@ def test_sim_profile_names_the_choices():
         sim_profile("sim:nope")
 
 
-def _run(device, policy, order, activations, tmp_path, precision="fp32"):
+def _run(device, policy, order, activations, tmp_path, precision="fp32", **options):
     torch.manual_seed(0)
     model = copy.deepcopy(_BASE)
     opts = EngineOptions(offload_dir=str(tmp_path / "offload"), batch_size=B, seq_len=T,
                          policy=policy, microbatch_order=order, micro_batches=M,
                          activations=ActivationConfig(policy=activations), grad_clip=1.0,
-                         device_budget_bytes=_budget(policy))
+                         device_budget_bytes=_budget(policy), **options)
     eng = build_engine(model, OPTIM, opts, device=device)
     recs = [eng.step(b, OPTIM.lr) for b in _BATCHES]
     weights = eng.weights()
@@ -127,6 +130,68 @@ def test_engine_on_the_simulated_device_is_exact(policy, order, activations, tmp
     assert tl.lanes["compute"].busy_s > 0
     if policy != "none":
         assert tl.lanes["H2D"].busy_s > 0
+
+
+def _assert_exact(ref, got) -> None:
+    for r, g in zip(ref[0], got[0], strict=True):
+        assert g["loss"] == r["loss"] and g["grad_norm"] == r["grad_norm"]
+        assert math.isfinite(g["loss"]) and math.isfinite(g["grad_norm"])
+    for a, b in ((ref[1], got[1]), (ref[2], got[2])):
+        assert a.keys() == b.keys()
+        unequal = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not unequal, unequal[:3]
+
+
+def _sim() -> SimDevice:
+    return SimDevice(PROFILES["rtx4090"], "fp32")
+
+
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+def test_boundaries_brought_back_ahead_are_exact(order, tmp_path, monkeypatch):
+    """Parked boundary inputs start back to the device one micro-batch ahead of their backward
+    (tierlm.runtime.walk), which waits for each: exact on the simulated device, where a copy
+    lands only when waited for. Without the backward's wait it reads NaN."""
+    options = {"boundary_tier": Tier.HOST}
+    ref = _run(CPU, "host", order, "full", tmp_path / "cpu", **options)
+    _assert_exact(ref, _run(_sim(), "host", order, "full", tmp_path / "sim", **options))
+    monkeypatch.setattr(_TensorStep, "arrived", lambda self, s, event: None)
+    recs = _run(_sim(), "host", order, "full", tmp_path / "nowait", **options)[0]
+    assert not math.isfinite(recs[0]["grad_norm"])
+
+
+# embed and head resident with host state, the first block resident with disk state (each
+# reloaded after its update), the other blocks streamed from host RAM: the 7B plan's kinds
+_RESIDENT = ([SegmentPlacement(True, Tier.HOST), SegmentPlacement(True, Tier.DISK)]
+             + [SegmentPlacement(False, Tier.HOST)] * 2 + [SegmentPlacement(True, Tier.HOST)])
+
+
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+def test_resident_copies_refreshed_ahead_are_exact(order, tmp_path, monkeypatch):
+    """A resident copy of host or disk state is refreshed after each update while the action
+    before its first use runs, once its update is done (Engine._refresh_ahead), and the first
+    use waits for it: exact on the simulated device. Without that wait the step computes on
+    weights that have not arrived."""
+    started = []
+
+    def counted(*args):
+        load = refresh_resident(*args)
+        started.append(load)
+        return load
+
+    monkeypatch.setattr(compute, "refresh_resident", counted)
+    options = {"placements": _RESIDENT, "boundary_tier": Tier.HOST}
+    ref = _run(CPU, "auto", order, "full", tmp_path / "cpu", **options)
+    started.clear()
+    _assert_exact(ref, _run(_sim(), "auto", order, "full", tmp_path / "sim", **options))
+    assert any(load is not None for load in started)  # refreshed ahead on the simulated GPU
+
+    def unwaited(store, st, chunk_numel, load=None):  # a refresh started ahead, never waited
+        if load is None:
+            reload_resident(store, st, chunk_numel)
+
+    monkeypatch.setattr(compute, "reload_resident", unwaited)
+    recs = _run(_sim(), "auto", order, "full", tmp_path / "nowait", **options)[0]
+    assert [r["loss"] for r in recs] != [r["loss"] for r in ref[0]]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -13,10 +13,12 @@ from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.tiers import Tier
 from tierlm.models import build_model, preset_config
+from tierlm.plan import replay as replay_module
 from tierlm.plan.replay import ReplayConfig, simulate_step
-from tierlm.runtime import EngineOptions, build_engine
+from tierlm.runtime import EngineOptions, build_engine, compute
 from tierlm.runtime.readahead import ReadAhead
 from tierlm.runtime.shapes import ModelShape, TrainShape
+from tierlm.runtime.state import refresh_resident
 from tierlm.runtime.writeback import WriteBack
 
 B, T, M, STEPS = 1, 8, 2, 2
@@ -41,6 +43,10 @@ def _placements(kind: str, n: int) -> list[SegmentPlacement]:
         return [SegmentPlacement(True, Tier.DEVICE)] * n
     if kind in ("host", "disk"):
         return [SegmentPlacement(False, Tier[kind.upper()])] * n
+    if kind == "resident":  # the 7B plan's kinds: resident host and disk state, streamed disk
+        return ([SegmentPlacement(True, Tier.HOST), SegmentPlacement(True, Tier.DISK)]
+                + [SegmentPlacement(False, Tier.DISK)] * (n - 3)
+                + [SegmentPlacement(True, Tier.HOST)])
     return ([SegmentPlacement(True, Tier.HOST)] + [SegmentPlacement(False, Tier.HOST)] * (n - 3)
             + [SegmentPlacement(True, Tier.DEVICE), SegmentPlacement(True, Tier.HOST)])
 
@@ -53,7 +59,7 @@ def _engine_ops(preset, kind, order, precision, tmp_path, **options):
         extra = {"autocast": bf16_autocast}
     n = len(model.model.layers) + 2
     placements = _placements(kind, n)
-    boundary = Tier.HOST if kind == "host" else Tier.DEVICE
+    boundary = Tier.HOST if kind in ("host", "resident") else Tier.DEVICE
     sim = SimDevice(HW, precision)
     eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order=order,
@@ -124,6 +130,33 @@ def test_speculative_updates_share_it_too(order, precision, readahead, writeback
     engine = _check("tiny", "disk", order, precision, tmp_path, speculative_updates=True,
                     grad_clip=0.0, readahead=readahead, writeback=writeback)
     assert any(".spare.bin" in o.name for step in engine for o in step)
+
+
+@pytest.mark.parametrize(("order", "precision", "speculative"), [
+    ("layer-outer", "fp32", False), ("layer-outer", "bf16", True),
+    ("microbatch-outer", "bf16", False)])
+def test_refreshes_ahead_and_parked_inputs_share_it_too(order, precision, speculative,
+                                                        tmp_path, monkeypatch):
+    """Resident segments of host and disk state (fp32: a chunked disk load; bf16: the compute
+    file), each refreshed after its update while the action before its first use runs where
+    the update is done, and boundary inputs parked on the host, each brought back one
+    micro-batch ahead of its backward: the engine and the replay start the same refreshes
+    ahead and put the same operations on the timeline."""
+    started: dict[str, list] = {"engine": [], "replay": []}
+
+    def counting(module, key):
+        def refresh(*args):
+            load = refresh_resident(*args)
+            started[key].append(load is not None)
+            return load
+        monkeypatch.setattr(module, "refresh_resident", refresh)
+
+    counting(compute, "engine")
+    counting(replay_module, "replay")
+    options = {"speculative_updates": True, "grad_clip": 0.0} if speculative else {}
+    engine = _check("tiny", "resident", order, precision, tmp_path, **options)
+    assert any(started["engine"]) and started["engine"] == started["replay"]
+    assert any(o.name.startswith("boundary") for step in engine for o in step)
 
 
 def _check(preset, kind, order, precision, tmp_path, **options):

@@ -21,6 +21,11 @@ their backward when the action before it begins (on the H2D engine, each after i
 the compute queued so far), the backward waiting for the last of them: the engine's
 `Offload.forward_done`, `bring_back` and `backward`.
 
+Resident copies an update made stale are refreshed while the action before their first use
+runs, where that update is done (`refresh_ahead`: Engine._refresh_ahead), and parked boundary
+inputs come back one micro-batch ahead of their backward (the walk's `bring_back_next`; `unpark`,
+`arrived` and `release_parked` as `_TensorStep`'s).
+
 `simulate_step` runs two steps on one timeline: the first fills the stream cache and runs its
 update, the second is the steady state. tests/plan/test_replay.py holds the replay's
 operations equal to the engine's on `SimDevice` for the configurations it names.
@@ -66,6 +71,7 @@ from tierlm.runtime.schedule import grad_landing, landing_ring_numel, transient_
 from tierlm.runtime.state import (
     CopiesRead,
     read_copies,
+    refresh_resident,
     reload_resident,
     start_load,
     stream_chunks,
@@ -179,8 +185,17 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             if not st.placement.resident:
                 self.cache.acquire(k, s)
             elif st.device_stale:
-                reload_resident(store, st, chunk)
+                reload_resident(store, st, chunk, self.refreshing.pop(s, None))
                 st.device_stale = False
+
+        def refresh_ahead(self, k: int) -> None:  # Engine._refresh_ahead
+            for s in schedule.reads(self.actions[k], tied_owners):
+                st = states[s]
+                if (st.placement.resident and st.device_stale and s not in self.refreshing
+                        and (s not in updates or updates[s].done())):
+                    load = refresh_resident(store, st, chunk)
+                    if load is not None:
+                        self.refreshing[s] = load
 
         def prefetch(self, k: int) -> None:  # _TensorStep.prefetch
             self.cache.reads_done(k - 1)
@@ -248,11 +263,16 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         def wait_parked(self, copy) -> None:
             store.wait(copy[1])
 
-        def unpark(self, s: int, copy):
-            host, _ = copy
-            store.wait(store.to_device(_Bytes(hidden), host, f"boundary {shape.names[s]}"))
-            store.free(Tier.HOST, TensorClass.ACTIVATION, host)
-            return self.act
+        def unpark(self, s: int, copy):  # _TensorStep.unpark
+            host, written = copy
+            return self.act, store.to_device(_Bytes(hidden), host, f"boundary {shape.names[s]}",
+                                             after=[written, dev.mark()])
+
+        def arrived(self, s: int, event) -> None:
+            store.wait(event, f"boundary {shape.names[s]}")
+
+        def release_parked(self, copy) -> None:
+            store.free(Tier.HOST, TensorClass.ACTIVATION, copy[0])
 
         def land(self, s: int, grad, final: bool) -> None:  # Engine._land_grad
             p = placements[s]
@@ -412,6 +432,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                     updates[s] = worker.submit(update, s)
                 if st.placement.resident:
                     st.device_stale = True
+                    st.read_done = dev.mark()  # after the sweep's reads of its copy
 
     results, step_ops = [], []
     for _ in range(config.steps):

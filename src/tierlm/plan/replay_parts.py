@@ -130,6 +130,7 @@ class _State:
         if placement.resident:
             self.device_weights = _Bytes(self.device_nbytes(), 1)
         self.device_stale = False
+        self.read_done = None  # SegmentState.read_done
         self.grad_written = False
         self.generation = 0  # SegmentState.generation
 

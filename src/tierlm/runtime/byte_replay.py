@@ -206,6 +206,10 @@ class _CountingStep:
         self.stale = {s for s, p in enumerate(placements)
                       if p.resident and p.state_tier != Tier.DEVICE and not shape.frozen}
         self.load = load  # the replay's loader of a segment's weights (start_load's bytes)
+        # stale resident segments whose reload started ahead of their first use
+        # (Engine._refresh_ahead, its update taken as done), until that use
+        self.refreshing: dict[int, Any] = {}
+        self.tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
         # per segment, the host buffers the offload policy cuts from the pinned arena for one
         # micro-batch's forward and gives back after its backward (tierlm.activations.offload)
         self.offloaded = offloaded
@@ -217,6 +221,8 @@ class _CountingStep:
     def weights(self, k: int, s: int) -> None:
         if self.streamed[s]:
             self.cache.acquire(k, s)
+        elif s in self.refreshing:
+            self.refreshing.pop(s).finish(None)
         elif s in self.stale and self.load is not None:  # moves counted with the persistent
             self.stale.discard(s)
             self.load(s, count=False).finish(None)
@@ -227,6 +233,16 @@ class _CountingStep:
     def prefetch(self, k: int) -> None:
         self.on_action(k - 1, "prefetch", self.actions[k - 1])  # action k - 1 starts them
         self.cache.prefetch(k)
+        if k < len(self.actions):
+            self.refresh_ahead(k)
+
+    def refresh_ahead(self, k: int) -> None:
+        """Engine._refresh_ahead: the stale resident segments action `k` reads start reloading
+        (their staging taken) while action k - 1 runs."""
+        for s in schedule.reads(self.actions[k], self.tied_owners):
+            if s in self.stale and self.load is not None:
+                self.stale.discard(s)
+                self.refreshing[s] = self.load(s, count=False)
 
     def read_ahead(self, s: int) -> None:  # master and slots, whole, into staging
         nbytes = self.shape.update_state_bytes(s)
@@ -267,10 +283,15 @@ class _CountingStep:
     def wait_parked(self, copy: _Bytes) -> None:
         pass
 
-    def unpark(self, s: int, copy: _Bytes) -> _Bytes:
+    def unpark(self, s: int, copy: _Bytes) -> tuple[_Bytes, None]:
         self.ledger.record_move(Link.H2D, copy.nbytes)
+        return self.act, None
+
+    def arrived(self, s: int, event: None) -> None:
+        pass
+
+    def release_parked(self, copy: _Bytes) -> None:
         self.store.free(Tier.HOST, TensorClass.ACTIVATION, copy)
-        return self.act
 
     def grad_buffer(self, s: int) -> _Bytes:
         if not transient_grad(self.placements[s].state_tier, self.shape.frozen):

@@ -22,8 +22,8 @@ from tierlm.activations import (
 )
 from tierlm.memory.store import nbytes_of
 from tierlm.models.adapters import HeadSegment, StepContext
-from tierlm.runtime.schedule import Action
-from tierlm.runtime.state import SegmentState, reload_resident
+from tierlm.runtime.schedule import Action, reads
+from tierlm.runtime.state import SegmentState, refresh_resident, reload_resident
 
 
 @dataclass
@@ -69,8 +69,8 @@ class SegmentCompute:
             w = self.cache.acquire(k, s)
         else:
             arrived = st.device_stale
-            if st.device_stale:
-                reload_resident(self.store, st, self.chunk_numel)
+            if st.device_stale:  # finished here if `_refresh_ahead` started it
+                reload_resident(self.store, st, self.chunk_numel, self._refreshing.pop(s, None))
                 st.device_stale = False
             w = st.device_weights
         # Host-side wait: on CUDA an H2D copy the compute stream waits for is not included.
@@ -79,6 +79,20 @@ class SegmentCompute:
         if arrived:
             self.tracer.record("wait", f"weights {st.seg.name}", t0, t1, cat="transfer wait")
         return st.flat(w)
+
+    def _refresh_ahead(self, a: Action) -> None:
+        """Start refreshing the stale resident copies action `a` reads (issued while the action
+        before it runs, as the stream cache prefetches what it streams), each whose update is
+        done: its upload then runs under that action's compute instead of after it. One whose
+        update is still running is refreshed at its use (`_weights`): the training thread
+        does not wait for an update here."""
+        for s in reads(a, [owner for owner, _, _ in self.borrowed.values()]):
+            st = self.states[s]
+            if (st.placement.resident and st.device_stale and s not in self._refreshing
+                    and (s not in self._updates or self._updates[s].done())):
+                load = refresh_resident(self.store, st, self.chunk_numel)
+                if load is not None:
+                    self._refreshing[s] = load
 
     def _views(self, k: int, s: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views of segment `s`; for the head also the borrowed (tied) weights, as

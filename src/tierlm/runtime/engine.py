@@ -8,9 +8,11 @@ over M micro-batches runs a precomputed list of actions:
 
 `microbatch-outer` repeats the whole list per micro-batch; `layer-outer` runs each segment for all
 micro-batches while its weights are on the device. Because the list is known before the step
-starts, the stream cache evicts by next use and prefetches the next action's weights. The order
-in which an action waits for, holds, parks, drops and lands what it touches is
-tierlm.runtime.walk's, which the planner's replay walks too, over byte counts.
+starts, the stream cache evicts by next use and prefetches the next action's weights, and a
+resident copy an update made stale is refreshed while the action before its first use runs
+(`SegmentCompute._refresh_ahead`). The order in which an action waits for, holds, parks,
+drops and lands what it touches is tierlm.runtime.walk's, which the planner's replay walks too,
+over byte counts.
 
 After the backward sweep the global gradient norm is known: the step is skipped on a non-finite
 norm, otherwise gradients are clipped and each segment is updated on the tier that holds its
@@ -195,6 +197,9 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         self._landing: tuple[Future, torch.Tensor, SegmentState | None] | None = None
         self._writer = Writer(self.store, (options.writeback or DEFAULT_WRITEBACK).segments)
         self._updates: dict[int, Future] = {}
+        # resident segment -> the refresh of its stale copy started ahead of its first use
+        # (`_refresh_ahead`), until that use finishes it
+        self._refreshing: dict[int, object] = {}
         # segment -> its speculative update this step: (future, the spare-generation state it
         # writes, its step counters before it) until `_finish_step` resolves it
         self._speculated: dict[int, tuple[Future, SegmentState, list[torch.Tensor]]] = {}
@@ -429,6 +434,7 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
                                                                   host_coef, lr)
                 if st.placement.resident:
                     st.device_stale = True
+                    st.read_done = self.dev.mark()  # after the sweep's reads of its copy
         return loss, grad_norm, False
 
     def close(self) -> None:
@@ -461,6 +467,8 @@ class _TensorStep:
     def prefetch(self, k: int) -> None:
         self.eng.cache.reads_done(k - 1)  # the action just issued was the last to read them
         self.eng.cache.prefetch(k)
+        if k < len(self.actions):
+            self.eng._refresh_ahead(self.actions[k])
 
     def read_ahead(self, s: int) -> None:
         eng = self.eng
@@ -507,15 +515,22 @@ class _TensorStep:
     def wait_parked(self, copy: tuple[torch.Tensor, object, torch.Size]) -> None:
         self.eng.store.wait(copy[1])
 
-    def unpark(self, s: int, copy: tuple[torch.Tensor, object, torch.Size]) -> torch.Tensor:
-        store = self.eng.store
-        host, _, shape = copy
+    def unpark(self, s: int, copy: tuple[torch.Tensor, object, torch.Size]
+               ) -> tuple[torch.Tensor, object]:
+        host, written, shape = copy
         dev = torch.empty(shape, dtype=host.dtype, device=self.eng.device)
-        store.wait(store.to_device(dev, host.view(shape), f"boundary {self.names[s]}"))
+        # into fresh device memory: after the compute queued so far (the memory may be an
+        # activation it still reads) and the copy out
+        return dev, self.eng.store.to_device(dev, host.view(shape), f"boundary {self.names[s]}",
+                                             after=[written, self.eng.dev.mark()])
+
+    def arrived(self, s: int, event: object) -> None:
+        self.eng.store.wait(event, f"boundary {self.names[s]}")
+
+    def release_parked(self, copy: tuple[torch.Tensor, object, torch.Size]) -> None:
         # the pinned arena holds its range back until the copy reading it has finished
         # (Store.free records the copies queued so far)
-        store.free(Tier.HOST, TensorClass.ACTIVATION, host)
-        return dev
+        self.eng.store.free(Tier.HOST, TensorClass.ACTIVATION, copy[0])
 
     def grad_buffer(self, s: int) -> torch.Tensor:
         with self.eng.tracer.span("step", "gradient buffer", cat="step"):

@@ -98,10 +98,11 @@ def boundary_activation_bytes(
     """Peak device bytes of boundary activations and their gradients the step holds: the
     input of every segment after `embed` for the micro-batches in flight, plus two
     gradients; with the inputs parked on the host, one segment's inputs and outputs (or, in
-    the backward, its output gradients, one input brought back and one new gradient)."""
+    the backward, its output gradients, the input brought back, the next one on its way back
+    (tierlm.runtime.walk) and one new gradient)."""
     n = micro_batches_in_flight(m, order)
     if on_host:
-        return (n + max(n, 2)) * hidden_bytes
+        return (n + max(n, 3)) * hidden_bytes
     return n * (n_segs - 1 + 2) * hidden_bytes
 
 

@@ -55,6 +55,10 @@ class SegmentState:
     steps: list[torch.Tensor] = field(default_factory=list)  # one counter per optimizer group
     device_weights: torch.Tensor | None = None  # resident compute copy (or the master itself)
     device_stale: bool = False  # the resident copy predates the last update
+    # while stale: an event after every compute that has read the resident copy (the step's
+    # finish marks it), which its refresh in place waits for (`refresh_resident`); None:
+    # unknown (the copy went stale outside a step), the refresh waits for the compute queued
+    read_done: Any = None
     grad_written: bool = False  # disk: this step's gradient file holds a partial sum
     # The compute copy in the precision each weight computes in (tierlm.precision.streaming):
     # its format (None: the segment streams and computes from its fp32 master) and, for host
@@ -491,17 +495,41 @@ def start_load(store: Store, st: SegmentState, chunk_numel: int):
     return WireLoad(store, st) if st.wire is not None else HostLoad(store, st)
 
 
-def reload_resident(store: Store, st: SegmentState, chunk_numel: int) -> None:
-    """Bring a resident segment's device copy up to date after an update of its host or disk
-    state (reallocated first where its compute copy changed format)."""
-    nbytes = st.device_nbytes()
-    if st.device_weights.numel() * st.device_weights.element_size() != nbytes:
-        store.free(Tier.DEVICE, TensorClass.COMPUTE, st.device_weights)
-        st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, nbytes,
-                                        dtype=torch.uint8)
+def refresh_resident(store: Store, st: SegmentState, chunk_numel: int):
+    """Start bringing a resident segment's device copy up to date after an update of its host
+    or disk state, ahead of its first use: its disk read (if any) now, its upload into the copy
+    in place once the last compute that read it is done (`st.read_done`), not behind the
+    compute queued since. Returns the load, which `reload_resident` finishes at the first use
+    (compute waits for it there); None where the copy changes format (`reload_resident`
+    reallocates it at the use)."""
+    if st.device_weights.numel() * st.device_weights.element_size() != st.device_nbytes():
+        return None
     load = start_load(store, st, chunk_numel)
-    load.start(st.device_weights, AFTER_COMPUTE)  # the last step's reads of it are queued
+    load.start(st.device_weights, _last_read(st))
+    return load
+
+
+def _last_read(st: SegmentState) -> Any:
+    """What an upload into `st`'s resident copy in place waits for."""
+    return AFTER_COMPUTE if st.read_done is None else [st.read_done]
+
+
+def reload_resident(store: Store, st: SegmentState, chunk_numel: int, load=None) -> None:
+    """Bring a resident segment's device copy up to date after an update of its host or disk
+    state: finish `load` (`refresh_resident`'s, started ahead), or load it now (reallocated
+    first where its compute copy changed format)."""
+    if load is None:
+        nbytes = st.device_nbytes()
+        after = _last_read(st)  # in place: once the last compute that read it is done
+        if st.device_weights.numel() * st.device_weights.element_size() != nbytes:
+            store.free(Tier.DEVICE, TensorClass.COMPUTE, st.device_weights)
+            st.device_weights = store.alloc(Tier.DEVICE, TensorClass.COMPUTE, nbytes,
+                                            dtype=torch.uint8)
+            after = AFTER_COMPUTE  # fresh memory: compute queued so far may still use it
+        load = start_load(store, st, chunk_numel)
+        load.start(st.device_weights, after)
     load.finish(st.device_weights)
+    st.read_done = None  # compute reads the fresh copy from here on: its next reads are unknown
 
 
 class DiskTensor:

@@ -19,15 +19,19 @@ An action, in order:
   inputs it read leave the device (their copies are waited for, then they are dropped);
 - head, per micro-batch: a buffer the tied weights' gradient collects in, compute, hold the
   gradient at the input, drop the input;
-- backward, per micro-batch: bring a parked input back, compute, drop the output's gradient,
-  hold the input's (where the segment before has a backward), drop the input; the owner of tied
-  weights adopts the head's buffer as its gradient, or adds it into its own and frees it;
+- backward, per micro-batch: its input, if parked, brought back (unless the micro-batch before
+  brought it back) and waited for; the next parked input the backward reads starts back (one
+  micro-batch ahead: its copy runs under this compute); compute, drop the output's gradient,
+  hold the input's (where the segment before has a backward), drop the input; the owner of
+  tied weights adopts the head's buffer as its gradient, or adds it into its own and frees it;
+  then the host copies of the inputs it brought back are freed;
 - land the action's gradient (head and backward; final on the step's last micro-batch);
 - start loading the next action's weights, then the read-ahead's reads that follow this action.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -89,8 +93,17 @@ class StepBackend(Protocol):
     def wait_parked(self, copy: Buf) -> None:
         """The copy `park` started has read its source."""
 
-    def unpark(self, s: int, copy: Buf) -> Buf:
-        """Segment `s`'s input back on the device from its host copy, which is freed."""
+    def unpark(self, s: int, copy: Buf) -> tuple[Buf, Buf]:
+        """Start copying segment `s`'s input back to the device from its host copy, after the
+        compute queued so far: (its device copy, the copy's event). Compute reads it only
+        after `arrived`."""
+
+    def arrived(self, s: int, event: Buf) -> None:
+        """Compute waits for the copy `unpark` started (its event)."""
+
+    def release_parked(self, copy: Buf) -> None:
+        """The host copy of a brought-back input is freed (the backward that reads the input
+        has been issued)."""
 
     # -- gradients --
     def grad_buffer(self, s: int) -> Buf:
@@ -136,7 +149,12 @@ class _Walk:
         self.rules = rules
         # (micro-batch, segment) -> ...
         self.inputs: dict[tuple[int, int], Buf] = {}  # the segment's input on the device
-        self.parked: dict[tuple[int, int], Buf] = {}  # its host copy, until its backward
+        self.parked: dict[tuple[int, int], Buf] = {}  # its host copy, until brought back
+        # brought back: (host copy, the copy's event), until its backward has been issued
+        self.returning: dict[tuple[int, int], tuple[Buf, Buf]] = {}
+        # the backward's reads of parked inputs, in order: each starts back while the one before
+        # it computes (one micro-batch ahead)
+        self.upcoming: deque[tuple[int, int]] = deque()
         self.grads: dict[tuple[int, int], Buf] = {}  # the loss's gradient at its input
         # micro-batch -> the head's buffer holding the tied weights' gradient, until the owner's
         # backward for that micro-batch adopts it or adds it into its own
@@ -144,6 +162,8 @@ class _Walk:
 
     def run(self, actions: Sequence[Action], readahead: Mapping[int, Sequence[int]]) -> None:
         b = self.b
+        self.upcoming = deque((i, a.seg) for a in actions if a.kind == "bwd"
+                              and a.seg in self.rules.parked for i in a.mbs)
         for k, a in enumerate(actions):
             b.begin(k, a)
             grad = None
@@ -196,6 +216,7 @@ class _Walk:
         micro-batch as its gradient."""
         s = a.seg
         owns_borrowed = s == 0 and bool(self.borrowed)
+        returned = []  # the host copies of the inputs brought back, freed after the loop
         for i in a.mbs:
             # The owner of tied weights sums its own and the head's contribution for this
             # micro-batch first, as autograd does for a tensor used twice in a graph: its backward
@@ -203,16 +224,24 @@ class _Walk:
             # so the bits are autograd's own + head), which then joins the gradient.
             target = self.borrowed.pop(i) if owns_borrowed else grad
             x = None if s == 0 else self.input(i, s)
+            self.bring_back_next()
             dx = self.b.backward(a, i, w, x, self.grads[(i, s + 1)], target)
             self.drop_grad(i, s + 1)
             if s > 0:
                 if runs_backward(s - 1, self.rules.first_trained):
                     self.hold_grad(i, s, dx)
                 self.drop_input(i, s)
+                if (i, s) in self.returning:
+                    returned.append(self.returning.pop((i, s))[0])
             if owns_borrowed and grad is None:
                 grad = target  # a fresh zeroed gradient plus `target` is `target`
             elif owns_borrowed:
                 self.b.add_grad(grad, target)
+        # after the action's backwards, not between them: freeing a pinned range lets the
+        # simulated device land every copy queued (tierlm.memory.device), which would hide a
+        # missing wait for the next input's copy
+        for copy in returned:
+            self.b.release_parked(copy)
         self.b.land(s, grad, final=final_landing(a, self.rules.micro_batches))
 
     # -- what is held between actions --
@@ -226,12 +255,33 @@ class _Walk:
             self.parked[(i, s)] = self.b.park(s, x)
 
     def input(self, i: int, s: int) -> Buf:
-        """Segment `s`'s input for its backward: brought back if it was parked (the forward of
-        `s` has run since it was produced, so its copy is on the host by now)."""
-        copy = self.parked.pop((i, s), None)
-        if copy is not None:
-            self.hold_input(i, s, self.b.unpark(s, copy), park=False)  # the backward drops it
+        """Segment `s`'s input for its backward: if it was parked (the forward of `s` has run
+        since it was produced, so its copy is on the host by now), brought back here unless the
+        micro-batch before did, and waited for."""
+        if (i, s) in self.parked:
+            self.bring_back(i, s)
+        if self.upcoming and self.upcoming[0] == (i, s):
+            self.upcoming.popleft()
+        returned = self.returning.get((i, s))
+        if returned is not None:
+            self.b.arrived(s, returned[1])
         return self.inputs[(i, s)]
+
+    def bring_back(self, i: int, s: int) -> None:
+        """Start segment `s`'s parked input of micro-batch `i` back to the device; it is held
+        there from now on (the backward drops it)."""
+        copy = self.parked.pop((i, s))
+        x, event = self.b.unpark(s, copy)
+        self.hold_input(i, s, x, park=False)
+        self.returning[(i, s)] = (copy, event)
+
+    def bring_back_next(self) -> None:
+        """The next parked input the backward reads starts back now, so its copy runs under the
+        compute issued next (one more boundary on the device meanwhile). One not parked yet (a
+        micro-batch-outer step's next micro-batch has not run its forward) comes back at its
+        use."""
+        if self.upcoming and self.upcoming[0] in self.parked:
+            self.bring_back(*self.upcoming[0])
 
     def drop_input(self, i: int, s: int) -> None:
         x = self.inputs.pop((i, s), None)
