@@ -198,6 +198,9 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         # segment -> its speculative update this step: (future, the spare-generation state it
         # writes, its step counters before it) until `_finish_step` resolves it
         self._speculated: dict[int, tuple[Future, SegmentState, list[torch.Tensor]]] = {}
+        # the latest speculations that took their gradient from host RAM (at most
+        # HELD_GRADIENTS; tierlm.runtime.schedule.keeps_landed_grad)
+        self._kept: list[Future] = []
         self._lr = 0.0  # the step's learning rate (a speculation is issued mid-sweep)
         # segment -> its master and slots being read ahead of its update (the read-ahead)
         self._readahead: dict[int, CopiesRead] = {}

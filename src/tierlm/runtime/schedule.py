@@ -192,6 +192,23 @@ def grad_landing(state_tier: Tier, gradient_tier: Tier, *, written: bool, final:
     return GradLanding(passes=(*passes, FilePass(add=False, back=False)))
 
 
+HELD_GRADIENTS = 1
+"""Complete gradients kept in host RAM for speculative updates at once (`keeps_landed_grad`): a
+landing that keeps one takes its buffer only once the speculation that took the one
+HELD_GRADIENTS before it has finished with its own (the landing worker waits for it), so a
+backward that outruns the update worker holds no more than this many, however far behind that
+worker is. The planner's replays wait and count the same way."""
+
+
+def keeps_landed_grad(path: GradLanding, *, final: bool, speculated: bool) -> bool:
+    """Whether a landing also leaves its segment's whole gradient in host staging, for the
+    speculative update issued behind it (`speculated`: its update is) to take instead of
+    reading the gradient file back: the final landing into a gradient file, whose last pass
+    carries the complete sum from the device (tierlm.runtime.gradients). The file is still
+    written: a redo below coefficient 1 reads it."""
+    return speculated and final and not path.to_host and bool(path.passes)
+
+
 def final_landing(a: Action, micro_batches: int) -> bool:
     """Whether action `a` lands its segment's last gradient contribution of the step (the
     head's and each backward's land once per action, tierlm.runtime.walk)."""
