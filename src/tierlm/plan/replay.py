@@ -63,8 +63,8 @@ from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.landing import LandingRing, add_to_host
 from tierlm.runtime.schedule import (
-    HELD_GRADIENTS,
     grad_landing,
+    held_before,
     keeps_landed_grad,
     landing_ring_numel,
     transient_grad,
@@ -96,6 +96,7 @@ class ReplayConfig:
     # kept once the norm is read; the replay takes the clipping coefficient as 1 (each one
     # kept: the commit moves nothing).
     speculative_disk_updates: bool = False
+    held_gradients: int = 1  # EngineOptions.held_gradients
 
 
 def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
@@ -305,7 +306,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                 file_pass(passes.pop(0))
             st.grad_written = path.written
             keep = keeps_landed_grad(path, final=final, speculated=self.speculates(s))
-            after = kept[-HELD_GRADIENTS] if keep and len(kept) >= HELD_GRADIENTS else None
+            after = held_before(kept, config.held_gradients) if keep else None
 
             def file_passes():  # Engine._file_passes, on the landing worker
                 held = None
@@ -322,7 +323,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             self.in_flight = (lander.submit(file_passes), grad)
             self.speculate(s, final)
             if keep:
-                kept[:] = [*kept, speculated[s][0]][-HELD_GRADIENTS:]
+                kept[:] = [*kept, speculated[s][0]][-config.held_gradients:]
 
         def speculates(self, s: int) -> bool:  # Engine._speculates
             return config.speculative_disk_updates and states[s].tier == Tier.DISK

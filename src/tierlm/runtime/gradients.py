@@ -15,8 +15,8 @@ from tierlm.memory.placement import chunk_ranges
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.runtime.landing import LandingRing, add_to_host
 from tierlm.runtime.schedule import (
-    HELD_GRADIENTS,
     grad_landing,
+    held_before,
     keeps_landed_grad,
     transient_grad,
 )
@@ -82,17 +82,17 @@ class Gradients:
         st.grad_written = path.written
         # A speculated update takes the complete gradient from host RAM as its last pass
         # carries it to the file (read back, it took the disk during the backward); the
-        # buffer is taken once the speculation HELD_GRADIENTS before has freed its own.
+        # buffer is taken once the speculation `held_gradients` before has freed its own.
         keep = keeps_landed_grad(path, final=final, speculated=self._speculates(st))
-        after = (self._kept[-HELD_GRADIENTS] if keep and len(self._kept) >= HELD_GRADIENTS
-                 else None)
+        held = self.opts.held_gradients
+        after = held_before(self._kept, held) if keep else None
         # the passes into the file, on the landing worker (the backward goes on meanwhile)
         self._landing = (self._lander.submit(self._file_passes, st, grad, ring, passes, keep,
                                              after), grad, None)
         if final and self._speculates(st):  # its update, behind the file's last pass
             self._speculate(st, self._landing[0])
             if keep:
-                self._kept = [*self._kept, self._speculated[st.index][0]][-HELD_GRADIENTS:]
+                self._kept = [*self._kept, self._speculated[st.index][0]][-held:]
 
     def _file_passes(self, st: SegmentState, grad: torch.Tensor, ring: LandingRing,
                      passes: list, keep: bool = False, after: Future | None = None

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tierlm.memory.placement import staging_numel
 from tierlm.memory.tiers import Link, Tier
 
 ORDERS = ("microbatch-outer", "layer-outer")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -192,12 +195,9 @@ def grad_landing(state_tier: Tier, gradient_tier: Tier, *, written: bool, final:
     return GradLanding(passes=(*passes, FilePass(add=False, back=False)))
 
 
-HELD_GRADIENTS = 1
-"""Complete gradients kept in host RAM for speculative updates at once (`keeps_landed_grad`): a
-landing that keeps one takes its buffer only once the speculation that took the one
-HELD_GRADIENTS before it has finished with its own (the landing worker waits for it), so a
-backward that outruns the update worker holds no more than this many, however far behind that
-worker is. The planner's replays wait and count the same way."""
+MOST_HELD_GRADIENTS = 2
+"""The most complete gradients the planner has speculative updates keep in host RAM at once
+(EngineOptions.held_gradients, `held_before`); it gives them fewer where host RAM has no room."""
 
 
 def keeps_landed_grad(path: GradLanding, *, final: bool, speculated: bool) -> bool:
@@ -207,6 +207,16 @@ def keeps_landed_grad(path: GradLanding, *, final: bool, speculated: bool) -> bo
     carries the complete sum from the device (tierlm.runtime.gradients). The file is still
     written: a redo below coefficient 1 reads it."""
     return speculated and final and not path.to_host and bool(path.passes)
+
+
+def held_before(kept: Sequence[T], held: int) -> T | None:
+    """What a landing that keeps a gradient (`keeps_landed_grad`) waits for before it takes its
+    buffer, given the speculations that took the latest ones (`kept`, oldest first) and the
+    most gradients kept at once (`held`): the speculation `held` before it, which frees its own
+    as it ends (None: fewer are kept). A backward that outruns the update worker so holds no
+    more than `held`, however far behind the worker is; the planner's replays wait and count
+    the same way."""
+    return kept[-held] if len(kept) >= held else None
 
 
 def final_landing(a: Action, micro_batches: int) -> bool:
