@@ -238,3 +238,72 @@ def test_the_planner_keeps_them_where_faster_and_the_disk_holds_them():
     short = planned(None, host=6 << 20)
     assert short.fits and not short.speculative
     assert "simulated_step_speculative" in short.times_s
+
+
+@pytest.mark.parametrize("held", [1, 2])
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_the_speculation_takes_the_landed_sum_and_reads_no_gradient_file(base, placed, held,
+                                                                         tmp_path):
+    """Microbatch-outer over four micro-batches: each disk gradient file's final landing adds
+    the last contribution to the file's partial sum, and the speculation takes that complete
+    sum from host RAM as it lands. The clip (between the steps' norms) keeps some speculations
+    and redoes others from the file, and the run is bit for bit the run without the option
+    (a stale or partial gradient in a kept speculation would change its weights). Each kept
+    speculation read no gradient file: the run read exactly that much less of them than the
+    run without, and no host staging outlives the steps."""
+    from tests.runtime_helpers import new_engine
+    from tierlm.memory.store import nbytes_of
+
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    m, steps = 4, 4
+    data = batches(steps, m, seed=5)
+    # the steps' norms are about 1.21, 1.37, 1.36, 1.40 (equal with the option or without)
+    clip = 1.365
+
+    def run(speculative: bool):
+        model = copy.deepcopy(base)
+        kw = {"staging_chunk_numel": 8192} if placed == "disk" else {}
+        if bf16:
+            model = bf16_model(model)
+            kw["autocast"] = bf16_autocast
+        eng = new_engine(model, tmp_path / f"m-{speculative}", placements=placements,
+                         microbatch_order="microbatch-outer", micro_batches=m, grad_clip=clip,
+                         speculative_updates=speculative, held_gradients=held, **kw)
+        read = []  # gradient-file bytes each step read
+        real = eng.store.read_file
+
+        def read_file(name, dst, offset_bytes=0):
+            if name.endswith("/grad.bin"):
+                read[-1] += nbytes_of(dst)
+            return real(name, dst, offset_bytes)
+
+        eng.store.read_file = read_file
+        recs, kept = [], []
+        for b in data:
+            read.append(0)
+            recs.append(eng.step(b, LR))
+            eng.synchronize()  # the step's updates (and reads) are done
+            kept.append([st.generation for st in eng.states if st.tier == Tier.DISK])
+        out = {"losses": [r["loss"] for r in recs], "norms": [r["grad_norm"] for r in recs],
+               "weights": eng.weights(), "state": eng.optimizer_state(), "read": read,
+               "generations": kept,
+               "staging": eng.ledger.current_bytes[(Tier.HOST, TensorClass.STAGING)],
+               "grad_file_bytes": sum(4 * st.numel for st in eng.states
+                                      if st.tier == Tier.DISK and st.grad is None)}
+        eng.close()
+        return out
+
+    ref, got = run(False), run(True)
+    _assert_equal_runs(got, ref)
+    # a step kept its speculations where the clipping coefficient was 1 (each flips the
+    # generations), and the clip made both happen
+    gens = got["generations"]
+    flips = [[x != y for x, y in zip(a, b, strict=True)]
+             for a, b in zip([[0] * len(gens[0])] + gens, gens, strict=False)]
+    committed = [all(f) for f in flips]
+    assert [not any(f) for f in flips] == [not c for c in committed]
+    assert committed == [n <= clip for n in ref["norms"]] and 0 < sum(committed) < steps
+    assert got["grad_file_bytes"] > 0
+    assert got["read"] == [r - c * got["grad_file_bytes"]
+                           for r, c in zip(ref["read"], committed, strict=True)]
+    assert got["staging"] == ref["staging"] == 0
