@@ -106,6 +106,7 @@ def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
     from tierlm.plan.evaluate import evaluate, spare_disk_bytes, with_speculation
     from tierlm.plan.result import usable_budgets
     from tierlm.runtime import EngineOptions, build_engine
+    from tierlm.runtime.schedule import MOST_HELD_GRADIENTS
     from tierlm.runtime.shapes import ModelShape, TrainShape
 
     hw = PROFILES["rtx4090"]
@@ -125,10 +126,13 @@ def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
     plain = evaluate(shape, train, hw, placements, "layer-outer", False, usable_budgets(hw))
     predicted = with_speculation(shape, train, hw, plain)
     assert predicted.speculative and predicted.disk_bytes > plain.disk_bytes
+    # host RAM holds the most gradients kept for the speculations (counted in the host peak)
+    assert predicted.held_gradients == MOST_HELD_GRADIENTS
     eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order="layer-outer",
         keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=1, seq_len=8,
-        micro_batches=M, speculative_updates=True, grad_clip=0.0, **extra),
+        micro_batches=M, speculative_updates=True, grad_clip=0.0,
+        held_gradients=predicted.held_gradients, **extra),
         device=torch.device("cpu"))
     try:
         led = eng.ledger
@@ -307,3 +311,51 @@ def test_the_speculation_takes_the_landed_sum_and_reads_no_gradient_file(base, p
     assert got["read"] == [r - c * got["grad_file_bytes"]
                            for r, c in zip(ref["read"], committed, strict=True)]
     assert got["staging"] == ref["staging"] == 0
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_landings_keep_no_more_gradients_than_held_however_far_behind_the_worker(base, held,
+                                                                                tmp_path):
+    """With the update worker held up at each step's start (a task ahead of the speculations),
+    the backward's final landings outrun their speculations: each landing that keeps a
+    gradient in host RAM first waits for the speculation `held` before it, so no more than
+    `held` are kept at once (as many as the planner's replays hold) and the run stays the
+    run without the option."""
+    import time
+
+    from tests.runtime_helpers import new_engine
+
+    def run(speculative: bool):
+        eng = new_engine(copy.deepcopy(base), tmp_path / f"h-{speculative}", placements=DISK,
+                         microbatch_order="layer-outer", micro_batches=M, grad_clip=1e9,
+                         staging_chunk_numel=8192, speculative_updates=speculative,
+                         held_gradients=held)
+        live, most = set(), [0]
+        passes, free = eng._file_passes, eng.store.free
+
+        def file_passes(*args):
+            kept = passes(*args)
+            if kept is not None:
+                live.add(id(kept))
+                most[0] = max(most[0], len(live))
+            return kept
+
+        def store_free(tier, cls, t):
+            live.discard(id(t))
+            free(tier, cls, t)
+
+        eng._file_passes, eng.store.free = file_passes, store_free
+        losses = []
+        for b in batches(2, M, seed=3):
+            eng._worker.submit(time.sleep, 0.2)
+            losses.append(eng.step(b, LR)["loss"])
+        eng.synchronize()
+        weights = eng.weights()
+        eng.close()
+        return losses, weights, most[0], live
+
+    ref_losses, ref_weights, _, _ = run(False)
+    losses, weights, most, live = run(True)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
+    assert most == held and not live  # the four disk segments' landings outran the worker
