@@ -100,7 +100,9 @@ def oracle(shape, train, hw, p, bound: float) -> str:
     clipping coefficient taken as 1; ReplayConfig.speculative_disk_updates): the step exact
     global-norm clipping costs, as the replay simulates it."""
     r = simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
-                      p.boundary_on_host, ReplayConfig(hw=hw, speculative_disk_updates=True),
+                      p.boundary_on_host,
+                      ReplayConfig(hw=hw, speculative_disk_updates=True,
+                                   held_gradients=p.held_gradients),
                       readahead=p.readahead, writeback=p.writeback)
     disk = r.lane_busy_s.get("disk", 0.0)
     under = r.overlap_s.get("disk", 0.0) / disk if disk else 0.0

@@ -159,6 +159,17 @@ def test_refreshes_ahead_and_parked_inputs_share_it_too(order, precision, specul
     assert any(o.name.startswith("boundary") for step in engine for o in step)
 
 
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+def test_speculations_holding_two_gradients_share_it_too(order, tmp_path):
+    """Each speculation takes its gradient from host RAM as its final landing writes the file
+    (microbatch-outer: after the add pass that completes the sum), with up to two of them kept
+    at once (EngineOptions.held_gradients): a landing that keeps a third waits, on the landing
+    worker, for the speculation two before it, in the engine and in the replay alike."""
+    engine = _check("tiny", "disk", order, "fp32", tmp_path, speculative_updates=True,
+                    grad_clip=0.0, held_gradients=2)
+    assert any(o.name.startswith("keep grad") for step in engine for o in step)
+
+
 def _check(preset, kind, order, precision, tmp_path, **options):
     engine, placements, boundary_host, direct, disk = _engine_ops(
         preset, kind, order, precision, tmp_path, **options)
@@ -167,7 +178,8 @@ def _check(preset, kind, order, precision, tmp_path, **options):
                            boundary_host, ReplayConfig(
                                hw=HW, direct=direct, steps=STEPS,
                                speculative_disk_updates=options.get("speculative_updates",
-                                                                    False)),
+                                                                    False),
+                               held_gradients=options.get("held_gradients", 1)),
                            **disk)
     for k, (got, want) in enumerate(zip(replay.step_ops, engine, strict=True)):
         pairs = enumerate(zip(got, want, strict=False))  # the lengths are compared below

@@ -106,6 +106,7 @@ def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
     from tierlm.plan.evaluate import evaluate, spare_disk_bytes, with_speculation
     from tierlm.plan.result import usable_budgets
     from tierlm.runtime import EngineOptions, build_engine
+    from tierlm.runtime.schedule import MOST_HELD_GRADIENTS
     from tierlm.runtime.shapes import ModelShape, TrainShape
 
     hw = PROFILES["rtx4090"]
@@ -125,10 +126,13 @@ def test_the_plan_s_disk_bytes_are_the_ledger_s(precision, tmp_path):
     plain = evaluate(shape, train, hw, placements, "layer-outer", False, usable_budgets(hw))
     predicted = with_speculation(shape, train, hw, plain)
     assert predicted.speculative and predicted.disk_bytes > plain.disk_bytes
+    # host RAM holds the most gradients kept for the speculations (counted in the host peak)
+    assert predicted.held_gradients == MOST_HELD_GRADIENTS
     eng = build_engine(model, OPTIM, EngineOptions(
         policy="auto", placements=placements, microbatch_order="layer-outer",
         keep_resident_activations=False, offload_dir=str(tmp_path), batch_size=1, seq_len=8,
-        micro_batches=M, speculative_updates=True, grad_clip=0.0, **extra),
+        micro_batches=M, speculative_updates=True, grad_clip=0.0,
+        held_gradients=predicted.held_gradients, **extra),
         device=torch.device("cpu"))
     try:
         led = eng.ledger
@@ -291,3 +295,120 @@ def test_each_step_counts_its_speculations_kept_redone_or_dropped(base, placed, 
     assert sum(c["speculation_redo_disk_bytes"] for c in redo) == redo_disk - commit_disk
     skip, _ = _counted(base, placements, "skip", tmp_path, bf16=bf16)
     assert skip == [expect(kept=n), expect(dropped=n), expect(kept=n)]
+
+
+@pytest.mark.parametrize("held", [1, 2])
+@pytest.mark.parametrize("placed", ["disk", "tiered"])
+def test_the_speculation_takes_the_landed_sum_and_reads_no_gradient_file(base, placed, held,
+                                                                         tmp_path):
+    """Microbatch-outer over four micro-batches: each disk gradient file's final landing adds
+    the last contribution to the file's partial sum, and the speculation takes that complete
+    sum from host RAM as it lands. The clip (between the steps' norms) keeps some speculations
+    and redoes others from the file, and the run is bit for bit the run without the option
+    (a stale or partial gradient in a kept speculation would change its weights). Each kept
+    speculation read no gradient file: the run read exactly that much less of them than the
+    run without, and no host staging outlives the steps."""
+    from tests.runtime_helpers import new_engine
+    from tierlm.memory.store import nbytes_of
+
+    placements, bf16 = (DISK, False) if placed == "disk" else (TIERED, True)
+    m, steps = 4, 4
+    data = batches(steps, m, seed=5)
+    # the steps' norms are about 1.21, 1.37, 1.36, 1.40 (equal with the option or without)
+    clip = 1.365
+
+    def run(speculative: bool):
+        model = copy.deepcopy(base)
+        kw = {"staging_chunk_numel": 8192} if placed == "disk" else {}
+        if bf16:
+            model = bf16_model(model)
+            kw["autocast"] = bf16_autocast
+        eng = new_engine(model, tmp_path / f"m-{speculative}", placements=placements,
+                         microbatch_order="microbatch-outer", micro_batches=m, grad_clip=clip,
+                         speculative_updates=speculative, held_gradients=held, **kw)
+        read = []  # gradient-file bytes each step read
+        real = eng.store.read_file
+
+        def read_file(name, dst, offset_bytes=0):
+            if name.endswith("/grad.bin"):
+                read[-1] += nbytes_of(dst)
+            return real(name, dst, offset_bytes)
+
+        eng.store.read_file = read_file
+        recs, kept = [], []
+        for b in data:
+            read.append(0)
+            recs.append(eng.step(b, LR))
+            eng.synchronize()  # the step's updates (and reads) are done
+            kept.append([st.generation for st in eng.states if st.tier == Tier.DISK])
+        out = {"losses": [r["loss"] for r in recs], "norms": [r["grad_norm"] for r in recs],
+               "weights": eng.weights(), "state": eng.optimizer_state(), "read": read,
+               "generations": kept,
+               "staging": eng.ledger.current_bytes[(Tier.HOST, TensorClass.STAGING)],
+               "grad_file_bytes": sum(4 * st.numel for st in eng.states
+                                      if st.tier == Tier.DISK and st.grad is None)}
+        eng.close()
+        return out
+
+    ref, got = run(False), run(True)
+    _assert_equal_runs(got, ref)
+    # a step kept its speculations where the clipping coefficient was 1 (each flips the
+    # generations), and the clip made both happen
+    gens = got["generations"]
+    flips = [[x != y for x, y in zip(a, b, strict=True)]
+             for a, b in zip([[0] * len(gens[0])] + gens, gens, strict=False)]
+    committed = [all(f) for f in flips]
+    assert [not any(f) for f in flips] == [not c for c in committed]
+    assert committed == [n <= clip for n in ref["norms"]] and 0 < sum(committed) < steps
+    assert got["grad_file_bytes"] > 0
+    assert got["read"] == [r - c * got["grad_file_bytes"]
+                           for r, c in zip(ref["read"], committed, strict=True)]
+    assert got["staging"] == ref["staging"] == 0
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_landings_keep_no_more_gradients_than_held_however_far_behind_the_worker(base, held,
+                                                                                tmp_path):
+    """With the update worker held up at each step's start (a task ahead of the speculations),
+    the backward's final landings outrun their speculations: each landing that keeps a
+    gradient in host RAM first waits for the speculation `held` before it, so no more than
+    `held` are kept at once (as many as the planner's replays hold) and the run stays the
+    run without the option."""
+    import time
+
+    from tests.runtime_helpers import new_engine
+
+    def run(speculative: bool):
+        eng = new_engine(copy.deepcopy(base), tmp_path / f"h-{speculative}", placements=DISK,
+                         microbatch_order="layer-outer", micro_batches=M, grad_clip=1e9,
+                         staging_chunk_numel=8192, speculative_updates=speculative,
+                         held_gradients=held)
+        live, most = set(), [0]
+        passes, free = eng._file_passes, eng.store.free
+
+        def file_passes(*args):
+            kept = passes(*args)
+            if kept is not None:
+                live.add(id(kept))
+                most[0] = max(most[0], len(live))
+            return kept
+
+        def store_free(tier, cls, t):
+            live.discard(id(t))
+            free(tier, cls, t)
+
+        eng._file_passes, eng.store.free = file_passes, store_free
+        losses = []
+        for b in batches(2, M, seed=3):
+            eng._worker.submit(time.sleep, 0.2)
+            losses.append(eng.step(b, LR)["loss"])
+        eng.synchronize()
+        weights = eng.weights()
+        eng.close()
+        return losses, weights, most[0], live
+
+    ref_losses, ref_weights, _, _ = run(False)
+    losses, weights, most, live = run(True)
+    assert losses == ref_losses
+    assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
+    assert most == held and not live  # the four disk segments' landings outran the worker

@@ -251,7 +251,8 @@ def _speculation_line(p: Plan, shape: ModelShape, train: TrainShape) -> str | No
         other = t.get("simulated_step_plain")
         return ("speculative updates: on, each disk-tier update issued at its gradient's final "
                 f"landing into a second set of files ({gib(spare)} on disk), kept where the "
-                "clipping coefficient is 1" + (
+                "clipping coefficient is 1, its gradient taken from host RAM as it lands (at "
+                f"most {p.held_gradients} held at once)" + (
                     "" if other is None else f" (simulated step {other:.2f} s without)"))
     if "simulated_step_speculative" in t:
         return (f"speculative updates: off (with them, {gib(spare)} more on disk, the "

@@ -24,7 +24,7 @@ from tierlm.plan.result import Plan, _problems
 from tierlm.plan.timing import _bottleneck, _times, compiled_block_factor, writeback_bytes
 from tierlm.runtime import schedule
 from tierlm.runtime.byte_replay import _compute_copies, _simulate, readahead_schedule
-from tierlm.runtime.schedule import micro_batches_in_flight
+from tierlm.runtime.schedule import MOST_HELD_GRADIENTS, micro_batches_in_flight
 from tierlm.runtime.shapes import ModelShape, TrainShape
 from tierlm.runtime.state import persistent_bytes
 from tierlm.runtime.writeback import DEFAULT_WRITEBACK, WriteBack
@@ -152,13 +152,15 @@ def remote_held_bytes(state_bytes: int) -> int:
 
 
 def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, readahead,
-            offloaded=()):
+            offloaded=(), speculative=False, held_gradients=1):
     """The sweep's replay (ledger, workspace), the segments it reads ahead and the pinned arena
-    it needs (`offloaded`: the offload policy's host buffers per segment)."""
+    it needs (`offloaded`: the offload policy's host buffers per segment; `speculative`: with
+    speculative disk-tier updates keeping up to `held_gradients` gradients in host RAM)."""
     arena = ArenaReplay()
     ledger, workspace, _ = _simulate(shape, train, placements, order, keep, boundary_host,
                                      chunk_numel=chunk_numel, readahead=readahead, arena=arena,
-                                     offloaded=offloaded)
+                                     offloaded=offloaded, speculative=speculative,
+                                     held_gradients=held_gradients)
     read_ahead = [s for segs in readahead_schedule(
         shape, train, placements, order, boundary_host, readahead).values() for s in segs]
     return ledger, workspace, read_ahead, arena.pinned_bytes()
@@ -182,7 +184,8 @@ def replay_plan(shape: ModelShape, train: TrainShape, hw: HardwareProfile, p: Pl
     (tierlm.plan.timeline)."""
     return simulate_step(shape, train, p.placements, p.order, p.keep_resident_activations,
                          p.boundary_on_host,
-                         ReplayConfig(hw=hw, speculative_disk_updates=p.speculative),
+                         ReplayConfig(hw=hw, speculative_disk_updates=p.speculative,
+                                      held_gradients=p.held_gradients),
                          readahead=p.readahead,
                          writeback=p.writeback,
                          offloaded=offload_sizes(shape, train, p.offload_graphs))
@@ -228,28 +231,37 @@ def with_speculation(shape: ModelShape, train: TrainShape, hw: HardwareProfile, 
                      ) -> Plan:
     """`p` with speculative disk-tier updates: the spare files in its disk bytes (and its
     budget check; by class as one class of their own, `spare`: the other classes stay each
-    segment's one copy), the speculations' staging during the backward in its host peak, its
-    simulated step the replay's with the engine's speculation."""
+    segment's one copy), the speculations' staging during the backward and the gradients kept
+    for them in its host peak, its moves without the gradient files they no longer read, its
+    simulated step the replay's with the engine's speculation. They keep up to
+    MOST_HELD_GRADIENTS gradients in host RAM where the host budget holds them, else one."""
     spare = sum(spare_disk_bytes(shape, train, p.placements).values())
     # Host: the speculations stage on the update worker during the backward, one at a time,
     # beside the write-backs still pending: one update's staging (the largest disk-tier
-    # segment's) on top of the sweep's peak and the limit's largest write-backs.
+    # segment's) on top of the sweep's peak and the limit's largest write-backs. Each takes
+    # its gradient from host RAM (held on the host, or kept there by its final landing: the
+    # sweep's replay holds those as the engine does), never staged from its file.
     copies = _compute_copies(shape, train.precision, p.placements)
     pending = sorted(writeback_bytes(shape, p.placements, copies, p.writeback).values(),
                      reverse=True)
     limit = 0 if p.writeback is None else p.writeback.segments
-    staging = max((shape.update_staging(s, copies[s], host_grad=pl.host_grad)
+    staging = max((shape.update_staging(s, copies[s], host_grad=True)
                    for s, pl in enumerate(p.placements) if pl.state_tier == Tier.DISK),
                   default=0)
-    ledger = _replay(shape, train, p.placements, p.order, p.keep_resident_activations,
-                     p.boundary_on_host, STAGING_CHUNK_NUMEL, p.readahead,
-                     offload_sizes(shape, train, p.offload_graphs))[0]
-    sweep = ledger.peak_tier_bytes[Tier.HOST] + sum(pending[:limit])
-    q = replace(p, speculative=True, disk_bytes=p.disk_bytes + spare,
-                disk_by_class={**p.disk_by_class, "spare": spare}, times_s=dict(p.times_s),
-                host_peak_bytes=max(p.host_peak_bytes, sweep + staging), problems=[])
-    q.problems = _problems(q, q.budgets)
-    q.fits = not q.problems
+    for held in range(MOST_HELD_GRADIENTS, 0, -1):
+        ledger = _replay(shape, train, p.placements, p.order, p.keep_resident_activations,
+                         p.boundary_on_host, STAGING_CHUNK_NUMEL, p.readahead,
+                         offload_sizes(shape, train, p.offload_graphs), speculative=True,
+                         held_gradients=held)[0]
+        sweep = ledger.peak_tier_bytes[Tier.HOST] + sum(pending[:limit])
+        q = replace(p, speculative=True, held_gradients=held, disk_bytes=p.disk_bytes + spare,
+                    disk_by_class={**p.disk_by_class, "spare": spare}, times_s=dict(p.times_s),
+                    moved_bytes={link.value: ledger.total_moved_bytes[link] for link in Link},
+                    host_peak_bytes=max(p.host_peak_bytes, sweep + staging), problems=[])
+        q.problems = _problems(q, q.budgets)
+        q.fits = not q.problems
+        if q.host_peak_bytes <= q.budgets["host"]:
+            break
     q.times_s.update(simulated_times(shape, train, hw, q))
     return q
 

@@ -45,6 +45,7 @@ class Auto(Planned):
             offload_graphs=p.offload_graphs,
             boundary_tier=Tier.HOST if p.boundary_on_host else Tier.DEVICE,
             readahead=p.readahead, writeback=p.writeback, speculative_updates=p.speculative,
+            held_gradients=p.held_gradients,
             # no activation policy asked for: keep or recompute resident segments as planned
             activations=None if planned_graphs else acts,
             # the plan checked the budgets; the engine's coarser check would refuse its choice

@@ -67,7 +67,13 @@ from tierlm.runtime.byte_replay import (
 from tierlm.runtime.cache import StreamCache, window_bytes
 from tierlm.runtime.costs import SegmentCost
 from tierlm.runtime.landing import LandingRing, add_to_host
-from tierlm.runtime.schedule import grad_landing, landing_ring_numel, transient_grad
+from tierlm.runtime.schedule import (
+    grad_landing,
+    held_before,
+    keeps_landed_grad,
+    landing_ring_numel,
+    transient_grad,
+)
 from tierlm.runtime.state import (
     CopiesRead,
     read_copies,
@@ -96,6 +102,7 @@ class ReplayConfig:
     # kept once the norm is read; the replay takes the clipping coefficient as 1 (each one
     # kept: the commit moves nothing).
     speculative_disk_updates: bool = False
+    held_gradients: int = 1  # EngineOptions.held_gradients
 
 
 def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
@@ -135,6 +142,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
     updates: dict[int, Future] = {}
     ahead_reads: dict[int, Any] = {}
     speculated: dict[int, tuple[Future, _State]] = {}  # Engine._speculated
+    kept: list[Future] = []  # Engine._kept
 
     cache = StreamCache(store, lambda s: states[s].device_nbytes(),
                         window_bytes(states[s].device_nbytes() for s, p in enumerate(placements)
@@ -294,13 +302,16 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             if path.ring_numel(st.numel, chunk):
                 self.ring.hold()
 
-            def file_pass(ps) -> None:  # Engine._grad_file_chunks
+            def file_pass(ps, keep=None) -> None:  # Engine._grad_file_chunks
                 def step(lo: int, bufs: dict) -> None:
                     staging, d = bufs["grad"], dgrad.narrow(0, lo, bufs["grad"].numel())
                     if ps.add:
                         add_to_host(store, self.ring, staging, d, chunk, what)
                     else:
                         store.wait_host(store.to_host(staging, d, what))
+                    if keep is not None:
+                        with dev.cpu_work(f"keep {what}", moved_bytes=staging.nbytes):
+                            pass
                     if ps.back:
                         copied = store.to_device(d, staging, what)
                         store.wait(copied)
@@ -314,16 +325,31 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             while passes and passes[0].back:
                 file_pass(passes.pop(0))
             st.grad_written = path.written
+            keep = keeps_landed_grad(path, final=final, speculated=self.speculates(s))
+            after = held_before(kept, config.held_gradients) if keep else None
 
-            def file_passes() -> None:  # Engine._file_passes, on the landing worker
+            def file_passes():  # Engine._file_passes, on the landing worker
+                held = None
+                if keep:
+                    if after is not None:
+                        after.result()
+                    slot = st.slot("grad")
+                    held = store.alloc(Tier.HOST, TensorClass.STAGING, slot.numel(st.layout),
+                                       slot.dtype)
                 for ps in passes:
-                    file_pass(ps)
+                    file_pass(ps, None if ps.back else held)
+                return held
 
             self.in_flight = (lander.submit(file_passes), grad)
             self.speculate(s, final)
+            if keep:
+                kept[:] = [*kept, speculated[s][0]][-config.held_gradients:]
+
+        def speculates(self, s: int) -> bool:  # Engine._speculates
+            return config.speculative_disk_updates and states[s].tier == Tier.DISK
 
         def speculate(self, s: int, final: bool) -> None:  # Engine._speculate
-            if config.speculative_disk_updates and final and states[s].tier == Tier.DISK:
+            if final and self.speculates(s):
                 to = states[s].spare()
                 ahead = ahead_reads.pop(s, None)
                 speculated[s] = (worker.submit(run_speculation, s, self.in_flight[0], to, ahead),
@@ -351,20 +377,20 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         with dev.net(Link.NET_RECV, st.device_nbytes(), f"copy {name}"):  # its compute copy
             ledger.record_move(Link.NET_RECV, st.device_nbytes())
 
-    def update(s: int, to: _State | None = None, ahead: Any = None) -> None:  # Engine._update
+    def update(s: int, to: _State | None = None, ahead: Any = None, grad: Any = None
+               ) -> None:  # Engine._update
         st = states[s]
         if st.placement.remote:
             update_remote(st)
         elif st.tier == Tier.DISK:
             if to is None:
                 ahead = ahead_reads.pop(s, None)
-            update_disk(st, step_fn(st, to or st), to or st, ahead)
+            update_disk(st, step_fn(st, to or st), to or st, ahead, grad)
         else:
             step_fn(st, st)(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
 
     def run_speculation(s: int, landed: Future, to: _State, ahead: Any) -> None:
-        landed.result()  # Engine._run_speculation
-        update(s, to, ahead)
+        update(s, to, ahead, landed.result())  # Engine._run_speculation
 
     def resolve(s: int) -> None:  # Engine._resolve at coefficient 1: the commit
         fut, to = speculated.pop(s)
@@ -380,11 +406,14 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
             return [(0, st.numel)]
         return optimizer.chunk_ranges(st.layout, chunk)
 
-    def update_disk(st: _State, step, to: _State, ahead: Any) -> None:  # Engine._update_disk
+    def update_disk(st: _State, step, to: _State, ahead: Any, grad: Any = None
+                    ) -> None:  # Engine._update_disk
         writer.wait(st.index)
         held = {} if ahead is None else dict(ahead.buffers())
         if st.grad is not None:
             held["grad"] = st.grad
+        elif grad is not None:  # kept by its landing
+            held["grad"] = grad
         ranges = update_ranges(st)
         if writeback is not None and len(ranges) == 1:
             update_whole(st, step, held, to)
@@ -403,6 +432,8 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                       written=to)
         if ahead is not None:
             write_back_copies(store, to, ahead.bufs)
+        if grad is not None and st.grad is None:
+            store.free(Tier.HOST, TensorClass.STAGING, grad)
 
     def update_whole(st: _State, step, held: dict, to: _State) -> None:  # Engine._update_whole
         writer.make_room()

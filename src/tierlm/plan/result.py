@@ -76,6 +76,9 @@ class Plan:
     # of files, kept where the clipping coefficient is 1 (EngineOptions.speculative_updates):
     # the files are in `disk_bytes`
     speculative: bool = False
+    # speculative updates: the most gradients their final landings keep in host RAM for them
+    # at once (EngineOptions.held_gradients), counted in `host_peak_bytes`
+    held_gradients: int = 1
 
     @property
     def device_total_bytes(self) -> int:

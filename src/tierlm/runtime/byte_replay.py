@@ -31,6 +31,8 @@ from tierlm.runtime.landing import LandingRing
 from tierlm.runtime.readahead import readahead_starts
 from tierlm.runtime.schedule import (
     grad_landing,
+    held_before,
+    keeps_landed_grad,
     landing_ring_numel,
     step_schedule,
     streamed_reads,
@@ -128,12 +130,14 @@ def _compute_copies(shape: ModelShape, precision: str, placements) -> list[int |
 
 def _disk_update_bytes(
     shape: ModelShape, copies: list[int | None], placements,
-    read_ahead: frozenset[int] = frozenset(),
+    read_ahead: frozenset[int] = frozenset(), *, kept: bool = False,
 ) -> tuple[int, int]:
     """Disk bytes (read, written) by one step's updates of disk-tier segments: master, grad
-    and slots read (less a gradient held on the host, less what `read_ahead` segments read
-    during the backward); master and slots written, and the compute copy re-encoded."""
-    moved = [shape.update_disk_bytes(s, c, host_grad=p.host_grad, read_ahead=s in read_ahead)
+    and slots read (less a gradient held on the host or `kept` there by a speculation's
+    landing, less what `read_ahead` segments read during the backward); master and slots
+    written, and the compute copy re-encoded."""
+    moved = [shape.update_disk_bytes(s, c, host_grad=p.host_grad or kept,
+                                     read_ahead=s in read_ahead)
              for s, (c, p) in enumerate(zip(copies, placements, strict=True))
              if p.state_tier == Tier.DISK]
     return sum(r for r, _ in moved), sum(w for _, w in moved)
@@ -191,7 +195,8 @@ class _CountingStep:
                  cache, actions: list, hidden: int, chunk_numel: int,
                  on_action: Callable[[int, str, Any], None], ring,
                  load: Callable[[int], Any] | None = None,
-                 offloaded: Sequence[Sequence[int]] = ()) -> None:
+                 offloaded: Sequence[Sequence[int]] = (), speculative: bool = False,
+                 held_gradients: int = 1) -> None:
         self.shape, self.placements, self.store, self.cache = shape, placements, store, cache
         self.ring = ring  # the step's landing ring (tierlm.runtime.landing.LandingRing)
         self.ledger: Ledger = store.ledger
@@ -214,6 +219,12 @@ class _CountingStep:
         # micro-batch's forward and gives back after its backward (tierlm.activations.offload)
         self.offloaded = offloaded
         self.offload_held: dict[tuple[int, int], list[_Bytes]] = {}  # (micro-batch, segment)
+        # speculative disk-tier updates (EngineOptions.speculative_updates): the gradients
+        # their final landings keep in host RAM, the latest `held_gradients`; each is freed
+        # when a later landing waits to keep its own (the engine's speculation has freed it
+        # by then: schedule.held_before), the last ones after the sweep
+        self.speculative, self.held_gradients = speculative, held_gradients
+        self.kept: list[_Bytes] = []
 
     def begin(self, k: int, a: Any) -> None:
         self.on_action(k, "run", a)
@@ -316,6 +327,14 @@ class _CountingStep:
         # chunk sets (tierlm.runtime.landing, tierlm.runtime.state)
         if path.ring_numel(numel, self.chunk_numel):
             self.ring.hold()
+        if keeps_landed_grad(path, final=final,
+                             speculated=self.speculative and p.state_tier == Tier.DISK):
+            # on the landing worker, before its passes' chunk sets (Engine._file_passes)
+            freed = held_before(self.kept, self.held_gradients)
+            if freed is not None:
+                self.kept.remove(freed)
+                self.store.free(Tier.HOST, TensorClass.STAGING, freed)
+            self.kept.append(self.store.alloc(Tier.HOST, TensorClass.STAGING, numel))
         staged = path.host_staging_numel(numel, self.chunk_numel)
         if staged:  # the file pass's chunk sets, pinned: the gradient crosses into them
             sets = min(STAGING_SETS, len(chunk_ranges(numel, self.chunk_numel)))
@@ -357,6 +376,8 @@ def _simulate(
     parked: frozenset[int] | None = None,
     arena: ArenaReplay | None = None,
     offloaded: Sequence[Sequence[int]] = (),
+    speculative: bool = False,
+    held_gradients: int = 1,
 ) -> tuple[Ledger, int, int]:
     """Replay one steady-state step of `Engine.step` on byte counts. Returns the ledger, the
     activation workspace outside it, and the host staging held by a concurrent update. Its
@@ -371,7 +392,11 @@ def _simulate(
     waits on the host where the engine's activation policies say so (None: those `keep_resident`
     and `boundary_host` give); `offloaded`: per segment, the host buffers (bytes, in order) the
     offload policy takes from the pinned arena for each micro-batch's forward (() where the
-    segment does not offload; tierlm.runtime.pinned.offload_sizes measures them).
+    segment does not offload; tierlm.runtime.pinned.offload_sizes measures them);
+    `speculative`: the engine's speculative disk-tier updates, whose final landings into a
+    gradient file keep the gradient in host staging for them (held in the sweep's ledger as
+    the engine holds them at most, `held_gradients` at once; the updates read no gradient
+    file).
 
     The sweep is the engine's own walk (tierlm.runtime.walk) over a counting backend, and the
     rules are the engine's own functions (tierlm.runtime.schedule: the schedule, what an action
@@ -445,7 +470,8 @@ def _simulate(
     ring_numel = landing_ring_numel(actions, train.micro_batches, landings, chunk_numel)
     ring = LandingRing(store, ring_numel)  # type: ignore[arg-type]
     step = _CountingStep(shape, placements, store, cache, actions, hidden, chunk_numel,
-                         on_action, ring, Load, offloaded)
+                         on_action, ring, Load, offloaded, speculative and not frozen,
+                         held_gradients)
     tied_owners = [0] if shape.tied_numel else []  # the embedding owns every tie
     rules = StepRules(
         micro_batches=train.micro_batches,
@@ -465,13 +491,16 @@ def _simulate(
     with ring:  # held from the first landing to the end of the sweep, as the engine does
         walk_step(step, actions, rules, ahead)
         step.settle_landing()
+    for t in step.kept:  # freed by their speculations
+        store.free(Tier.HOST, TensorClass.STAGING, t)
 
     on_action(len(actions), "update", None)
     # the optimizer update: disk segments read master, grad and slots, write master and slots
     # back (and their compute copy); staged chunk by chunk, or whole where a compute copy is
     # encoded or the optimizer takes whole segments
     read_ahead = frozenset(s for segs in ahead.values() for s in segs)
-    update_read, update_write = _disk_update_bytes(shape, wire, placements, read_ahead)
+    update_read, update_write = _disk_update_bytes(shape, wire, placements, read_ahead,
+                                                   kept=step.speculative)
     ledger.record_move(Link.DISK_READ, update_read)
     ledger.record_move(Link.DISK_WRITE, update_write)
     # remote segments: the gradient to the memory node, the compute copy back

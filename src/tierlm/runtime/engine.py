@@ -121,6 +121,8 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
             # averaged it
             raise ValueError("speculative updates (--speculative-update) need one process: "
                              "pass --speculative-update off with a gradient sync across ranks")
+        if options.held_gradients < 1:  # a landing would wait for a speculation not issued
+            raise ValueError(f"held_gradients must be at least 1, got {options.held_gradients}")
         self.has_dropout = any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()
         ) or float(getattr(model.config, "attention_dropout", 0) or 0) > 0
@@ -203,6 +205,9 @@ class Engine(SegmentCompute, Gradients, Updates, EngineSchedule, Evaluation, Sta
         # segment -> its speculative update this step: (future, the spare-generation state it
         # writes, its step counters before it) until `_finish_step` resolves it
         self._speculated: dict[int, tuple[Future, SegmentState, list[torch.Tensor]]] = {}
+        # the latest speculations that took their gradient from host RAM (at most
+        # EngineOptions.held_gradients; tierlm.runtime.schedule.held_before)
+        self._kept: list[Future] = []
         self._lr = 0.0  # the step's learning rate (a speculation is issued mid-sweep)
         self.speculation = SpeculationCounts()  # the last step's (`_count_speculations`)
         # segment -> its master and slots being read ahead of its update (the read-ahead)

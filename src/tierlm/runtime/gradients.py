@@ -7,12 +7,19 @@ chunk passes (tierlm.runtime.schedule.grad_landing), and the sync each complete 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from tierlm.memory.placement import chunk_ranges
 from tierlm.memory.tiers import TensorClass, Tier
 from tierlm.runtime.landing import LandingRing, add_to_host
-from tierlm.runtime.schedule import grad_landing, transient_grad
+from tierlm.runtime.schedule import (
+    grad_landing,
+    held_before,
+    keeps_landed_grad,
+    transient_grad,
+)
 from tierlm.runtime.state import SegmentState, stream_chunks
 
 
@@ -73,16 +80,38 @@ class Gradients:
             self._grad_complete(st, grad)
             self._finish_syncs()  # the device buffer is written out and freed next
         st.grad_written = path.written
+        # A speculated update takes the complete gradient from host RAM as its last pass
+        # carries it to the file (read back, it took the disk during the backward); the
+        # buffer is taken once the speculation `held_gradients` before has freed its own.
+        keep = keeps_landed_grad(path, final=final, speculated=self._speculates(st))
+        held = self.opts.held_gradients
+        after = held_before(self._kept, held) if keep else None
         # the passes into the file, on the landing worker (the backward goes on meanwhile)
-        self._landing = (self._lander.submit(self._file_passes, st, grad, ring, passes), grad,
-                         None)
+        self._landing = (self._lander.submit(self._file_passes, st, grad, ring, passes, keep,
+                                             after), grad, None)
         if final and self._speculates(st):  # its update, behind the file's last pass
             self._speculate(st, self._landing[0])
+            if keep:
+                self._kept = [*self._kept, self._speculated[st.index][0]][-held:]
 
     def _file_passes(self, st: SegmentState, grad: torch.Tensor, ring: LandingRing,
-                     passes: list) -> None:
+                     passes: list, keep: bool = False, after: Future | None = None
+                     ) -> torch.Tensor | None:
+        """The passes into the gradient file, on the landing worker; `keep`: the pass that
+        writes the file also copies the gradient into a whole host staging buffer, taken once
+        `after` (an earlier speculation holding one) has finished, and returned (None
+        otherwise) for the speculation behind this landing, which frees it."""
+        kept = None
+        if keep:
+            if after is not None:
+                after.result()
+            slot = st.slot("grad")  # as `read_copies` would stage the file
+            kept = self.store.alloc(Tier.HOST, TensorClass.STAGING, slot.numel(st.layout),
+                                    slot.dtype)
         for p in passes:
-            self._grad_file_chunks(st, grad, ring, add=p.add, back=p.back)
+            self._grad_file_chunks(st, grad, ring, add=p.add, back=p.back,
+                                   keep=None if p.back else kept)
+        return kept
 
     def _add_landing(self, ring: LandingRing, host: torch.Tensor, grad: torch.Tensor,
                      done: object, what: str) -> None:
@@ -102,11 +131,14 @@ class Gradients:
             self._grad_complete(st, st.grad)
 
     def _grad_file_chunks(
-        self, st: SegmentState, grad: torch.Tensor, ring: LandingRing, *, add: bool, back: bool
+        self, st: SegmentState, grad: torch.Tensor, ring: LandingRing, *, add: bool, back: bool,
+        keep: torch.Tensor | None = None,
     ) -> None:
         """Between the device gradient and its file, chunk by chunk: `add`: file + device
         (the order the earlier contributions were summed in), else the device's alone; `back`:
-        the sum returns to the device buffer instead of the file."""
+        the sum returns to the device buffer instead of the file; `keep`: a whole host buffer
+        each chunk written to the file is also copied into (on the CPU, from the pinned chunk
+        the device's copy landed in)."""
         what = f"grad {st.seg.name}"
 
         def step(lo: int, bufs: dict[str, torch.Tensor]) -> None:
@@ -115,6 +147,11 @@ class Gradients:
                 add_to_host(self.store, ring, staging, dev, self.chunk_numel, what)
             else:  # the file write reads the staging buffer next
                 self.store.wait_host(self.store.to_host(staging, dev, what))
+            if keep is not None:
+                n = staging.numel()  # one memcpy of the chunk
+                with self.store.dev.cpu_work(f"keep {what}",
+                                             moved_bytes=n * staging.element_size()):
+                    keep.narrow(0, lo, n).copy_(staging)
             if back:
                 copied = self.store.to_device(dev, staging, what)
                 self.store.wait(copied)  # compute reads the sum

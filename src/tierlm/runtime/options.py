@@ -121,3 +121,10 @@ class EngineOptions:
     to a second set of files; once the global norm is read it is kept where the coefficient is
     exactly 1, else dropped and the update run as without the option (a skipped step drops it).
     Exact either way; disk holds one more set of those files per disk-tier segment."""
+    held_gradients: int = 1
+    """Speculative updates: the most complete gradients kept in host RAM for them at once. The
+    final landing into a gradient file also leaves the whole gradient in host staging, which
+    its speculation takes instead of reading the file back and frees; a landing waits for the
+    speculation this many before it to end first (tierlm.runtime.schedule.held_before). One
+    takes no more RAM than the update reading the file did; the planner sets more where host
+    RAM has room (a backward that outruns the update worker then waits less)."""

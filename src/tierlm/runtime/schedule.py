@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tierlm.memory.placement import staging_numel
 from tierlm.memory.tiers import Link, Tier
 
 ORDERS = ("microbatch-outer", "layer-outer")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,30 @@ def grad_landing(state_tier: Tier, gradient_tier: Tier, *, written: bool, final:
         return GradLanding(passes=(FilePass(add=written, back=False),), written=True)
     passes = (FilePass(add=True, back=True),) if written else ()
     return GradLanding(passes=(*passes, FilePass(add=False, back=False)))
+
+
+MOST_HELD_GRADIENTS = 2
+"""The most complete gradients the planner has speculative updates keep in host RAM at once
+(EngineOptions.held_gradients, `held_before`); it gives them fewer where host RAM has no room."""
+
+
+def keeps_landed_grad(path: GradLanding, *, final: bool, speculated: bool) -> bool:
+    """Whether a landing also leaves its segment's whole gradient in host staging, for the
+    speculative update issued behind it (`speculated`: its update is) to take instead of
+    reading the gradient file back: the final landing into a gradient file, whose last pass
+    carries the complete sum from the device (tierlm.runtime.gradients). The file is still
+    written: a redo below coefficient 1 reads it."""
+    return speculated and final and not path.to_host and bool(path.passes)
+
+
+def held_before(kept: Sequence[T], held: int) -> T | None:
+    """What a landing that keeps a gradient (`keeps_landed_grad`) waits for before it takes its
+    buffer, given the speculations that took the latest ones (`kept`, oldest first) and the
+    most gradients kept at once (`held`): the speculation `held` before it, which frees its own
+    as it ends (None: fewer are kept). A backward that outruns the update worker so holds no
+    more than `held`, however far behind the worker is; the planner's replays wait and count
+    the same way."""
+    return kept[-held] if len(kept) >= held else None
 
 
 def final_landing(a: Action, micro_batches: int) -> bool:

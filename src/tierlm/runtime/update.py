@@ -61,11 +61,14 @@ class Updates:
                                cat="update wait")
 
     def _update(self, st: SegmentState, coef: torch.Tensor | None, lr: float, *,
-                to: SegmentState | None = None, ahead: CopiesRead | None = None) -> None:
+                to: SegmentState | None = None, ahead: CopiesRead | None = None,
+                grad: torch.Tensor | None = None) -> None:
         """Segment `st`'s update, its gradient scaled by `coef` (None: a speculative update,
         by nothing: the held gradient is left exactly as the redo needs it). `to`: a disk-tier
         segment's state whose files the update writes (a speculation's spare generation, which
-        passes its read-ahead as `ahead`); default `st`'s, its read-ahead taken here."""
+        passes its read-ahead as `ahead`); default `st`'s, its read-ahead taken here. `grad`:
+        a disk-tier segment's whole gradient in host staging, which the update takes instead
+        of reading the file and frees (what its speculation's landing kept)."""
         if st.placement.remote:
             self._update_remote(st, coef, lr)
             return
@@ -93,7 +96,7 @@ class Updates:
             if st.tier == Tier.DISK:
                 if to is None:
                     ahead = self._readahead.pop(st.index, None)
-                self._update_disk(st, step, to or st, ahead)
+                self._update_disk(st, step, to or st, ahead, grad)
             else:
                 step(0, {c: st.buffer(c) for c in (*st.state_copies, "grad")})
                 self.compute_copies.refresh(self.store, st, st.master)  # quantised once a step
@@ -147,7 +150,8 @@ class Updates:
                                    dtype=torch.uint8, pinned=True)
 
     def _update_disk(self, st: SegmentState, step: Callable[[int, dict], None],
-                     to: SegmentState, ahead: CopiesRead | None) -> None:
+                     to: SegmentState, ahead: CopiesRead | None,
+                     grad: torch.Tensor | None = None) -> None:
         """A disk-tier update: the copies not already in host RAM (the read-ahead's master and
         slots, a gradient held on the host) are staged in chunks, the next chunk read while this
         one updates; the gradient is spent, only master and slots go back to their files
@@ -158,6 +162,8 @@ class Updates:
         held = {} if ahead is None else dict(ahead.buffers())
         if st.grad is not None:
             held["grad"] = st.grad
+        elif grad is not None:  # kept by the landing: spent here, as a staged file would be
+            held["grad"] = grad
         ranges = self._update_ranges(st)
         if self.opts.writeback is not None and len(ranges) == 1:
             self._update_whole(st, step, held, to)
@@ -176,6 +182,8 @@ class Updates:
                       written=to)
         if ahead is not None:
             write_back_copies(self.store, to, ahead.bufs)  # and frees the staging
+        if grad is not None and st.grad is None:
+            self.store.free(Tier.HOST, TensorClass.STAGING, grad)
         if st.grad is not None and to is st:  # a speculation's is zeroed at its commit
             st.grad.zero_()
 
@@ -192,7 +200,7 @@ class Updates:
         if st.grad is not None:  # held on the host: the next step accumulates into it
             if to is st:  # (a speculation's is zeroed at its commit)
                 st.grad.zero_()
-        elif "grad" in bufs:  # staged from its file: spent
+        elif "grad" in bufs:  # staged from its file (or kept by its landing): spent
             self.store.free(Tier.HOST, TensorClass.STAGING, bufs["grad"])
         later = deferred_copies(st.state_copies, st.compute_format is not None)
         write_back_copies(self.store, to, {c: bufs[c] for c in st.state_copies
@@ -226,8 +234,8 @@ class Updates:
 
     def _run_speculation(self, st: SegmentState, landed: Future, to: SegmentState,
                          ahead: CopiesRead | None, lr: float) -> None:
-        landed.result()  # the gradient (held, or its file) is complete
-        self._update(st, None, lr, to=to, ahead=ahead)
+        # the gradient (held, or its file) is complete; the landing may have kept it whole
+        self._update(st, None, lr, to=to, ahead=ahead, grad=landed.result())
 
     def _count_speculations(self, coef: float | None) -> None:
         """On the training thread, once the global norm is read and before any speculation is
