@@ -371,3 +371,9 @@ def test_on_a_simulated_gpu_the_predicted_lanes_are_the_measured_ones(tmp_path):
     assert [e[:2] for e in predicted] == [e[:2] for e in measured]
     for p, m in zip(predicted, measured, strict=True):
         assert p[2:] == pytest.approx(m[2:], abs=2e-3), (p, m)  # µs: the ns rounding
+    # a placement the user chose (--offload-policy disk): the step the run printed
+    # (`plan_step_s`) is the simulated one too, not the search's closed-form estimate
+    (step,) = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == PREDICTED_PID
+               and e["args"]["lane"] == "step"]
+    assert "not_simulated" not in step["args"]
+    assert step["args"]["plan_step_s"] * 1e6 == pytest.approx(step["dur"], abs=2e-3)

@@ -23,7 +23,7 @@ from tierlm.memory.placement import PlacementError
 from tierlm.models import preset_config
 from tierlm.models.hf import _check_checkpoint_dir
 from tierlm.plan.checks import check_supported
-from tierlm.plan.evaluate import evaluate
+from tierlm.plan.evaluate import adopt_simulated, evaluate, simulated_times, simulation_gap
 from tierlm.plan.result import Plan, usable_budgets
 from tierlm.plan.search import plan
 from tierlm.runtime.compile import check_compile
@@ -196,7 +196,8 @@ def plan_auto(cfg: Config, model_config: Any, precision: str, *,
 def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: str, *,
                        node: NodeHello | None = None) -> Plan:
     """The planner's prediction for the placement the engine actually runs (`node`: as in
-    `plan_auto`)."""
+    `plan_auto`): its step is the replay of the engine's own options on a simulated device, as
+    `tierlm plan`'s is, where the simulator prices all of it (`evaluate.simulation_gap`)."""
     hw = hardware_for(cfg, node=node)
     shape = ModelShape.from_config(model_config, optim=cfg.optim, lora=lora_of(cfg),
                                    base_format=base_format_of(cfg, precision),
@@ -209,9 +210,16 @@ def predict_for_engine(cfg: Config, model_config: Any, engine: Any, precision: s
     keep = (*(not p.recomputes and not off for p, off in zip(engine.policies, offload,
                                                              strict=False)),
             placements[-1].resident and engine.opts.keep_resident_activations)
-    return evaluate(
-        shape, train_shape(cfg, precision), hw, placements,
+    train = train_shape(cfg, precision)
+    p = evaluate(
+        shape, train, hw, placements,
         engine.opts.microbatch_order, keep,
         usable_budgets(hw), engine.host_boundaries, readahead=engine.opts.readahead,
         writeback=engine.opts.writeback, offload=offload if any(offload) else (),
     )
+    p.speculative = engine.opts.speculative_updates
+    p.held_gradients = engine.opts.held_gradients
+    if simulation_gap(shape, train, hw) is None:
+        p.times_s.update(simulated_times(shape, train, hw, p))
+        adopt_simulated(p, train)
+    return p

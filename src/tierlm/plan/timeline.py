@@ -20,9 +20,8 @@ their operations may end after the step's event does; the previous step's update
 step's forward waits for, are the previous step's operations and are not drawn.
 
 The step event's arguments hold the plan's own step (`plan_step_s`, what the run printed): the
-same, but where the plan's step is the closed-form estimate: a placement the user chose
-(`inputs.predict_for_engine` evaluates it without simulating) or one the simulator does not
-price in full (`evaluate.simulation_gap`, named in `not_simulated`).
+same, but where the plan's step is the closed-form estimate: one the simulator does not price
+in full (`evaluate.simulation_gap`, named in `not_simulated`).
 """
 
 from __future__ import annotations
