@@ -413,8 +413,12 @@ def peak_rss_increase(fn) -> tuple[int, object]:
     return _status_bytes("VmHWM:") - base, out
 
 
-def test_chunked_loss_peak_is_4x_below_full_logits_with_the_same_loss_and_gradient():
+def chunked_loss_measurement() -> dict:
+    """The full and the chunked head's peak RSS, losses and gradients (run in a process of its
+    own by the test below: the peak is the whole process's, so a thread an earlier test left
+    behind, or its thread count, would add to it)."""
     batch, seq, vocab, hidden = 4, 1024, 32000, 64
+    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     h0 = torch.randn(batch * seq, hidden, generator=g)
     w0 = torch.randn(vocab, hidden, generator=g) * 0.02
@@ -435,15 +439,42 @@ def test_chunked_loss_peak_is_4x_below_full_logits_with_the_same_loss_and_gradie
 
     full_bytes, (loss_a, dh_a, dw_a) = peak_rss_increase(full)
     chunk_bytes, (loss_b, dh_b, dw_b) = peak_rss_increase(chunked)
-    logits_bytes = batch * seq * vocab * 4
-    assert full_bytes >= logits_bytes  # the measurement sees the full logits
+    return {
+        "full_bytes": full_bytes, "chunk_bytes": chunk_bytes,
+        "logits_bytes": batch * seq * vocab * 4,
+        # the head's reserve in `dynamic` bounds what a chunk really takes (+ the copies made
+        # here)
+        "reserve": head_workspace_bytes(chunk, vocab, batch * seq, hidden),
+        "extra": 2 * (h0.numel() + w0.numel()) * 4 + 32 * 2**20,
+        "losses": (loss_a, loss_b),
+        "dh_equal": torch.equal(dh_b, dh_a),  # each token's gradient row is computed alike
+        "dw_close": torch.allclose(dw_b, dw_a, rtol=1e-5, atol=1e-9),  # summed over chunks
+    }
+
+
+def test_chunked_loss_peak_is_4x_below_full_logits_with_the_same_loss_and_gradient():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    code = ("import json; from tests.activations.test_activations import "
+            "chunked_loss_measurement as m; print(json.dumps(m()))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, text=True,
+                          capture_output=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    full_bytes, chunk_bytes = r["full_bytes"], r["chunk_bytes"]
+    assert full_bytes >= r["logits_bytes"]  # the measurement sees the full logits
     assert chunk_bytes * 4 <= full_bytes, (chunk_bytes, full_bytes)
-    # the head's reserve in `dynamic` bounds what a chunk really takes (+ the copies made here)
-    extra = 2 * (h0.numel() + w0.numel()) * 4 + 32 * 2**20
-    assert chunk_bytes <= head_workspace_bytes(chunk, vocab, batch * seq, hidden) + extra
+    assert chunk_bytes <= r["reserve"] + r["extra"], (chunk_bytes, r["reserve"], r["extra"])
+    loss_a, loss_b = r["losses"]
     assert loss_b == pytest.approx(loss_a, rel=1e-6)
-    assert torch.equal(dh_b, dh_a)  # each token's gradient row is computed the same way
-    torch.testing.assert_close(dw_b, dw_a, rtol=1e-5, atol=1e-9)  # summed over chunks
+    assert r["dh_equal"] and r["dw_close"]
 
 
 # -- dynamic ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The simulated device (tierlm.memory.device.SimDevice) keeps CUDA's ordering in virtual time,
 and the engine on it computes exactly what it computes on the CPU: a copy lands only when
-waited for, so a missing wait would show as a wrong loss here."""
+waited for, so a missing wait would show as a wrong loss here, and an upload into bytes that
+compute queued before it still reads is refused (WriteAfterRead)."""
 
 import copy
 import math
@@ -10,12 +11,13 @@ import torch
 
 from tests.runtime_helpers import OPTIM, batches, tiny_model
 from tierlm.config import ActivationConfig
-from tierlm.memory.device import SimDevice, sim_profile
+from tierlm.memory.device import SimDevice, WriteAfterRead, sim_profile
 from tierlm.memory.hardware import PROFILES
 from tierlm.memory.placement import SegmentPlacement
 from tierlm.memory.simulator import Lane, Rates, Timeline
 from tierlm.memory.tiers import Link, Tier
 from tierlm.runtime import EngineOptions, build_engine, compute
+from tierlm.runtime.cache import StreamCache
 from tierlm.runtime.engine import _TensorStep
 from tierlm.runtime.state import refresh_resident, reload_resident
 
@@ -140,6 +142,38 @@ def _assert_exact(ref, got) -> None:
         assert a.keys() == b.keys()
         unequal = [k for k in a if not torch.equal(a[k], b[k])]
         assert not unequal, unequal[:3]
+
+
+def test_an_upload_into_bytes_compute_still_reads_is_refused():
+    """On a GPU, compute queued before an upload into its input would read the new bytes: the
+    simulated device refuses such an upload unless it waits for that compute, and takes it
+    once it does (or once the host has waited for it)."""
+    dev = SimDevice(PROFILES["rtx4090"])
+    slot, other = torch.ones(1024), torch.ones(1024)
+    with dev.compute("reads the slot", flops=1e12):  # ~6 ms of compute at the profile's rate
+        (slot.view(32, 32) @ other.view(32, 32)).sum()
+    read = dev.mark()
+    with pytest.raises(WriteAfterRead, match="'reads the slot' reads until"):
+        dev.copy(slot[256:512], torch.zeros(256), Link.H2D, "next weights", after=[])
+    dev.copy(other.new_empty(4), torch.zeros(4), Link.H2D, after=[])  # bytes nobody read
+    dev.wait(dev.copy(slot[256:512], torch.zeros(256), Link.H2D, after=[read]))
+    assert slot[256:512].eq(0).all()
+
+
+@pytest.mark.parametrize("order", ["microbatch-outer", "layer-outer"])
+def test_a_recycled_slot_s_upload_must_wait_for_its_last_reader(order, tmp_path, monkeypatch):
+    """The stream cache uploads the next block into the slot of one whose compute may still be
+    queued, after that compute's event: without the event, the simulated device refuses the
+    upload (the CPU would compute the same numbers: that compute ran when issued)."""
+    real = StreamCache._take_slot
+
+    def unwaited(self, s, k, protect):
+        buf, after = real(self, s, k, protect)
+        return buf, (after if after is None else [])
+
+    monkeypatch.setattr(StreamCache, "_take_slot", unwaited)
+    with pytest.raises(WriteAfterRead, match="the copy must wait for that compute"):
+        _run(_sim(), "host", order, "full", tmp_path / "nowait")
 
 
 def _sim() -> SimDevice:

@@ -16,7 +16,11 @@ during a step (tests/runtime/test_no_stray_syncs.py holds that). Three devices a
   exact, with CUDA's ordering kept in virtual time by a `Timeline` (tierlm.memory.simulator) at
   the profile's rates. A copy lands only when something waits for it (an event after it, on the
   device or on the host); until then its destination holds NaN (integers: all bits set), so a
-  missing wait shows as a wrong loss, not as a race that happens to work on a CPU. The update
+  missing wait shows as a wrong loss, not as a race that happens to work on a CPU. The other
+  race, an upload issued into a buffer that compute queued before it still reads, cannot change
+  a number on a CPU (that compute ran when issued): the device records the bytes each compute
+  region reads and refuses (`WriteAfterRead`) an upload that would start, in virtual time,
+  before the last compute reading its destination ends. The update
   worker and the write-back run inline on host clocks of their own, so the timeline does not
   depend on how the OS schedules threads.
 
@@ -35,6 +39,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tierlm.memory.hardware import PROFILES, HardwareProfile
 from tierlm.memory.simulator import (
@@ -537,6 +542,42 @@ class TimingDevice(Device):
         }
 
 
+class WriteAfterRead(RuntimeError):
+    """An upload on the simulated device would overwrite bytes that compute queued before it
+    still reads: on a GPU that compute would read the new bytes (or half of them)."""
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage, first byte, end byte) that `t` spans; None for a tensor without storage."""
+    try:
+        base = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    first = t.storage_offset() * size
+    return base, first, first + span * size
+
+
+class _Reads(TorchDispatchMode):
+    """Records the byte extent of every tensor an operation takes, inside a compute region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extents: set[tuple[int, int, int]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in (*args, *(kwargs or {}).values()):
+            for t in (a if isinstance(a, list | tuple) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    extent = _extent(t)
+                    if extent is not None:
+                        self.extents.add(extent)
+        return func(*args, **(kwargs or {}))
+
+
 class SimDevice(TimingDevice):
     """CPU tensors, a GPU's timing (see the module's docstring)."""
 
@@ -548,13 +589,56 @@ class SimDevice(TimingDevice):
         # per stream: copies issued and not yet landed, in order: (seq, dst, src, events waited)
         self._pending: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, list]]] = {
             H2D: [], D2H: []}
+        # per storage: (first byte, end byte) -> when the last compute reading them ends,
+        # and that compute's name
+        self._read_until: dict[int, dict[tuple[int, int], tuple[float, str]]] = {}
+
+    @contextlib.contextmanager
+    def compute(self, name="compute", flops=0.0, *, block=False):
+        reads = _Reads()
+        with reads:
+            yield
+        end = self.timeline.compute_op(name, flops, block=block).t_s
+        for base, first, last in reads.extents:
+            self._read_until.setdefault(base, {})[(first, last)] = (end, name)
 
     def copy(self, dst, src, link, what="", *, after=AFTER_COMPUTE):
         deps = self._deps(after)
-        event = self.timeline.copy(link, nbytes_of(src), what or LINK_LANE[link], deps)
+        what = what or LINK_LANE[link]
+        event = self.timeline.copy(link, nbytes_of(src), what, deps)
+        if link == Link.H2D:
+            self._check_write_after_read(dst, event.t_s - self.timeline.rates.link_s(
+                link, nbytes_of(src)), what)
         _poison(dst)
         self._pending[event.stream.name].append((event.seq, dst, src, deps))
         return event
+
+    def begin_step(self):
+        # a copy issued from now on starts no earlier than the host's now: reads that end by
+        # then can never race with it
+        now = self.timeline.host.t_s
+        for base in list(self._read_until):
+            reads = self._read_until[base]
+            for key in [key for key, (end_s, _) in reads.items() if end_s <= now]:
+                del reads[key]
+            if not reads:
+                del self._read_until[base]
+        return super().begin_step()
+
+    def _check_write_after_read(self, dst: torch.Tensor, start_s: float, what: str) -> None:
+        extent = _extent(dst)
+        if extent is None:
+            return
+        base, first, last = extent
+        reads = self._read_until.get(base, {})
+        for (lo, hi), (end_s, name) in list(reads.items()):
+            if lo < last and first < hi:
+                if end_s > start_s + 1e-12:
+                    raise WriteAfterRead(
+                        f"simulated device: the upload {what!r} starts at {start_s:.6f} s into "
+                        f"bytes {name!r} reads until {end_s:.6f} s: the copy must wait for "
+                        f"that compute (copy(after=...) with its event)")
+                del reads[(lo, hi)]  # this upload replaces what was read
 
     def _land(self, event) -> None:
         """Every copy on `event`'s stream up to it lands, in issue order, each after the
