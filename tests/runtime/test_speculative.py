@@ -412,3 +412,32 @@ def test_landings_keep_no_more_gradients_than_held_however_far_behind_the_worker
     assert losses == ref_losses
     assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
     assert most == held and not live  # the four disk segments' landings outran the worker
+
+
+@pytest.mark.parametrize("order", ["layer-outer", "microbatch-outer"])
+def test_the_byte_replay_holds_the_gradients_the_speculations_keep(order):
+    """The byte replay (the plan's host peak) keeps each speculated disk-tier segment's landed
+    gradient in host RAM as the engine does, `held_gradients` at most at once: each gradient
+    held adds one block's fp32 gradient to the host peak, up to the disk-tier blocks there are
+    (the engine's side: test_landings_keep_no_more_gradients_than_held_...)."""
+    from tests.runtime_helpers import OPTIM
+    from tierlm.models import preset_config
+    from tierlm.runtime.byte_replay import _simulate
+    from tierlm.runtime.shapes import ModelShape, TrainShape
+
+    shape = ModelShape.from_config(preset_config("tiny"), optim=OPTIM)
+    n = len(shape.names)
+    placements = ([SegmentPlacement(True, Tier.DEVICE)]
+                  + [SegmentPlacement(False, Tier.DISK)] * (n - 2)
+                  + [SegmentPlacement(False, Tier.HOST)])
+    train = TrainShape(1, 8, M, "fp32")
+
+    def host_peak(speculative: bool, held: int) -> int:
+        ledger, _, _ = _simulate(shape, train, placements, order, False, False,
+                                 speculative=speculative, held_gradients=held)
+        return ledger.peak_tier_bytes[Tier.HOST]
+
+    grad = 4 * shape.numels[1]  # a block's fp32 gradient (the blocks are alike)
+    plain = host_peak(False, 1)
+    assert [host_peak(True, held) - plain for held in range(1, n)] == [
+        grad * min(held, n - 2) for held in range(1, n)]
