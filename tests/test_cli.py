@@ -46,6 +46,29 @@ def test_budget_without_offload_policy_suggests_auto(flag, capsys):
     assert getattr(config_from_args(args).memory, flag[2:].replace("-", "_")) == "1GiB"
 
 
+def test_a_field_flag_takes_dashes_as_the_common_flags_do():
+    """`--max-steps` is spelled with dashes, so a user writes `--monitor.trace-step` too: both
+    spellings set the field."""
+    for flag in ("--optim.weight_decay", "--optim.weight-decay"):
+        args = build_parser().parse_args(["print-config", flag, "0.25"])
+        assert config_from_args(args).optim.weight_decay == 0.25
+
+
+def test_an_unknown_flag_names_the_command_s_closest(capsys):
+    """A misspelt flag: the error names the closest flag of that command (not another
+    command's: `tierlm train` has no --json)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--max-stepz", "3", "--monitor.trace-stepp", "2", "--jsn"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("tierlm train: error: unrecognized arguments: --max-stepz 3 "
+                   "--monitor.trace-stepp 2 --jsn (did you mean: --max-stepz -> --max-steps; "
+                   "--monitor.trace-stepp -> --monitor.trace-step?)")
+    with pytest.raises(SystemExit):
+        main(["plan", "--jsn"])
+    assert capsys.readouterr().err.strip().endswith("(did you mean: --jsn -> --json?)")
+
+
 def test_opt_and_lr_help_give_each_optimizers_usual_lr(capsys, monkeypatch):
     """--lr has one default for every --opt: the help says what Lion and Adafactor want."""
     monkeypatch.setenv("COLUMNS", "100000")

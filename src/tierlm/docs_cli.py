@@ -34,8 +34,8 @@ step time, allocating nothing), `tierlm print-config` (the resolved config as YA
 export`, `tierlm report`, `tierlm probe`. `train`, `plan` and `print-config` take every config
 field below, as `--section.key VALUE` or, where it has one, its short alias; `--config
 FILE.yaml` reads the same keys from YAML sections. Precedence: defaults < `--config` < flags.
-A boolean flag given bare (`--overwrite`) means true. Sizes are written like `8GiB`, `512MiB`
-or `2GB`.
+A key's underscores may be written as dashes (`--monitor.trace-step`). A boolean flag given
+bare (`--overwrite`) means true. Sizes are written like `8GiB`, `512MiB` or `2GB`.
 """
 
 

@@ -11,6 +11,7 @@ This module parses and checks the command line without importing torch or transf
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import typing
 from pathlib import Path
@@ -48,6 +49,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     for dotted, tp, default, doc in leaf_fields():
         help_text = _field_help(doc, default)
         names = [f"--{dotted}"]
+        if "_" in dotted:  # --monitor.trace-step, spelled as the seed flags are (--max-steps)
+            names.append(f"--{dotted.replace('_', '-')}")
         # a bare boolean flag (--trust-remote-code) means true
         switch = {"nargs": "?", "const": "true"} if tp is bool else {}
         if dotted in _ALIAS_FOR:
@@ -72,8 +75,30 @@ def _add_field_flag(p: argparse.ArgumentParser, dotted: str) -> None:
     raise KeyError(dotted)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose error for an unknown flag names the command's closest flags."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = {name: sub for a in self._actions
+                        if isinstance(a, argparse._SubParsersAction)
+                        for name, sub in a.choices.items()}
+            parser = commands.get(getattr(ns, "command", None), self)
+            flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            hints = []
+            for arg in extras:
+                flag = arg.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
+                if flag.startswith("--") and close:
+                    hints.append(f"{flag} -> {close[0]}")
+            hint = f" (did you mean: {'; '.join(hints)}?)" if hints else ""
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tierlm",
         description="Full-parameter LLM training over GPU memory, host RAM and disk.",
     )
