@@ -263,3 +263,6 @@ def test_a_run_on_a_simulated_gpu_reports_its_simulated_step(tmp_path):
     steps = [r for r in read_metrics(tmp_path / "sim" / "metrics.jsonl") if "sim_step_s" in r]
     assert len(steps) == 3 and all(r["sim_step_s"] >= r["sim_compute_s"] > 0 for r in steps)
     assert any(line.startswith("simulated step on sim:rtx4090") for line in lines)
+    # the plan's step is the simulated GPU's, the measured one this CPU's: no ratio of the two
+    (timed,) = [line for line in lines if line.startswith("step time (median): ")]
+    assert "on the simulated GPU, measured" in timed and "x)" not in timed

@@ -71,9 +71,12 @@ def prediction_record(p: Plan, engine: Any | None, step: int,
     return rec
 
 
-def prediction_lines(rec: dict[str, Any]) -> list[str]:
+def prediction_lines(rec: dict[str, Any], *, simulated: bool = False) -> list[str]:
     """The run's closing lines of `prediction_record`: predicted vs measured peak per tier,
-    step time and tokens/s (all and trained)."""
+    step time and tokens/s (all and trained). `simulated`: a run on a simulated GPU
+    (`--device sim:PROFILE`), whose step is predicted for that GPU while its measured times
+    are this CPU's: those are shown without a ratio (`simulated_step_line` compares the
+    simulated step with the plan's)."""
     lines = []
     for tier, key in (("device", "peak_bytes"), ("host", "peak_bytes"), ("disk", "bytes"),
                       ("pinned", "peak_bytes")):  # pinned: host bytes locked for PCIe copies
@@ -95,6 +98,11 @@ def prediction_lines(rec: dict[str, Any]) -> list[str]:
             continue
         if predicted is None:  # the reference trainer: no plan to compare with
             lines.append(f"{label}: measured {fmt.format(measured)}")
+            continue
+        if simulated:
+            lines.append(f"{label}: predicted {fmt.format(predicted)} on the simulated GPU, "
+                         f"measured {fmt.format(measured)} on this CPU (not comparable; the "
+                         "simulated step below is)")
             continue
         ratio = f" ({measured / predicted:.2f}x)" if predicted else ""
         lines.append(f"{label}: predicted {fmt.format(predicted)}, measured "

@@ -195,9 +195,9 @@ class Trainer(Run):
                                  self.predicted) if self.plan is not None
                else {"step": self.step, **{f"measured_{k}": v for k, v in measured.items()}})
         self.metrics.write(rec)
-        for line in prediction_lines(rec):
-            self.log(line)
         sim = self._sim_steps[1:] or self._sim_steps
+        for line in prediction_lines(rec, simulated=bool(sim)):
+            self.log(line)
         if sim:  # the first step fills the stream cache: left out where there are others
             self.log(simulated_step_line(self.cfg.run.device, sim, self.plan))
 
