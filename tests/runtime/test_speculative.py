@@ -441,3 +441,44 @@ def test_the_byte_replay_holds_the_gradients_the_speculations_keep(order):
     plain = host_peak(False, 1)
     assert [host_peak(True, held) - plain for held in range(1, n)] == [
         grad * min(held, n - 2) for held in range(1, n)]
+
+
+@pytest.mark.parametrize("order", ["layer-outer", "microbatch-outer"])
+def test_a_speculating_step_reads_ahead_in_the_order_its_gradients_complete(base, order,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """Speculative updates start as the backward completes each gradient, the last segment
+    first, so the update read-ahead goes in that order and leaves out a segment whose update
+    has started: with room for one block's master and slots, it reads the last block's (the
+    head's update starts with the backward, before any read-ahead could), which its update
+    then finds in RAM. In forward order it read the embedding's, whose update comes last, or,
+    as here, stopped at it."""
+    from tests.runtime_helpers import new_engine
+    from tierlm.runtime.update import Updates
+
+    found = []
+    real = Updates._run_speculation
+
+    def record(self, st, landed, to, ahead, lr):
+        found.append((st.index, ahead is not None))
+        return real(self, st, landed, to, ahead, lr)
+
+    monkeypatch.setattr(Updates, "_run_speculation", record)
+
+    def engine(name, extra):
+        return new_engine(copy.deepcopy(base), tmp_path / name, placements=DISK,
+                          microbatch_order=order, micro_batches=M, grad_clip=1e9,
+                          speculative_updates=True, readahead=ReadAhead(extra_bytes=extra))
+
+    probe = engine("probe", 0)
+    block = probe.states[2]
+    room = sum(block.slot(c).nbytes(block.layout) for c in block.state_copies)
+    probe.close()
+    eng = engine("run", room)
+    assert sorted(s for segs in eng.readahead_plan(eng.schedule(M)).values()
+                  for s in segs) == [2]
+    for b in batches(2, M, seed=5):
+        eng.step(b, LR)
+    eng.synchronize()
+    eng.close()
+    assert found == [(3, False), (2, True), (1, False), (0, False)] * 2

@@ -162,7 +162,8 @@ def _replay(shape, train, placements, order, keep, boundary_host, chunk_numel, r
                                      offloaded=offloaded, speculative=speculative,
                                      held_gradients=held_gradients)
     read_ahead = [s for segs in readahead_schedule(
-        shape, train, placements, order, boundary_host, readahead).values() for s in segs]
+        shape, train, placements, order, boundary_host, readahead,
+        speculative=speculative).values() for s in segs]
     return ledger, workspace, read_ahead, arena.pinned_bytes()
 
 

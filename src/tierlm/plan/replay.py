@@ -152,7 +152,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
                         reusable=lambda s: s >= last or policy[s] == "full")
     actions = _actions(shape, train, order)
     ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead,
-                               actions)
+                               actions, speculative=config.speculative_disk_updates)
     landings = [(p.state_tier, p.gradient_tier, shape.numels[s])
                 if transient_grad(p.state_tier, frozen) else None
                 for s, p in enumerate(placements)]

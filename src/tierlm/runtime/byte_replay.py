@@ -155,10 +155,12 @@ def remote_update_bytes(shape: ModelShape, copies: list[int | None], placements
 
 def readahead_schedule(
     shape: ModelShape, train: TrainShape, placements: list[SegmentPlacement], order: str,
-    boundary_host: bool, readahead: ReadAhead | None, actions: list | None = None,
+    boundary_host: bool, readahead: ReadAhead | None, actions: list | None = None, *,
+    speculative: bool = False,
 ) -> dict[int, list[int]]:
     """Action index -> disk-tier segments whose update state is read after it: the engine's
-    rule (tierlm.runtime.readahead) on this plan's schedule and sizes."""
+    rule (tierlm.runtime.readahead) on this plan's schedule and sizes (`speculative`: the
+    engine's speculative disk-tier updates, which consume it in the backward's order)."""
     if readahead is None or shape.frozen:
         return {}
     sizes = [(s, shape.update_state_bytes(s)) for s, p in enumerate(placements)
@@ -166,7 +168,8 @@ def readahead_schedule(
     hidden = train.batch_size * train.seq_len * shape.hidden_size * 4
     return readahead_starts(actions if actions is not None else _actions(shape, train, order),
                             sizes, readahead.extra_bytes,
-                            parked_input_bytes=hidden if boundary_host else 0)
+                            parked_input_bytes=hidden if boundary_host else 0,
+                            speculative=speculative)
 
 
 def _actions(shape: ModelShape, train: TrainShape, order: str) -> list:
@@ -454,7 +457,8 @@ def _simulate(
     streamed = {i: loads[i].h2d_bytes for i, p in enumerate(placements) if not p.resident}
     cache = StreamCache(store, streamed.__getitem__, window_bytes(streamed.values()), Load)  # type: ignore[arg-type]
     actions = _actions(shape, train, order)
-    ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions)
+    ahead = readahead_schedule(shape, train, placements, order, boundary_host, readahead, actions,
+                               speculative=speculative)
     keep = keeps_graph(placements, keep_resident)
     cache.begin(_stream_plan(shape, placements, actions))
     # resident segments with host/disk state are refreshed after each update: one load per step

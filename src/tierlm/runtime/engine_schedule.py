@@ -50,7 +50,8 @@ class EngineSchedule:
                  for st in self.trainable if st.tier == Tier.DISK]
         return readahead_starts(
             actions, sizes, ra.extra_bytes,
-            parked_input_bytes=self.hidden_bytes if self.host_boundaries else 0)
+            parked_input_bytes=self.hidden_bytes if self.host_boundaries else 0,
+            speculative=self.opts.speculative_updates)
 
     def pinned_bytes(self, m: int, batch_size: int, seq_len: int) -> PinnedBytes:
         """Pinned host bytes (arena footprints) a step of `m` micro-batches of `batch_size` x
