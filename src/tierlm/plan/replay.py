@@ -77,6 +77,7 @@ from tierlm.runtime.schedule import (
 from tierlm.runtime.state import (
     CopiesRead,
     read_copies,
+    refresh_due,
     refresh_resident,
     reload_resident,
     start_load,
@@ -199,8 +200,7 @@ def simulate_step(shape, train, placements: list[SegmentPlacement], order: str,
         def refresh_ahead(self, k: int) -> None:  # Engine._refresh_ahead
             for s in schedule.reads(self.actions[k], tied_owners):
                 st = states[s]
-                if (st.placement.resident and st.device_stale and s not in self.refreshing
-                        and (s not in updates or updates[s].done())):
+                if s not in self.refreshing and refresh_due(st, updates.get(s)):
                     load = refresh_resident(store, st, chunk)
                     if load is not None:
                         self.refreshing[s] = load

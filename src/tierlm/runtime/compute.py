@@ -23,7 +23,12 @@ from tierlm.activations import (
 from tierlm.memory.store import nbytes_of
 from tierlm.models.adapters import HeadSegment, StepContext
 from tierlm.runtime.schedule import Action, reads
-from tierlm.runtime.state import SegmentState, refresh_resident, reload_resident
+from tierlm.runtime.state import (
+    SegmentState,
+    refresh_due,
+    refresh_resident,
+    reload_resident,
+)
 
 
 @dataclass
@@ -88,8 +93,7 @@ class SegmentCompute:
         does not wait for an update here."""
         for s in reads(a, [owner for owner, _, _ in self.borrowed.values()]):
             st = self.states[s]
-            if (st.placement.resident and st.device_stale and s not in self._refreshing
-                    and (s not in self._updates or self._updates[s].done())):
+            if s not in self._refreshing and refresh_due(st, self._updates.get(s)):
                 load = refresh_resident(self.store, st, self.chunk_numel)
                 if load is not None:
                     self._refreshing[s] = load

@@ -495,6 +495,14 @@ def start_load(store: Store, st: SegmentState, chunk_numel: int):
     return WireLoad(store, st) if st.wire is not None else HostLoad(store, st)
 
 
+def refresh_due(st: Any, update: Any) -> bool:
+    """Whether a resident copy is refreshed ahead of its first use (the engine's
+    `_refresh_ahead` and the planner's replay of it): stale, and its update (a Future, or None
+    where none is pending) done, so the training thread does not wait for it here."""
+    return (st.placement.resident and st.device_stale
+            and (update is None or update.done()))
+
+
 def refresh_resident(store: Store, st: SegmentState, chunk_numel: int):
     """Start bringing a resident segment's device copy up to date after an update of its host
     or disk state, ahead of its first use: its disk read (if any) now, its upload into the copy
